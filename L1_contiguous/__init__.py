@@ -1,0 +1,1 @@
+"""L1: a contiguous KV cache, one request at a time."""

@@ -1,0 +1,13 @@
+"""L1 smoke check: the contiguous-cache engine's greedy tokens equal Hugging Face's, prompt by prompt.
+
+    python L1_contiguous/l1_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
+
+With no --model it runs the course model and a seeded random tiny Qwen3. L1 is the first stage, so
+it is compared with HF only.
+"""
+
+from kvcourse.smoke import StageRun, run_smoke
+from L1_contiguous.engine import Engine
+
+if __name__ == "__main__":
+    run_smoke("L1", [StageRun("L1 contiguous", lambda model_dir: Engine(model_dir))], prev=None)

