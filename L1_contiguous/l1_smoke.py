@@ -9,5 +9,11 @@ it is compared with HF only.
 from kvcourse.smoke import StageRun, run_smoke
 from L1_contiguous.engine import Engine
 
+
+def main_runs() -> list[StageRun]:
+    """The configurations this smoke checks (one: L1 has no options worth varying)."""
+    return [StageRun("L1 contiguous", lambda model_dir: Engine(model_dir))]
+
+
 if __name__ == "__main__":
-    run_smoke("L1", [StageRun("L1 contiguous", lambda model_dir: Engine(model_dir))], prev=None)
+    run_smoke("L1", main_runs(), prev=None)

@@ -1,0 +1,94 @@
+"""The prompt-file format, the default prompt set, and the comparison report's rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcourse.compare import TIE_GAP, Comparison, Row, compare, first_difference, format_rows
+from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, parse_prompt, read_prompts
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return path
+
+
+def test_read_prompts_both_kinds_and_budget(tmp_path):
+    f = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 5}, {"text": "raw"}],
+    )
+    chat, raw = read_prompts(f)
+    assert chat.messages == (("user", "hi"),) and chat.max_new_tokens == 5
+    assert raw.text == "raw" and raw.max_new_tokens is None
+    assert budgets([chat, raw], 64) == [5, 64]
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"text": "a", "messages": []}, "exactly one of"),
+        ({}, "exactly one of"),
+        ({"text": ""}, "non-empty string"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user"}]}, "string 'role' and 'content'"),
+        ({"text": "a", "max_new_tokens": 0}, "positive integer"),
+    ],
+)
+def test_bad_prompt_lines_are_named(obj, message):
+    with pytest.raises(ValueError, match=message):
+        parse_prompt(obj)
+
+
+def test_bad_json_names_file_and_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not valid JSON"):
+        read_prompts(f)
+
+
+def test_default_prompt_set_meets_the_design(model_dir):
+    prompts = read_prompts()
+    chats = [p for p in prompts if p.messages]
+    assert len(chats) >= 8 and any(p.text for p in prompts)
+    tok = load_tokenizer(model_dir)
+    lengths = [len(encode(tok, p)) for p in prompts]
+    assert len(set(lengths)) >= 5, "prompt lengths should vary"
+    # at least one prompt whose prompt + generation crosses several 16-token block boundaries
+    assert any(n + b >= 4 * 16 for n, b in zip(lengths, budgets(prompts, 64)))
+
+
+def test_chat_template_and_raw_encoding(model_dir):
+    tok = load_tokenizer(model_dir)
+    chat = encode(tok, Prompt(messages=(("user", "Hi"),)))
+    assert tok.decode(chat).endswith("<|im_start|>assistant\n")
+    assert tok.decode(encode(tok, Prompt(text="Once upon"))) == "Once upon"
+
+
+def test_first_difference_examples():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_tie_rule_applies_only_below_the_gap():
+    gaps = [5.0, TIE_GAP / 2, 5.0]
+    tie = compare([1, 2, 3], [1, 9, 9], gaps)
+    assert tie.ok and tie.first_diff == 1 and tie.status == "tie@1"
+    real = compare([1, 2, 3], [9, 2, 3], gaps)
+    assert not real.ok and real.status == "DIFF@0"
+    assert compare([1, 2, 3], [1, 2, 3], gaps).status == "match"
+
+
+def test_report_shows_ties_and_hf_text():
+    rows = [
+        Row("a", Comparison(None), None, "same", "same"),
+        Row("b", Comparison(4, 2e-4), None, "mine", "theirs"),
+        Row("c", Comparison(0), None, "wrong", "right"),
+    ]
+    text = format_rows(rows, None)
+    assert "numerical tie vs HF at position 4" in text and "HF top-2 gap 2.0e-04" in text
+    assert "DIFF@0" in text and "HF: right" in text
+    assert [r.ok for r in rows] == [True, True, False] and rows[1].tie
