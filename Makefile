@@ -14,6 +14,8 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# No GPU: Triton kernels run in Triton's interpreter (set before anything imports triton).
+export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi),0,1)
 
 .PHONY: setup smoke test lint notebooks grade exercises bench clean
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+import shutil
 
-from kvcourse.model_store import default_model_dir
-from kvcourse.tiny import make_tiny_checkpoint
+# Triton decides interpreter vs compiler when it is first imported, and importing HF's modeling code
+# imports triton; so interpret mode must be on before any test module loads. CPU only here: no GPU.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kvcourse.model_store import default_model_dir  # noqa: E402
+from kvcourse.tiny import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
