@@ -25,14 +25,15 @@ Outputs. Check cells (code cells containing ``# NBVAL_CHECK_OUTPUT``) keep their
 expected answers, and their execution counts (nbval skips comparing a cell whose count is empty).
 Every other code cell loses its outputs and execution count. Per-cell execution timestamps are
 dropped everywhere. Relative markdown links (``[chapter](../lessons/L1_contiguous.md)``) get one more
-``../``, since the exercise notebooks sit one folder deeper. The result is written with ``nbformat`` in a fixed format, so running this twice
-gives identical bytes and ``--check`` can tell whether the committed notebooks are up to date.
+``../``, since the exercise notebooks sit one folder deeper. The result is written with ``nbformat``
+in a fixed format, so running this twice gives identical bytes and ``--check`` can tell whether the
+committed notebooks are up to date.
 
 ``put_back(exercise_nb, answers)`` does the reverse for tests: it replaces stubs with code, the
 reference solutions (``solutions(reference_nb)``) or a deliberately wrong answer.
 
-Left out on purpose: hiding anything outside code regions (markdown stays as written), hidden tests,
-and exercises whose solution is not a function body.
+Left out on purpose: hiding anything outside solution regions (markdown stays as written, links
+aside), hidden tests, and exercises whose solution is not a function body.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import sys
 import textwrap
@@ -86,10 +88,11 @@ def exercise_path(reference: str | Path) -> Path:
 def _split(source: str, stage: str, first: int, where: str) -> tuple[str, list[Exercise]]:
     """Replace each solution region of one cell's source by its stub; return the new source and regions.
 
-    Example (stage "L1", first=3)::
+    Example (stage "L1", first=3), one line per list item::
 
-        "def f():\\n    # BEGIN SOLUTION: add\\n    return 1 + 1\\n    # END SOLUTION"
-        -> "def f():\\n    raise NotImplementedError(\\"Exercise L1.3: add\\")", [Exercise(3, "add", "return 1 + 1\\n")]
+        ["def f():", "    # BEGIN SOLUTION: add", "    return 1 + 1", "    # END SOLUTION"]
+        -> ["def f():", '    raise NotImplementedError("Exercise L1.3: add")'],
+           [Exercise(number=3, title="add", solution="return 1 + 1\\n")]
     """
     out: list[str] = []
     found: list[Exercise] = []
@@ -203,15 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     for ref in reference_notebooks(args.notebooks):
         nb, exercises = split_notebook(read(ref), stage_of(ref))
         text, target = render(nb), exercise_path(ref)
+        shown = os.path.relpath(target)
         current = target.read_text(encoding="utf-8") if target.exists() else None
         if args.check:
             stale += current != text
-            print(f"{target}: {'up to date' if current == text else 'OUT OF DATE'}")
+            print(f"{shown}: {'up to date' if current == text else 'OUT OF DATE'}")
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         if current != text:
             target.write_text(text, encoding="utf-8")
-        print(f"{target}: {len(exercises)} exercise(s), {'unchanged' if current == text else 'written'}")
+        print(f"{shown}: {len(exercises)} exercise(s), {'unchanged' if current == text else 'written'}")
     return 1 if stale else 0
 
 

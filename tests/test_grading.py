@@ -1,0 +1,246 @@
+"""The notebook grader can fail and can pass: every reference notebook against its exercise notebook.
+
+For each ``notebooks/LN_*.ipynb`` (so later stages' notebooks are covered as soon as they exist):
+
+- the reference notebook passes ``make grade``;
+- the committed exercise notebook is exactly what ``make exercises`` produces now;
+- the untouched exercise notebook fails grading (its stubs raise ``NotImplementedError``);
+- an exercise notebook with one wrong answer fails, on that answer;
+- the exercise notebook with the reference solutions put back passes.
+
+Grading runs the same command as the Makefile's ``grade`` target, as a subprocess; each run executes the
+whole notebook once. The unit tests at the bottom cover the marker handling on a small hand-made notebook.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvcourse import exercises
+from kvcourse.grading import Case, run_cases, tensor_problem
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCES = exercises.reference_notebooks(ROOT / "notebooks")
+
+# A realistic wrong answer per notebook: (exercise number, code for that function body). Notebooks not
+# listed get the generic one, an exercise 1 that returns None without doing anything.
+WRONG_ANSWERS = {
+    # the classic off-by-one: every write lands one position too far
+    "L1_contiguous": (
+        1,
+        "k_cache[start + 1 : start + 1 + k.shape[0]] = k\nv_cache[start + 1 : start + 1 + v.shape[0]] = v\n",
+    ),
+}
+GENERIC_WRONG = (1, "return None  # wrong on purpose: does nothing\n")
+
+
+def grade(notebook: Path) -> subprocess.CompletedProcess:
+    """``make grade NB=notebook``, without make: the same pytest + nbval command line."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--nbval-lax",
+        "--nbval-current-env",
+        "--nbval-sanitize-with",
+        str(ROOT / "notebooks" / "sanitize.cfg"),
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        str(notebook),
+    ]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        MPLBACKEND="Agg",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    # Spinning OpenMP threads make torch ~40x slower when another process holds a core (measured on the
+    # shared 2-core machine: a decode step took 1.9 s instead of 45 ms); passive waiting avoids that.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def report(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+
+
+def write(nb, path: Path) -> Path:
+    path.write_text(exercises.render(nb), encoding="utf-8")
+    return path
+
+
+needs_notebooks = pytest.mark.skipif(not REFERENCES, reason="no notebooks/LN_*.ipynb yet")
+per_notebook = pytest.mark.parametrize("reference", REFERENCES, ids=[p.stem for p in REFERENCES])
+
+
+@needs_notebooks
+@per_notebook
+def test_committed_exercise_notebook_is_generated(reference):
+    expected = exercises.render(
+        exercises.make_exercise_notebook(exercises.read(reference), exercises.stage_of(reference))
+    )
+    committed = exercises.exercise_path(reference)
+    assert committed.exists(), f"{committed} is missing: run `make exercises`"
+    assert committed.read_text(encoding="utf-8") == expected, f"{committed} is stale: run `make exercises`"
+
+
+@needs_notebooks
+@per_notebook
+def test_reference_has_exercises_and_checks(reference):
+    nb = exercises.read(reference)
+    assert exercises.solutions(nb), "a reference notebook needs at least one # BEGIN SOLUTION region"
+    checks = [c for c in nb.cells if c.cell_type == "code" and exercises.CHECK_MARKER in c.source]
+    assert checks, "a reference notebook needs check cells"
+    for cell in checks:
+        assert cell.execution_count is not None and cell.outputs, (
+            "check cells must be executed: they hold the answers"
+        )
+        text = "".join(o.get("text", "") for o in cell.outputs)
+        assert text.rstrip().endswith("passed") and "WRONG" not in text and "raised" not in text, text
+
+
+@pytest.mark.slow
+@needs_notebooks
+@per_notebook
+def test_reference_notebook_passes(reference):
+    result = grade(reference)
+    assert result.returncode == 0, report(result)
+
+
+@pytest.mark.slow
+@needs_notebooks
+@per_notebook
+def test_untouched_exercise_notebook_fails(reference):
+    result = grade(exercises.exercise_path(reference))
+    assert result.returncode == 1, report(result)
+    assert "NotImplementedError" in result.stdout, report(result)
+
+
+@pytest.mark.slow
+@needs_notebooks
+@per_notebook
+def test_wrong_answer_fails(reference, tmp_path):
+    ref = exercises.read(reference)
+    number, wrong = WRONG_ANSWERS.get(reference.stem, GENERIC_WRONG)
+    answers = {**exercises.solutions(ref), number: wrong}
+    exercise = exercises.read(exercises.exercise_path(reference))
+    result = grade(write(exercises.put_back(exercise, answers), tmp_path / reference.name))
+    assert result.returncode == 1, report(result)
+    assert "WRONG" in result.stdout, report(result)
+    assert "NotImplementedError" not in result.stdout, report(result)
+
+
+@pytest.mark.slow
+@needs_notebooks
+@per_notebook
+def test_solutions_put_back_pass(reference, tmp_path):
+    ref = exercises.read(reference)
+    exercise = exercises.read(exercises.exercise_path(reference))
+    restored = exercises.put_back(exercise, exercises.solutions(ref))
+    result = grade(write(restored, tmp_path / reference.name))
+    assert result.returncode == 0, report(result)
+
+
+# --- the pieces, on a hand-made notebook ---------------------------------------------------------------
+
+
+def small_reference():
+    v4 = nbformat.v4
+    nb = v4.new_notebook(
+        cells=[
+            v4.new_markdown_cell("See [the chapter](../lessons/L9_x.md) and [docs](https://example.org)."),
+            v4.new_code_cell(
+                "def f(x):\n    # BEGIN SOLUTION: double it\n    y = 2 * x\n    return y\n    # END SOLUTION\n\n"
+                "def g():\n    # BEGIN SOLUTION\n    return 0\n    # END SOLUTION",
+                execution_count=1,
+                outputs=[v4.new_output("stream", text="hi\n")],
+            ),
+            v4.new_code_cell(
+                "# NBVAL_CHECK_OUTPUT\nprint(f(2))",
+                execution_count=2,
+                outputs=[v4.new_output("stream", text="4\n")],
+            ),
+        ]
+    )
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"c{i}"
+        cell.metadata["execution"] = {"iopub.status.idle": "2026-01-01T00:00:00Z"}
+    return nb
+
+
+def test_stubs_replace_regions_and_check_cells_keep_answers():
+    ref = small_reference()
+    ex = exercises.make_exercise_notebook(ref, "L9")
+    assert ex.cells[1].source == (
+        'def f(x):\n    raise NotImplementedError("Exercise L9.1: double it")\n\n'
+        'def g():\n    raise NotImplementedError("Exercise L9.2")'
+    )
+    assert ex.cells[1].outputs == [] and ex.cells[1].execution_count is None
+    assert ex.cells[2].outputs == ref.cells[2].outputs and ex.cells[2].execution_count == 2
+    assert all("execution" not in c.metadata for c in ex.cells)
+    assert "(../../lessons/L9_x.md)" in ex.cells[0].source and "(https://example.org)" in ex.cells[0].source
+    assert ref.cells[1].outputs, "the reference notebook itself is left alone"
+    assert exercises.render(ex) == exercises.render(exercises.make_exercise_notebook(ref, "L9"))
+
+
+def test_put_back_restores_the_solution_code():
+    ref = small_reference()
+    ex = exercises.make_exercise_notebook(ref, "L9")
+    assert exercises.solutions(ref) == {1: "y = 2 * x\nreturn y\n", 2: "return 0\n"}
+    restored = exercises.put_back(ex, exercises.solutions(ref))
+    assert restored.cells[1].source == "def f(x):\n    y = 2 * x\n    return y\n\ndef g():\n    return 0"
+    partial = exercises.put_back(ex, {2: "return 1\n"})
+    assert 'NotImplementedError("Exercise L9.1: double it")' in partial.cells[1].source
+    assert "    return 1" in partial.cells[1].source
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("# BEGIN SOLUTION\nx = 1", "without '# END SOLUTION'"),
+        ("x = 1\n# END SOLUTION", "without '# BEGIN SOLUTION'"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "inside another"),
+        ("# BEGIN SOLUTION\n\n# END SOLUTION", "empty solution region"),
+        ("# NBVAL_CHECK_OUTPUT\n# BEGIN SOLUTION\nx = 1\n# END SOLUTION", "check cell"),
+    ],
+)
+def test_bad_markers_are_refused(source, message):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    with pytest.raises(ValueError, match=message):
+        exercises.make_exercise_notebook(nb, "L9")
+
+
+def test_run_cases_reports_each_case(capsys):
+    def boom():
+        raise NotImplementedError("Exercise L9.1: double it")
+
+    passed = run_cases(
+        [Case("fine", lambda: None), Case("off", lambda: "expected 4, got 5"), Case("stub", boom)]
+    )
+    assert passed == (1, 3)
+    assert capsys.readouterr().out.splitlines() == [
+        "case 1 (fine): ok",
+        "case 2 (off): WRONG — expected 4, got 5",
+        "case 3 (stub): raised NotImplementedError: Exercise L9.1: double it",
+        "1/3 passed",
+    ]
+
+
+def test_tensor_problem_names_the_rows():
+    import torch
+
+    expected = torch.zeros(4, 2)
+    got = expected.clone()
+    assert tensor_problem("K", expected, got) is None
+    got[2, 1] = 0.5
+    assert tensor_problem("K", expected, got) == "K differs at positions [2] (max abs diff 0.5)"
+    assert tensor_problem("K", expected, got[:3]) == "K has shape (3, 2), expected (4, 2)"
