@@ -27,7 +27,9 @@ if not torch.cuda.is_available():
     # Triton picks interpreter or compiler when it is first imported (importing HF modeling code
     # imports it too), so the switch only works if nothing imported triton before this module.
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("no GPU: set TRITON_INTERPRET=1 before anything imports triton (the Makefile does)")
+        raise RuntimeError(
+            "no GPU: set TRITON_INTERPRET=1 before anything imports triton (the Makefile does)"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
@@ -76,7 +78,8 @@ def _paged_attention_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for j in range(b_start, b_end):
+        last_pos = ctx - q_len + tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)  # newest query here
+        for j in range(b_start, tl.minimum(b_end, last_pos // BLOCK_SIZE + 1)):  # later blocks: all masked
             block = tl.load(block_tables_ptr + seq * stride_bt + j)  # physical block of logical block j
             kv_off = block * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
             kv_mask = n_mask[:, None] & d_mask[None, :]
