@@ -1,0 +1,57 @@
+"""L4 engine: L3's engine with the paged kernel, equal to L3 and HF; its options and the smoke."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcourse.reference import hf_greedy
+from L3_block_tensor.engine import Engine as L3Engine
+from L4_paged_kernel.engine import Engine
+
+PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_splits": 4},
+        {"block_size": 7, "prefill_chunk_size": 8},
+        {"block_size": 1, "num_blocks": 120},  # a small pool: preemption under the kernel too
+    ],
+)
+def test_l4_equals_l3_and_hf_on_tiny_qwen3(tiny_qwen3_dir, options):
+    expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, [24] * len(PROMPTS))]
+    l3 = L3Engine(tiny_qwen3_dir).generate(PROMPTS, 24)
+    engine = Engine(tiny_qwen3_dir, **options)
+    assert engine.generate(PROMPTS, 24) == l3 == expected
+    engine.allocator.check_invariants()
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_triton_kernel_engine_on_tiny_llama(tiny_llama_dir):
+    pytest.importorskip(
+        "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
+    )
+    expected = [r.tokens for r in hf_greedy(tiny_llama_dir, PROMPTS[:2], [3, 3])]
+    assert Engine(tiny_llama_dir, kernel="triton", num_splits=2).generate(PROMPTS[:2], 3) == expected
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"kernel": "cuda"}, "kernel must be one of"), ({"num_splits": 0}, "num_splits must be >= 1, got 0")],
+)
+def test_bad_options_are_named(tiny_llama_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_llama_dir, **options)
+
+
+@pytest.mark.slow
+def test_l4_smoke_default(capsys):
+    from kvcourse.smoke import smoke_main
+    from L4_paged_kernel.l4_smoke import main_runs, previous
+
+    status = smoke_main("L4", main_runs(), prev=previous(), argv=[])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert status == 0, last
+    assert last.startswith("L4 smoke: ") and "prompts match L3 and HF" in last
