@@ -252,3 +252,236 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, cfg: ModelConfig) -> 
             Case("tiny test model (2 layers, 2 KV heads, head_dim 16), fp32", case(tiny, 4)),
         ]
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# L2: token-flat pool
+
+
+def _outcome(fn: Callable, *args) -> tuple[str, object]:
+    """("ok", return value) or ("raised", exception type name) for one call; never raises."""
+    try:
+        return "ok", fn(*args)
+    except Exception as e:  # compared with what the reference raised
+        return "raised", e
+
+
+def _describe(outcome: tuple[str, object]) -> str:
+    kind, value = outcome
+    return f"raised {type(value).__name__}" if kind == "raised" else f"returned {value!r}"
+
+
+def check_block_allocator(allocator_cls: Callable) -> None:
+    """Grade a free-list class against ``L2_token_flat.cache.BlockAllocator`` on fixed op sequences.
+
+    ``allocator_cls(num_blocks, block_size)`` must keep its free list in ``free_blocks`` (front = next
+    handed out) and offer ``alloc_blocks(n) -> list of ids`` and ``free(blocks)``. After every call the
+    return value (or the exception type: ``OutOfBlocks``, ``ValueError``) and the free list must match
+    the reference's. Example: 4 blocks; alloc_blocks(3) -> [0, 1, 2]; free([1]); alloc_blocks(2) -> [3, 1].
+    """
+    from L2_token_flat.cache import BlockAllocator, OutOfBlocks
+
+    def case(num_blocks: int, ops: list[tuple[str, object]]) -> Callable[[], str | None]:
+        def run() -> str | None:
+            ref, got = BlockAllocator(num_blocks, 4), allocator_cls(num_blocks, 4)
+            for op, arg in ops:
+                call = f"{op}({arg!r})" if op == "free" else f"alloc_blocks({arg})"
+                want = _outcome(getattr(ref, op), list(arg) if op == "free" else arg)
+                have = _outcome(getattr(got, op), list(arg) if op == "free" else arg)
+                if want[0] == "raised":
+                    expected = OutOfBlocks if isinstance(want[1], OutOfBlocks) else ValueError
+                    if have[0] != "raised" or not isinstance(have[1], expected):
+                        return f"{call}: expected {expected.__name__}, {_describe(have)}"
+                elif have[0] == "raised":
+                    return f"{call}: expected {want[1]!r}, raised {type(have[1]).__name__}: {have[1]}"
+                elif op == "alloc_blocks" and (not isinstance(have[1], list) or have[1] != want[1]):
+                    return f"{call}: expected {want[1]!r}, {_describe(have)}"
+                if list(got.free_blocks) != list(ref.free_blocks):
+                    return (
+                        f"after {call}: free list {list(got.free_blocks)}, expected {list(ref.free_blocks)}"
+                    )
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("alloc 3 of 4 blocks", case(4, [("alloc_blocks", 3)])),
+            Case(
+                "a freed block goes to the back",
+                case(4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
+            ),
+            Case("alloc 0 blocks", case(4, [("alloc_blocks", 0), ("alloc_blocks", 1)])),
+            Case(
+                "OutOfBlocks takes nothing",
+                case(4, [("alloc_blocks", 2), ("alloc_blocks", 3), ("alloc_blocks", 2)]),
+            ),
+            Case("double free is refused", case(4, [("alloc_blocks", 2), ("free", [0]), ("free", [0])])),
+            Case(
+                "a repeated id in one call frees nothing",
+                case(4, [("alloc_blocks", 3), ("free", [2, 1, 2]), ("free", [2])]),
+            ),
+            Case("an id outside the pool is refused", case(4, [("alloc_blocks", 4), ("free", [1, 7])])),
+            Case(
+                "interleaved allocs and frees, 6 blocks",
+                case(
+                    6,
+                    [
+                        ("alloc_blocks", 2),
+                        ("alloc_blocks", 3),
+                        ("free", [3, 0]),
+                        ("alloc_blocks", 3),
+                        ("free", [1, 4]),
+                        ("alloc_blocks", 2),
+                    ],
+                ),
+            ),
+        ]
+    )
+
+
+def check_reserve(reserve: Callable) -> None:
+    """Grade ``reserve(req, alloc, target_len)`` against ``L2_token_flat.cache.reserve``.
+
+    Both get an ``L2_token_flat.cache.Request`` and ``BlockAllocator`` in the same state (another
+    request has taken and returned blocks, so free ids are not in order); after each call
+    ``req.blocks``, ``req.slot_indices`` and the free list must match, and a call that needs more
+    blocks than are free must raise ``OutOfBlocks`` leaving request and free list as they were.
+    Example with block_size 4, blocks [0] and free list 2, 3: target_len 6 -> blocks [0, 2],
+    slot_indices [0, 1, 2, 3, 8, 9, 10, 11].
+    """
+    from L2_token_flat.cache import BlockAllocator, OutOfBlocks, Request
+    from L2_token_flat.cache import reserve as ref_reserve
+
+    def case(block_size: int, num_blocks: int, taken: int, returned: list[int], targets: list[int]):
+        def state():
+            alloc = BlockAllocator(num_blocks, block_size)
+            alloc.alloc_blocks(taken)  # another request's blocks ...
+            alloc.free(returned)  # ... some given back: the free list is no longer in id order
+            return Request(prompt_ids=[1]), alloc
+
+        def run() -> str | None:
+            (ref_req, ref_alloc), (req, alloc) = state(), state()
+            for target in targets:
+                want = _outcome(ref_reserve, ref_req, ref_alloc, target)
+                have = _outcome(reserve, req, alloc, target)
+                call = f"reserve(target_len={target})"
+                if want[0] == "raised":
+                    if have[0] != "raised" or not isinstance(have[1], OutOfBlocks):
+                        return f"{call}: expected OutOfBlocks, {_describe(have)}"
+                elif have[0] == "raised":
+                    return f"{call}: raised {type(have[1]).__name__}: {_first_line(str(have[1]))}"
+                for what in ("blocks", "slot_indices"):
+                    if getattr(req, what) != getattr(ref_req, what):
+                        return f"after {call}: {what} {getattr(req, what)}, expected {getattr(ref_req, what)}"
+                if list(alloc.free_blocks) != list(ref_alloc.free_blocks):
+                    return f"after {call}: free list {list(alloc.free_blocks)}, expected {list(ref_alloc.free_blocks)}"
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("block_size 4: 4 then 6 positions", case(4, 8, 2, [0], [4, 6])),
+            Case("block_size 4: target 0 allocates nothing", case(4, 8, 0, [], [0, 1])),
+            Case("block_size 1: a block per position", case(1, 8, 5, [3, 1], [2, 3, 5])),
+            Case("block_size 7: 15, 21, 22 positions", case(7, 6, 3, [2, 0], [15, 21, 22])),
+            Case("block_size 4: a prompt of 9 in one call", case(4, 8, 4, [1, 3], [9, 10])),
+            Case("OutOfBlocks leaves request and free list alone", case(4, 4, 2, [], [4, 13, 8])),
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# L3: block tensor, continuous batching
+
+
+def check_slots(slots: Callable) -> None:
+    """Grade ``slots(block_table, start, end, block_size) -> list of slot ids`` against
+    ``L3_block_tensor.cache.slots``. Example: block table [7, 2], block_size 4, positions 2..5 ->
+    [30, 31, 8, 9]."""
+    from L3_block_tensor.cache import slots as ref_slots
+
+    def case(block_table: list[int], start: int, end: int, block_size: int) -> Callable[[], str | None]:
+        def run() -> str | None:
+            expected = ref_slots(block_table, start, end, block_size)
+            got = slots(list(block_table), start, end, block_size)
+            if not isinstance(got, list | tuple):
+                return f"returned {got!r}, expected a list of {len(expected)} slot ids"
+            got = [int(s) for s in got]
+            return None if got == expected else f"expected {expected}, got {got}"
+
+        return run
+
+    run_cases(
+        [
+            Case("block table [7, 2], block_size 4, positions 2..5", case([7, 2], 2, 6, 4)),
+            Case("a whole prefill: [3, 0, 5], block_size 4, positions 0..9", case([3, 0, 5], 0, 10, 4)),
+            Case("one decode token at position 16, block_size 16", case([4, 9], 16, 17, 16)),
+            Case("block_size 1: the table is the slot list", case([5, 2, 8], 0, 3, 1)),
+            Case("block_size 7: positions 6..8 cross a block edge", case([1, 4], 6, 9, 7)),
+            Case("no positions (start == end)", case([0], 3, 3, 4)),
+        ]
+    )
+
+
+def check_plan_step(plan_step: Callable) -> None:
+    """Grade ``plan_step(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs)``
+    against what ``L3_block_tensor.scheduler.Scheduler.schedule`` does with plenty of free blocks.
+
+    ``running`` and ``waiting`` give, for each request in scheduling order, the tokens it has not
+    computed yet (1 for a request that is decoding). The answer is two lists of the same lengths: the
+    tokens each request runs this step, 0 for one that does not run. Example with budget 8, chunk 4,
+    max_num_seqs 4: running [1, 1], waiting [10, 3] -> ([1, 1], [4, 2]).
+    """
+    from L3_block_tensor.cache import BlockAllocator, Request, Status, reserve
+    from L3_block_tensor.scheduler import Scheduler
+
+    def expected(running, waiting, budget, chunk, max_seqs):
+        sched = Scheduler(
+            BlockAllocator(256, 4),
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            prefill_chunk_size=chunk,
+        )
+        reqs = []
+        for i, todo in enumerate(running):  # a running request: prompt of 20, todo left to compute
+            req = Request(i, [1] * 20, 8)
+            req.num_computed_tokens = 20 - todo
+            reserve(req, sched.allocator, req.num_computed_tokens)
+            req.status = Status.RUNNING
+            sched.running.append(req)
+            reqs.append(req)
+        for j, todo in enumerate(waiting):
+            req = Request(len(running) + j, [1] * todo, 8)
+            sched.add(req)
+            reqs.append(req)
+        planned = {req.request_id: n for req, n in sched.schedule()}
+        counts = [planned.get(r.request_id, 0) for r in reqs]
+        return counts[: len(running)], counts[len(running) :]
+
+    def case(running, waiting, budget, chunk, max_seqs) -> Callable[[], str | None]:
+        def run() -> str | None:
+            want = expected(running, waiting, budget, chunk, max_seqs)
+            got = plan_step(list(running), list(waiting), budget, chunk, max_seqs)
+            if not isinstance(got, tuple | list) or len(got) != 2:
+                return f"returned {got!r}, expected two lists (running, waiting)"
+            got = (list(got[0]), list(got[1]))
+            return (
+                None
+                if got == want
+                else f"expected running {want[0]}, waiting {want[1]}; got {got[0]}, {got[1]}"
+            )
+
+        return run
+
+    run_cases(
+        [
+            Case("decodes and a chunked prompt: budget 8, chunk 4", case([1, 1], [10, 3], 8, 4, 4)),
+            Case("no chunking: a prompt runs whole or waits", case([1, 1, 1], [6, 2], 8, None, 8)),
+            Case("no chunking: nobody jumps the queue", case([1], [9, 2], 8, None, 8)),
+            Case("a running prefill continues by chunks", case([7, 1], [5], 6, 4, 4)),
+            Case("max_num_seqs stops admission", case([1, 1, 1], [2, 2], 16, 8, 4)),
+            Case("the budget runs out among running requests", case([5, 5, 1], [3], 6, 5, 8)),
+        ]
+    )
