@@ -13,9 +13,6 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
-# torch's OpenMP threads otherwise spin while idle; with another busy process on 2 cores that makes
-# every op ~40x slower. Sleeping threads cost nothing measurable when the machine is quiet.
-export OMP_WAIT_POLICY := PASSIVE
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # No GPU: Triton kernels run in Triton's interpreter (set before anything imports triton).
 export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi),0,1)

@@ -30,7 +30,8 @@ class Engine:
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir)
         cfg = self.model.cfg
-        max_seq_len = max_seq_len or min(2048, cfg.max_position_embeddings)
+        if max_seq_len is None:
+            max_seq_len = min(2048, cfg.max_position_embeddings)
         if max_seq_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="

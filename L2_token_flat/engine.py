@@ -38,7 +38,9 @@ class Engine:
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir)
         cfg = self.model.cfg
-        self.max_seq_len = max_seq_len or min(2048, cfg.max_position_embeddings)
+        self.max_seq_len = min(2048, cfg.max_position_embeddings) if max_seq_len is None else max_seq_len
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="

@@ -163,3 +163,14 @@ def test_cli_refuses_unknown_stage():
         timeout=60,
     )
     assert res.returncode == 2 and "invalid choice: 'L9'" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "stage, option",
+    [("L1", "max_seq_len"), ("L2", "max_seq_len"), ("L3", "max_model_len"), ("L4", "max_model_len")],
+)
+def test_zero_length_limit_is_refused_not_defaulted(tiny_llama_dir, stage, option):
+    from kvcourse.stages import engine_class
+
+    with pytest.raises(ValueError, match=f"{option} must be >= 1, got 0"):
+        engine_class(stage)(tiny_llama_dir, **{option: 0})
