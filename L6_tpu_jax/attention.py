@@ -1,0 +1,138 @@
+"""L6's attention: write the new K/V into the page pool, then ragged paged attention reads it in place.
+
+``ragged_paged_attention`` is the JAX reference: the algorithm of L4's ``paged_attention.py`` with
+static shapes, so it compiles once. Three nested ``fori_loop``s walk the batch's sequences (ragged:
+each brings its own number of new queries and its own KV length), each sequence's queries in blocks of
+``q_block`` rows, and its pages in blocks of ``kv_pages_per_block`` pages, keeping the online-softmax
+state (m, l, acc) per query row::
+
+    for each sequence s, each block of q_block queries, each block of kv_pages_per_block pages:
+        s_j = q . K_j * scale, masked to keys <= the query's position (causal) and < kv_len
+        m_new = max(m, max(s_j));  l = l * exp(m - m_new) + sum(exp(s_j - m_new))
+        acc = acc * exp(m - m_new) + exp(s_j - m_new) . V_j;  m = m_new
+    out = acc / l
+
+Mixed prefill and decode in one batch is just ragged q lengths: a sequence's new queries are the last
+q_len of its kv_len tokens. Block sizes decide how much work each loop step does. Levanter's reference
+started at 1 query x 2 pages per step and was ~3x slower end to end than at 16 x 16 (its default
+since); they change only the summation order, never which keys a query sees.
+
+A Pallas TPU kernel of the same algorithm is the planned next file (not in this checkout yet). Left
+out on purpose: sliding windows, soft-capping, quantized KV, and sharding heads across devices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvcourse.jax_model import HIGHEST
+
+from .kv_cache import update_kv
+from .page_table import INVALID, PageBatchInfo, cdiv
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    q_block: int = 16,
+    kv_pages_per_block: int = 16,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention of a flat batch of new tokens over their sequences' pages, read in place.
+
+    q: (T, H, D), sequence i's queries at rows cu_q_lens[i]:cu_q_lens[i + 1]; kv_pages: (P, page_size,
+    2 * H_kv, D), K/V interleaved, already holding the new tokens; kv_lens: (S,) KV length of each
+    sequence, new tokens included; page_indices: (S, pages_per_seq), INVALID past the end;
+    cu_q_lens: (S + 1,); num_seqs: () valid sequences. Rows past cu_q_lens[num_seqs] come back 0.
+    Returns (T, H, D).
+
+    Example, page_size 4: a prefill of 3 new tokens on a fresh sequence and a decode of 1 token whose
+    sequence holds 6: kv_lens [3, 6], page_indices [[5, -1], [0, 2]], cu_q_lens [0, 3, 4]. Query 0
+    sees key 0 of page 5, query 2 keys 0..2; query 3 sees all of page 0 and keys 0..1 of page 2.
+    """
+    if q_block < 1 or kv_pages_per_block < 1:
+        raise ValueError(
+            f"block sizes must be >= 1, got q_block={q_block}, kv_pages_per_block={kv_pages_per_block}"
+        )
+    n_tok, n_heads, d = q.shape
+    ps, n_kv = kv_pages.shape[1], kv_pages.shape[2] // 2
+    g = n_heads // n_kv
+    scale = d**-0.5 if scale is None else scale
+    span = kv_pages_per_block * ps  # keys per KV block
+    per_seq = page_indices.shape[1]
+    pages = jnp.pad(page_indices, ((0, 0), (0, cdiv(per_seq, kv_pages_per_block) * kv_pages_per_block - per_seq)),
+                    constant_values=INVALID)  # (S, whole KV blocks)  # fmt: skip
+    q_pad = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))  # (T + q_block, H, D): a block never runs off the end
+
+    def one_seq(s, out):
+        q0, q_len, kv_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s]
+
+        def one_q_block(b, out):
+            start = q0 + b * q_block
+            qs = jax.lax.dynamic_slice_in_dim(q_pad, start, q_block).reshape(
+                q_block, n_kv, g, d
+            )  # (QB, H_kv, G, D)
+            i = b * q_block + jnp.arange(q_block)  # (QB,) query index within the sequence
+            q_pos = kv_len - q_len + i  # (QB,) absolute positions
+            newest = kv_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1  # later keys are all masked
+
+            def one_kv_block(j, carry):
+                m, l, acc = carry
+                blk = jax.lax.dynamic_slice_in_dim(pages[s], j * kv_pages_per_block, kv_pages_per_block)
+                kv = kv_pages[jnp.maximum(blk, 0)].reshape(span, 2 * n_kv, d)  # (span, 2 * H_kv, D) in place
+                k, v = kv[:, 0::2], kv[:, 1::2]  # (span, H_kv, D) each
+                sc = jnp.einsum("qhgd,khd->hgqk", qs, k, precision=HIGHEST) * scale  # (H_kv, G, QB, span)
+                k_pos = j * span + jnp.arange(span)  # (span,)
+                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)  # (QB, span)
+                sc = jnp.where(visible, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=-1))  # (H_kv, G, QB)
+                base = jnp.where(jnp.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
+                p = jnp.exp(sc - base[..., None])  # (H_kv, G, QB, span)
+                alpha = jnp.exp(m - base)
+                l = alpha * l + p.sum(axis=-1)
+                acc = alpha[..., None] * acc + jnp.einsum("hgqk,khd->hgqd", p, v, precision=HIGHEST)
+                return m_new, l, acc
+
+            init = (
+                jnp.full((n_kv, g, q_block), -jnp.inf),
+                jnp.zeros((n_kv, g, q_block)),
+                jnp.zeros((n_kv, g, q_block, d)),
+            )
+            m, l, acc = jax.lax.fori_loop(0, cdiv(newest + 1, span), one_kv_block, init)
+            o = acc / jnp.where(l == 0, 1.0, l)[..., None]  # (H_kv, G, QB, D)
+            o = o.transpose(2, 0, 1, 3).reshape(q_block, n_heads, d)  # (QB, H, D)
+            old = jax.lax.dynamic_slice_in_dim(out, start, q_block)
+            o = jnp.where((i < q_len)[:, None, None], o, old)  # rows past this sequence are not ours
+            return jax.lax.dynamic_update_slice_in_dim(out, o, start, 0)
+
+        return jax.lax.fori_loop(0, cdiv(q_len, q_block), one_q_block, out)
+
+    out = jax.lax.fori_loop(0, num_seqs, one_seq, jnp.zeros_like(q_pad))
+    return out[:n_tok]
+
+
+def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
+    """The model's ``attend`` callback for one forward call: store this layer's new K/V, then attend.
+
+    Returns ``attend(kv_pages, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``.
+    """
+
+    def attend(kv_pages, q, k, v):
+        kv_pages = update_kv(kv_pages, info.new_token_dests, k, v)  # one scatter for all new tokens
+        out = kernel(q, kv_pages, info.seq_lens, info.page_indices, info.cu_q_lens, info.num_seqs)
+        return out, kv_pages
+
+    return attend
+
+
+def reference_kernel(q_block: int = 16, kv_pages_per_block: int = 16):
+    """``ragged_paged_attention`` with these block sizes, ready for ``paged_attend``."""
+    return functools.partial(ragged_paged_attention, q_block=q_block, kv_pages_per_block=kv_pages_per_block)

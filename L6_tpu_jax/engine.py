@@ -1,0 +1,341 @@
+"""L6 engine: Levanter's paged KV design in JAX, with cleanup wired in and reset made explicit.
+
+    generate():  reset()           -> jit'd; logical (metadata only, default) or physical (also zeroes
+                                      the KV pages); always run, on every host, whatever the process count
+                 loop on the host:
+                   collect          -> read finished slots' tokens (jax.device_get)
+                   admit + prefill  -> waiting prompts that fit get slots; ONE jit'd call allocates their
+                                      pages, runs the prompts (lengths bucketed to powers of two, so a
+                                      new prompt length rarely means a new compile), picks each first
+                                      token, and clones n_generations - 1 copies sharing full pages
+                   decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the token
+                                      queue, allocate_for_seq, forward (KV write + ragged paged
+                                      attention), greedy pick, update_tokens, and with
+                                      cleanup="incremental" free_pages_for_finished, every step
+
+``cleanup`` says when a finished sequence's pages go back: ``"incremental"`` inside the decode loop,
+the step it finishes; ``"end"`` after each host call; ``"none"`` not until the next ``generate``
+(Levanter's original behaviour: then every prompt of a call must fit the pool at once).
+
+The host admits a prompt only if the pool can hold it to its full budget, next to what running
+sequences may still grow into, so decoding never runs dry. The device still checks every
+allocation: a shortage stops the loop and raises ``OutOfPagesError`` with the pages needed and free,
+never a wrong answer.
+
+Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and the
+multi-host setup itself. The multi-host rules are kept anyway: every host makes the same jit calls in
+the same order with the same shapes, and reset is never skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvcourse.jax_model import forward, load_params
+from kvcourse.model_store import resolve_model_dir
+from kvcourse.requests import check_requests
+
+from . import decode_state as ds
+from .attention import paged_attend, reference_kernel
+from .kv_cache import init_kv_pages
+from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv
+
+CLEANUPS = ("incremental", "end", "none")
+RESETS = ("logical", "physical")
+ATTENTIONS = ("reference",)  # a Pallas TPU kernel is planned, not written yet
+
+
+class OutOfPagesError(RuntimeError):
+    """The device could not allocate the pages a step needed."""
+
+
+def bucket(n: int, smallest: int = 16) -> int:
+    """The padded length a batch of n tokens compiles for: the next power of two, at least ``smallest``.
+
+    Examples: ``bucket(5) -> 16``, ``bucket(17) -> 32``, ``bucket(64) -> 64``.
+    """
+    return max(smallest, 1 << (n - 1).bit_length())
+
+
+def pages_for(prompt_len: int, budget: int, n: int, page_size: int) -> int:
+    """Pages a prompt needs to finish its budget, with n clones sharing its full prompt pages.
+
+    Example, page_size 16: a 20-token prompt, budget 30, n=4 -> 4 pages for one sequence (50 tokens)
+    plus 3 clones x (4 - 1 shared) = 13.
+    """
+    total = cdiv(prompt_len + budget, page_size)
+    return total + (n - 1) * (total - prompt_len // page_size)
+
+
+def keep_if(ok, new, old):
+    """``new`` where ``ok`` else ``old``, leaf by leaf (a step whose allocation failed changes nothing)."""
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def record_shortage(state: ds.DecodeState, info: PageBatchInfo) -> ds.DecodeState:
+    short = info.out_of_pages
+    return replace(
+        state,
+        pages_needed=jnp.where(short, info.pages_needed, state.pages_needed),
+        pages_free=jnp.where(short, info.pages_free, state.pages_free),
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir=None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_seqs: int = 16,
+        max_rounds: int = 32,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 1024,
+        cleanup: str = "incremental",
+        reset: str = "logical",
+        attention: str = "reference",
+        q_block: int = 16,
+        kv_pages_per_block: int = 16,
+    ):
+        for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        for name, value in (("page_size", page_size), ("max_seqs", max_seqs), ("max_rounds", max_rounds)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.model_dir = resolve_model_dir(model_dir)
+        self.cfg, self.params = load_params(self.model_dir)
+        cfg = self.cfg
+        self.max_model_len = (
+            min(2048, cfg.max_position_embeddings) if max_model_len is None else max_model_len
+        )
+        if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in [1, {cfg.max_position_embeddings}], got {self.max_model_len}"
+            )
+        self.page_size, self.max_seqs, self.max_rounds = page_size, max_seqs, max_rounds
+        self.pages_per_seq = cdiv(self.max_model_len, page_size)
+        self.num_pages = self.pages_per_seq if num_pages is None else num_pages
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cleanup, self.reset_mode = cleanup, reset
+        self.kernel = reference_kernel(q_block, kv_pages_per_block)
+        stop = list(cfg.eos_token_ids) or [INVALID]
+        self.state = ds.DecodeState.init(
+            max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop
+        )
+        self.kv_pages = init_kv_pages(
+            cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.traces: Counter[str] = Counter()  # how often each jit'd function was traced (= compiled)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,))
+        self._free = jax.jit(ds.free_finished)
+        self._reset_logical = jax.jit(ds.reset_logical)
+        self._zero = jax.jit(jnp.zeros_like)
+        self.reset_seconds = 0.0
+
+    # ---- device functions (traced once per shape) ----
+
+    def _step(self, params, state, kv_pages, tokens, slot_ids, pos_ids):
+        """Allocate pages for a flat batch, run the model, pick each sequence's next token, update."""
+        seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
+        logits_at = jnp.maximum(info.cu_q_lens[1:] - 1, 0)  # (S,) each sequence's last row
+        logits, kv_pages = forward(
+            self.cfg,
+            params,
+            jnp.maximum(tokens, 0),
+            jnp.maximum(pos_ids, 0),
+            paged_attend(info, self.kernel),
+            kv_pages,
+            logits_at,
+        )  # (S, vocab)
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (S,) greedy
+        new = ds.update_tokens(replace(state, sequences=seqs, page_table=pages), info, sampled)
+        return new, kv_pages, info
+
+    def _prefill_fn(self, params, state, kv_pages, work):
+        self.traces["prefill"] += 1
+        state = ds.admit(state, work["new"], work["budgets"], work["ignore_eos"])
+        new, kv_pages, info = self._step(params, state, kv_pages, work["tokens"], work["slots"], work["pos"])
+        state = record_shortage(keep_if(~info.out_of_pages, new, state), info)
+
+        def clone_one(i, carry):
+            return ds.clone_sequence(*carry, work["parents"][i], work["children"][i])
+
+        return jax.lax.fori_loop(0, self.max_seqs, clone_one, (state, kv_pages))
+
+    def _decode_fn(self, params, state, kv_pages):
+        self.traces["decode"] += 1
+
+        def go_on(carry):
+            state, _, i = carry
+            return (i < self.max_rounds) & (state.tqueue.num_queued > 0) & (state.pages_needed == 0)
+
+        def one_round(carry):
+            state, kv_pages, i = carry
+            queue, tokens, slots, pos = ds.pack_next(state.tqueue, self.max_seqs)
+            new, kv_pages, info = self._step(
+                params, replace(state, tqueue=queue), kv_pages, tokens, slots, pos
+            )
+            if self.cleanup == "incremental":
+                new = ds.free_finished(new)  # pages return the step a sequence finishes
+            state = record_shortage(keep_if(~info.out_of_pages, new, state), info)
+            return state, kv_pages, i + 1
+
+        state, kv_pages, _ = jax.lax.while_loop(go_on, one_round, (state, kv_pages, jnp.int32(0)))
+        return state, kv_pages
+
+    # ---- host side ----
+
+    def reset(self) -> None:
+        """Back to the baseline state. Always runs (never skipped, on any host); physical also zeroes KV."""
+        t0 = time.perf_counter()
+        self.state = self._reset_logical(self.state)
+        if self.reset_mode == "physical":
+            self.kv_pages = self._zero(self.kv_pages)
+        jax.block_until_ready((self.state, self.kv_pages))
+        self.reset_seconds = time.perf_counter() - t0
+
+    def host_state(self) -> ds.DecodeState:
+        return jax.device_get(self.state)
+
+    @property
+    def peak_pages_in_use(self) -> int:
+        """Most pages held at once during the last ``generate`` (clones' shared pages count once)."""
+        return int(self.state.peak_pages_in_use)
+
+    def stats(self) -> dict[str, int]:
+        """Active slots, pages in use, free pages and the largest refcount right now."""
+        return ds.stats(self.host_state())
+
+    def check_invariants(self, *, after_reset: bool = False) -> None:
+        ds.check_invariants(self.host_state(), after_reset=after_reset)
+
+    def check_fits(self, prompt: list[int], budget: int, n: int, label: str) -> None:
+        """Refuse a request that could never run: too long, more clones than slots, or more than the pool."""
+        total = len(prompt) + budget
+        if total > self.max_model_len:
+            raise ValueError(
+                f"{label}: {len(prompt)} prompt tokens + max_new_tokens {budget} = {total} exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        if n > self.max_seqs:
+            raise ValueError(f"{label}: n={n} sequences exceed max_seqs={self.max_seqs}")
+        need = pages_for(len(prompt), budget, n, self.page_size)
+        if need > self.num_pages:
+            raise ValueError(
+                f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only {self.num_pages}"
+            )
+
+    def raise_if_short(self, host: ds.DecodeState) -> None:
+        """Raise OutOfPagesError if the device recorded a failed allocation."""
+        if int(host.pages_needed) > 0:
+            raise OutOfPagesError(
+                f"out of KV pages: a step needed {int(host.pages_needed)} new pages but only "
+                f"{int(host.pages_free)} of {self.num_pages} were free"
+            )
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
+    ) -> list[list[int]]:
+        """Greedy new tokens of every prompt, in input order (eos included, then stop, as HF)."""
+        return [s[0] for s in self.generate_samples(prompts, max_new_tokens, ignore_eos=ignore_eos)]
+
+    def generate_samples(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | list[int],
+        *,
+        n: int = 1,
+        ignore_eos: bool = False,
+    ) -> list[list[list[int]]]:
+        """``n`` sequences per prompt, prefilled once and cloned: result[i][j] is clone j of prompt i.
+
+        Greedy, so the clones agree; what differs is memory: they share the prompt's full pages.
+        """
+        budgets = check_requests(prompts, max_new_tokens, self.cfg.vocab_size)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+            self.check_fits(prompt, budget, n, f"prompt {i}")
+        self.reset()
+        waiting = deque(range(len(prompts)))
+        running: dict[int, list[int]] = {}  # prompt index -> its slots (parent first)
+        results: list[list[list[int]] | None] = [None] * len(prompts)
+        while True:
+            host = self.host_state()
+            self.raise_if_short(host)
+            for i, slots in list(running.items()):
+                if all(host.finished[s] for s in slots):
+                    results[i] = [host.tokens[s, : host.num_generated[s]].tolist() for s in slots]
+                    del running[i]
+            if self.cleanup == "end" and (host.finished & host.sequences.used_mask).any():
+                self.state = self._free(self.state)
+                host = self.host_state()
+            if not waiting and not running:
+                return results
+            work = self._admit(host, waiting, running, prompts, budgets, n, ignore_eos)
+            if work is not None:
+                self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
+            elif not running:
+                raise RuntimeError(
+                    f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free; with "
+                    f"cleanup='none' finished sequences keep their pages until the next generate()"
+                )
+            self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages)
+
+    def _admit(self, host, waiting, running, prompts, budgets, n, ignore_eos):
+        """Give waiting prompts (in order) free slots while the pool can hold them to their budgets.
+
+        Returns the prefill work (token arrays padded to a power-of-two bucket), or None.
+        """
+        ps, seqs = self.page_size, host.sequences
+        free_slots = [s for s in range(self.max_seqs) if not seqs.used_mask[s]]
+        held = (seqs.page_indices >= 0).sum(axis=1)  # (S,)
+        growth = sum(
+            cdiv(int(seqs.seq_lens[s]) + int(host.max_new_tokens[s] - host.num_generated[s]), ps) - held[s]
+            for slots in running.values()
+            for s in slots
+            if not host.finished[s]
+        )  # pages running sequences may still take
+        budget_pages = int((host.page_table.page_ref_counts == 0).sum()) - growth
+        tokens, slots, pos, pairs = [], [], [], []
+        new = np.zeros(self.max_seqs, bool)
+        seq_budgets = np.zeros(self.max_seqs, np.int32)
+        while waiting:
+            i = waiting[0]
+            need = pages_for(len(prompts[i]), budgets[i], n, ps)
+            too_many_tokens = tokens and len(tokens) + len(prompts[i]) > self.max_prefill_tokens
+            if len(free_slots) < n or need > budget_pages or too_many_tokens:
+                break
+            waiting.popleft()
+            mine = [free_slots.pop(0) for _ in range(n)]
+            running[i] = mine
+            budget_pages -= need
+            tokens += prompts[i]
+            slots += [mine[0]] * len(prompts[i])
+            pos += range(len(prompts[i]))
+            new[mine[0]], seq_budgets[mine[0]] = True, budgets[i]
+            pairs += [(mine[0], child) for child in mine[1:]]
+        if not tokens:
+            return None
+        pad = bucket(len(tokens)) - len(tokens)
+        pairs += [(0, INVALID)] * (self.max_seqs - len(pairs))
+        return {
+            "tokens": jnp.asarray(tokens + [0] * pad, jnp.int32),  # (T,)
+            "slots": jnp.asarray(slots + [INVALID] * pad, jnp.int32),  # (T,)
+            "pos": jnp.asarray(list(pos) + [0] * pad, jnp.int32),  # (T,)
+            "new": jnp.asarray(new),  # (S,)
+            "budgets": jnp.asarray(seq_budgets),  # (S,)
+            "ignore_eos": jnp.full(self.max_seqs, ignore_eos),  # (S,)
+            "parents": jnp.asarray([p for p, _ in pairs], jnp.int32),  # (S,)
+            "children": jnp.asarray([c for _, c in pairs], jnp.int32),  # (S,)
+        }

@@ -1,0 +1,55 @@
+"""L6's KV storage: one page pool per layer, ``kv_pages[P, page_size, 2 * H_kv, D]``, K and V interleaved.
+
+All layers live in one array with a leading layer axis, ``(L, P, page_size, 2 * H_kv, D)``, so the
+model's ``lax.scan`` hands each layer its own pool. Within a token's row the heads alternate
+``k0, v0, k1, v1, ...`` (Levanter's layout): one page read brings a head's K and V together.
+
+The write is one vectorized scatter: every new token's (K, V) row goes to its flat destination
+``page * page_size + slot`` (``PageBatchInfo.new_token_dests``) in a single ``.at[].set``. Levanter
+first wrote tokens one at a time in a ``fori_loop`` of ``dynamic_update_slice``s; the scatter is the
+same result with one op. INVALID destinations (padding tokens) are dropped.
+
+Left out on purpose: quantized KV, and donation/aliasing tricks beyond what ``jit`` does by itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def init_kv_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
+    """An all-zero pool for every layer: (L, P, page_size, 2 * H_kv, D) fp32."""
+    return jnp.zeros((num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
+
+
+def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+    """(T, H_kv, D) K and V -> (T, 2 * H_kv, D) rows ``k0, v0, k1, v1, ...``.
+
+    Example with H_kv=2, D=1: k = [[[1], [2]]], v = [[[5], [6]]] -> [[[1], [5], [2], [6]]].
+    """
+    n_tok, n_kv, d = k.shape
+    return jnp.stack([k, v], axis=2).reshape(n_tok, 2 * n_kv, d)
+
+
+def update_kv(kv_pages: jax.Array, dests: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Write each new token's K/V into one layer's pool, all tokens in one scatter.
+
+    kv_pages: (P, page_size, 2 * H_kv, D); dests: (T,) flat destinations, INVALID = skip; k, v:
+    (T, H_kv, D). Returns the updated pool.
+    """
+    n_pages, ps = kv_pages.shape[:2]
+    flat = kv_pages.reshape(n_pages * ps, *kv_pages.shape[2:])  # (P * page_size, 2 * H_kv, D)
+    where = jnp.where(dests >= 0, dests, n_pages * ps)  # (T,) INVALID -> out of range -> dropped
+    return flat.at[where].set(interleave_kv(k, v), mode="drop").reshape(kv_pages.shape)
+
+
+def copy_page(kv_pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy page ``src`` to page ``dst`` in every layer (a clone's private last page); INVALID dst = no-op.
+
+    kv_pages: (L, P, page_size, 2 * H_kv, D).
+    """
+    n_pages = kv_pages.shape[1]
+    return kv_pages.at[:, jnp.where(dst >= 0, dst, n_pages)].set(
+        kv_pages[:, jnp.maximum(src, 0)], mode="drop"
+    )

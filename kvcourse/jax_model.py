@@ -1,0 +1,212 @@
+"""The non-KV parts of a Llama/Qwen3 decoder in JAX: ``kvcourse/model.py`` ported for the L6 engine.
+
+Same checkpoint, same arithmetic: embedding, RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP, final
+norm, tied or untied head, Qwen3's per-head q/k norms. The RoPE cos/sin tables are computed once, by
+the torch model's own functions, for every position the model allows (XLA's cos/sin differ from
+torch's in the last bit, and that alone moved logits by ~4e-5). Two things differ from the torch
+model, both because of how JAX compiles:
+
+- the per-layer weights are *stacked* (every field of ``Params.layers`` has a leading layer axis) so
+  that ``forward`` runs the layers with one ``jax.lax.scan``: XLA compiles one layer, not thirty;
+- the KV cache is a value, not a side effect. ``forward`` scans over the cache's layer axis too and
+  hands each layer's slice to the ``attend`` callback, which returns the attention output *and* the
+  updated slice::
+
+      attend(kv, q, k, v) -> (out, kv)     # q: (T, H, D), k/v: (T, H_kv, D) after RoPE; out: (T, H, D)
+
+  ``kv`` is whatever the caller keeps per layer (L6: a page pool), or ``None`` for no cache.
+
+Every matrix product passes ``precision=HIGHEST``. On a TPU the default precision multiplies fp32 in
+bf16 passes, which is enough to flip greedy tokens; with HIGHEST (and on CPU) the products are fp32.
+
+Left out on purpose: sharding across devices, dtypes other than fp32, and training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvcourse.config import ModelConfig
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+Attend = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerParams:
+    """One field per weight, each stacked over layers (leading axis L). Linear weights are stored
+    transposed, (in, out), so a projection is ``x @ w``."""
+
+    input_norm: jax.Array  # (L, hidden)
+    q_proj: jax.Array  # (L, hidden, H * D)
+    k_proj: jax.Array  # (L, hidden, H_kv * D)
+    v_proj: jax.Array  # (L, hidden, H_kv * D)
+    o_proj: jax.Array  # (L, H * D, hidden)
+    post_norm: jax.Array  # (L, hidden)
+    gate_proj: jax.Array  # (L, hidden, inter)
+    up_proj: jax.Array  # (L, hidden, inter)
+    down_proj: jax.Array  # (L, inter, hidden)
+    q_norm: jax.Array | None  # (L, D) Qwen3 only
+    k_norm: jax.Array | None  # (L, D) Qwen3 only
+    q_bias: jax.Array | None  # (L, H * D) when attention_bias
+    k_bias: jax.Array | None  # (L, H_kv * D)
+    v_bias: jax.Array | None  # (L, H_kv * D)
+    o_bias: jax.Array | None  # (L, hidden)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Params:
+    embed: jax.Array  # (vocab, hidden)
+    layers: LayerParams
+    final_norm: jax.Array  # (hidden,)
+    lm_head: jax.Array  # (hidden, vocab); the embedding transposed when tied
+    rope_cos: jax.Array  # (max_positions, D) cos of every position's angles, from the torch model
+    rope_sin: jax.Array  # (max_positions, D)
+
+
+def load_params(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[ModelConfig, Params]:
+    """Read an HF Llama/Qwen3 checkpoint into stacked fp32 device arrays.
+
+    The names and checks are ``kvcourse.model.load_weights``'s (one loader for both ports); this only
+    stacks the layers and transposes the linear weights.
+    """
+    import torch
+
+    from kvcourse.model import load_weights, rope_cos_sin, rope_inv_freq
+
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    w = load_weights(model_dir, cfg)
+
+    def stack(name: str, transpose: bool = False) -> jax.Array | None:
+        if getattr(w.layers[0], name) is None:
+            return None
+        mats = [getattr(lw, name).numpy() for lw in w.layers]
+        return jnp.asarray(np.stack([m.T if transpose else m for m in mats]))
+
+    layers = LayerParams(
+        input_norm=stack("input_norm"),
+        q_proj=stack("q_proj", True),
+        k_proj=stack("k_proj", True),
+        v_proj=stack("v_proj", True),
+        o_proj=stack("o_proj", True),
+        post_norm=stack("post_norm"),
+        gate_proj=stack("gate_proj", True),
+        up_proj=stack("up_proj", True),
+        down_proj=stack("down_proj", True),
+        q_norm=stack("q_norm"),
+        k_norm=stack("k_norm"),
+        q_bias=stack("q_bias"),
+        k_bias=stack("k_bias"),
+        v_bias=stack("v_bias"),
+        o_bias=stack("o_bias"),
+    )
+    cos, sin = rope_cos_sin(
+        torch.arange(cfg.max_position_embeddings), rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    )
+    params = Params(
+        embed=jnp.asarray(w.embed.numpy()),
+        layers=layers,
+        final_norm=jnp.asarray(w.final_norm.numpy()),
+        lm_head=jnp.asarray(w.lm_head.numpy().T),
+        rope_cos=jnp.asarray(cos.numpy()),
+        rope_sin=jnp.asarray(sin.numpy()),
+    )
+    return cfg, params
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Scale each row to unit root-mean-square, then by ``weight`` (HF's LlamaRMSNorm).
+
+    Example: ``rms_norm([[3., 4.]], [1., 1.], 0.0)`` -> ``[[0.8485, 1.1314]]``.
+    """
+    variance = jnp.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x * jax.lax.rsqrt(variance + eps))
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ b) in full fp32. x: (T, in), w: (in, out) -> (T, out)."""
+    y = jnp.matmul(x, w, precision=HIGHEST)
+    return y if b is None else y + b
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate each head of ``x`` (T, H, D) by its token's angle (rotate-half).
+
+    Example: with D=2, angle pi/2 turns ``[1, 0]`` into ``[0, 1]``.
+    """
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # (T, H, D)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def swiglu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)). x: (T, hidden) -> (T, hidden)."""
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def forward(
+    cfg: ModelConfig,
+    params: Params,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    attend: Attend,
+    kv_cache: Any = None,
+    logits_at: jax.Array | None = None,
+) -> tuple[jax.Array, Any]:
+    """Run every layer over T flat tokens; return (logits, updated kv_cache).
+
+    token_ids, positions: (T,) int32. ``kv_cache`` is a pytree whose leaves have a leading layer axis
+    (or None); layer i's slice goes to ``attend`` and its returned slice is stacked back. ``logits_at``
+    picks the rows that need logits (default: all T). Returns ((N, vocab), kv_cache).
+    """
+    eps, n_tok = cfg.rms_norm_eps, token_ids.shape[0]
+    n_heads, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = params.rope_cos[positions], params.rope_sin[positions]  # (T, D) each
+    x = params.embed[token_ids]  # (T, hidden)
+
+    def layer(x, xs):
+        lw, kv = xs
+        h = rms_norm(x, lw.input_norm, eps)  # (T, hidden)
+        q = linear(h, lw.q_proj, lw.q_bias).reshape(n_tok, n_heads, d)  # (T, H, D)
+        k = linear(h, lw.k_proj, lw.k_bias).reshape(n_tok, n_kv, d)  # (T, H_kv, D)
+        v = linear(h, lw.v_proj, lw.v_bias).reshape(n_tok, n_kv, d)  # (T, H_kv, D)
+        if cfg.qk_norm:
+            q = rms_norm(q, lw.q_norm, eps)
+            k = rms_norm(k, lw.k_norm, eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o, kv = attend(kv, q, k, v)  # (T, H, D): the only stage-specific line
+        x = x + linear(o.reshape(n_tok, n_heads * d), lw.o_proj, lw.o_bias)  # (T, hidden)
+        h = rms_norm(x, lw.post_norm, eps)
+        x = x + swiglu_mlp(h, lw.gate_proj, lw.up_proj, lw.down_proj)
+        return x, kv
+
+    x, kv_cache = jax.lax.scan(layer, x, (params.layers, kv_cache))
+    if logits_at is not None:
+        x = x[logits_at]  # (N, hidden)
+    return linear(rms_norm(x, params.final_norm, eps), params.lm_head), kv_cache  # (N, vocab)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Dense causal attention of T tokens over themselves (a whole prompt from position 0), with GQA.
+
+    q: (T, H, D); k, v: (T, H_kv, D). Returns (T, H, D). The cache-free baseline every paged kernel
+    is checked against.
+    """
+    n_tok, n_heads, d = q.shape
+    n_kv = k.shape[1]
+    qg = q.reshape(n_tok, n_kv, n_heads // n_kv, d)  # (T, H_kv, G, D)
+    s = jnp.einsum("qhgd,khd->hgqk", qg, k, precision=HIGHEST) * d**-0.5  # (H_kv, G, T, T)
+    mask = jnp.arange(n_tok)[None, :] <= jnp.arange(n_tok)[:, None]  # (T, T) key <= query
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    o = jnp.einsum("hgqk,khd->qhgd", p, v, precision=HIGHEST)  # (T, H_kv, G, D)
+    return o.reshape(n_tok, n_heads, d)
