@@ -1,0 +1,270 @@
+"""``make bench``: every stage against Hugging Face and against the machine's ceilings, in one run.
+
+    python -m bench.run [--quick] [--out DIR] [--model DIR]
+
+Workloads (fixed-length: every request produces exactly its budget of tokens):
+
+- (a) batch-1 decode: one chat prompt, 128 new tokens;
+- (b) 32 mixed requests: prompt lengths 10-300, budgets 16-128 (seeded), all submitted at once;
+- (c) 8 samples of one 200-token prompt (stages that share blocks do so; the others run 8 requests);
+- (d) decode latency against context length (128 .. 2048), per stage: the time of 16 extra decode
+  steps after a prompt of that length, divided by 16.
+
+Ceilings (``bench/ceilings.py``) are measured in the same run, and every speed is also reported as a
+ratio to HF and to the ceilings, because this machine is shared and noisy: only ratios measured side
+by side mean anything. Results go to ``OUT/results/*.json`` and ``OUT/plots/*.png`` (OUT defaults to
+``bench/``). ``--quick`` runs every part on a tiny random model with tiny sizes, so that the test suite
+can check the benchmark code without paying for it.
+
+Left out on purpose: sampling cost (all runs are greedy except the L5/L6 clone runs of (c)), latency
+percentiles under load, and any GPU/TPU numbers (there is no accelerator here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench import ceilings
+from bench.systems import System, hf_batch1, hf_batched, present_stages, stage
+from kvcourse.model import Transformer
+from kvcourse.model_store import REPO_ROOT, resolve_model_dir
+from kvcourse.prompts import Prompt, encode, load_tokenizer
+
+FULL = {"a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), "b_new": (16, 128), "c_n": 8,
+        "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 16}  # fmt: skip
+QUICK = {"a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_new": (2, 6), "c_n": 2,
+         "c_prompt": 20, "c_new": 4, "d_contexts": [16, 48], "d_steps": 2}  # fmt: skip
+
+
+def mixed_workload(vocab: int, n: int, prompt_range, new_range, seed: int = 0):
+    """n requests of seeded random token ids: ([prompt ids], [budgets]).
+
+    Random ids are fine for speed: with ``ignore_eos`` the text never changes what is computed.
+    """
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    return prompts, [rng.randint(*new_range) for _ in range(n)]
+
+
+def timed(system: System, prompts, budgets) -> dict:
+    t0 = time.perf_counter()
+    outs = system.run(prompts, budgets)
+    seconds = time.perf_counter() - t0
+    useful = sum(budgets)
+    assert [len(o) for o in outs] == budgets, f"{system.name} did not produce fixed-length outputs"
+    return {"seconds": seconds, "new_tokens": useful, "tok_s": useful / seconds}
+
+
+def paged_utilization(engine, prompts, budgets) -> dict:
+    """Step an L3-style engine through a workload; average live tokens / tokens of blocks held.
+
+    Live = positions whose K/V are in the pool; held = blocks owned by requests x block_size. The
+    pool's spare capacity is not counted: it is free for the next request, not wasted by this one.
+    """
+    for ids, budget in zip(prompts, budgets):
+        engine.add_request(ids, budget, ignore_eos=True)
+    live = held = 0
+    allocator = engine.allocator
+    while engine.has_unfinished():
+        engine.step()
+        live += sum(r.num_computed_tokens for r in engine.scheduler.running)
+        held += (allocator.num_blocks - allocator.num_free) * allocator.block_size
+    return {"utilization": live / held if held else 0.0, "preemptions": engine.num_preemptions}
+
+
+def sequential_utilization(prompts, budgets, held_positions) -> dict:
+    """L1/L2 run one request at a time: average live positions / positions held, step by step.
+
+    ``held_positions(n)`` is what the engine holds while a request has n positions cached: L1 always
+    holds max_seq_len, L2 holds whole blocks (n rounded up to the block size). The engines' allocation
+    rules are this simple, so the average is computed exactly rather than sampled.
+    """
+    live = held = 0
+    for ids, budget in zip(prompts, budgets):
+        for step in range(budget):  # the prefill, then budget - 1 decode steps
+            n = len(ids) + step
+            live += n
+            held += held_positions(n)
+    return {"utilization": live / held, "preemptions": 0}
+
+
+def decode_latency(system: System, vocab: int, context: int, steps: int) -> float:
+    """Seconds per decode step at ``context``: (time for 1 + steps tokens - time for 1) / steps.
+
+    Both runs prefill the same prompt, so the difference is the decode steps alone.
+    """
+    prompt = mixed_workload(vocab, 1, (context, context), (1, 1), seed=context)[0]
+    short = ceilings.median_seconds(lambda: system.run(prompt, [1]), 2)
+    long = ceilings.median_seconds(lambda: system.run(prompt, [1 + steps]), 2)
+    return max(long - short, 0.0) / steps
+
+
+def stage_options(name: str, sizes: dict, max_len: int) -> dict:
+    """Pool and batch sizes large enough that (b) and (c) run without preemption in every stage."""
+    if name in ("L1", "L2"):
+        return {"max_seq_len": max_len}
+    blocks = (sizes["b_requests"] + sizes["c_n"]) * (-(-max_len // 16))
+    if name == "L6":  # Levanter's names: pages and sequence slots
+        return {"max_model_len": max_len, "num_pages": blocks, "max_seqs": sizes["b_requests"]}
+    return {"max_model_len": max_len, "num_blocks": blocks, "max_num_seqs": sizes["b_requests"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (for tests)")
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench"), help="folder for results/ and plots/")
+    parser.add_argument("--model", help="model directory (default: the course model)")
+    parser.add_argument("--stages", help="comma-separated stages to run (default: every stage present)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    tmp = None
+    if args.quick and not args.model:
+        from kvcourse.tiny import make_tiny_checkpoint
+
+        tmp = tempfile.TemporaryDirectory(prefix="kvcourse-bench-")
+        model_dir = make_tiny_checkpoint("llama", tmp.name)
+    else:
+        model_dir = resolve_model_dir(args.model)
+    out = Path(args.out)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+
+    model = Transformer.from_dir(model_dir)
+    vocab = model.cfg.vocab_size
+    max_len = max(sizes["d_contexts"]) + sizes["d_steps"] + 8
+    max_len = max(max_len, sizes["b_prompt"][1] + sizes["b_new"][1], sizes["c_prompt"] + sizes["c_new"])
+    stages = args.stages.split(",") if args.stages else present_stages()
+    results = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cores": torch.get_num_threads(), "torch": torch.__version__},
+        "quick": args.quick,
+        "sizes": sizes,
+        "ceilings": ceilings.measure(model.w, quick=args.quick),
+    }  # fmt: skip
+    tok = load_tokenizer(model_dir)
+    chat = encode(tok, Prompt(messages=(("user", "Tell me a long story about a lighthouse keeper."),)))
+    b_prompts, b_budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
+    c_prompt = mixed_workload(vocab, 1, (sizes["c_prompt"],) * 2, (1, 1), seed=7)[0][0]
+
+    systems = [hf_batch1(model_dir), hf_batched(model_dir)]
+    systems += [stage(name, model_dir, **stage_options(name, sizes, max_len)) for name in stages]
+    plan = [(s, w) for s in systems for w in ("a", "b", "c")] + [(s, "d") for s in systems[:1]]
+    plan += [(s, "d") for s in systems if s.engine is not None]
+    rows: dict[str, dict] = {s.name: {} for s in systems}
+    for system, work in tqdm(plan, desc="bench", unit="run"):
+        row = rows[system.name]
+        if work == "a":
+            row["a"] = timed(system, [chat], [sizes["a_tokens"]])
+        elif work == "b":
+            row["b"] = timed(system, b_prompts, b_budgets)
+        elif work == "c":
+            row["c"] = timed(system, [c_prompt] * sizes["c_n"], [sizes["c_new"]] * sizes["c_n"])
+        else:
+            row["d"] = {
+                str(c): decode_latency(system, vocab, c, sizes["d_steps"]) for c in sizes["d_contexts"]
+            }
+    for name in stages:
+        if name == "L6":
+            continue  # its pages live on the device, in a jit'd loop: no per-step view from the host
+        fresh = stage(name, model_dir, **stage_options(name, sizes, max_len)).engine
+        if hasattr(fresh, "add_request"):
+            rows[name]["b_kv"] = paged_utilization(fresh, b_prompts, b_budgets)
+        elif hasattr(fresh, "allocator"):  # L2: whole blocks
+            bs = fresh.allocator.block_size
+            rows[name]["b_kv"] = sequential_utilization(
+                b_prompts, b_budgets, lambda n, bs=bs: -(-n // bs) * bs
+            )
+        else:  # L1: max_seq_len per request
+            rows[name]["b_kv"] = sequential_utilization(b_prompts, b_budgets, lambda n: max_len)
+    results["systems"] = rows
+    add_ratios(results)
+    (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out / "plots")
+    print(summary_table(results))
+    if tmp:
+        tmp.cleanup()
+    return 0
+
+
+def add_ratios(results: dict) -> None:
+    """tokens/s as multiples of HF and as fractions of the ceilings, for (a) and (b)."""
+    ceil = results["ceilings"]
+    systems = results["systems"]
+    for row in systems.values():
+        row["a"]["vs_hf_batch1"] = row["a"]["tok_s"] / systems["HF batch 1"]["a"]["tok_s"]
+        row["a"]["of_batch1_ceiling"] = row["a"]["tok_s"] / ceil["batch1_ceiling_tok_s"]
+        row["b"]["vs_hf_batched"] = row["b"]["tok_s"] / systems["HF batched"]["b"]["tok_s"]
+        row["b"]["of_large_batch_ceiling"] = row["b"]["tok_s"] / ceil["large_batch_ceiling_tok_s"]
+
+
+def summary_table(results: dict) -> str:
+    """The Markdown table README shows."""
+    c = results["ceilings"]
+    lines = [
+        f"ceilings: copy {c['copy_bandwidth_GBps']:.1f} GB/s over {c['weight_bytes'] / 1e6:.0f} MB of weights -> "
+        f"batch-1 {c['batch1_ceiling_tok_s']:.1f} tok/s; matmul {c['matmul_GFLOPs']:.1f} GFLOP/s -> "
+        f"large-batch {c['large_batch_ceiling_tok_s']:.1f} tok/s",
+        "",
+        f"| system | (a) batch-1 tok/s | vs HF b1 | of b1 ceiling | (b) {results['sizes']['b_requests']} mixed tok/s "
+        f"| vs HF batched | of large-batch ceiling | (b) KV utilization | (c) n={results['sizes']['c_n']} tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results["systems"].items():
+        kv = f"{100 * row['b_kv']['utilization']:.1f}%" if "b_kv" in row else "-"
+        lines.append(
+            f"| {name} | {row['a']['tok_s']:.1f} | {row['a']['vs_hf_batch1']:.2f}x | "
+            f"{100 * row['a']['of_batch1_ceiling']:.0f}% | {row['b']['tok_s']:.1f} | "
+            f"{row['b']['vs_hf_batched']:.2f}x | {100 * row['b']['of_large_batch_ceiling']:.0f}% | {kv} | "
+            f"{row['c']['tok_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems, ceil = results["systems"], results["ceilings"]
+    names = list(systems)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, work, ceiling, title in (
+        (axes[0], "a", ceil["batch1_ceiling_tok_s"], "(a) batch-1 decode"),
+        (axes[1], "b", ceil["large_batch_ceiling_tok_s"], "(b) 32 mixed requests"),
+    ):
+        ax.bar(names, [systems[n][work]["tok_s"] for n in names], color="tab:blue")
+        ax.axhline(ceiling, color="tab:red", linestyle="--", label=f"ceiling {ceiling:.0f} tok/s")
+        ax.set_title(title)
+        ax.set_ylabel("output tokens/s")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, row in systems.items():
+        if "d" in row:
+            contexts = [int(c) for c in row["d"]]
+            ax.plot(contexts, [1000 * s for s in row["d"].values()], "o-", label=name)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode step (ms)")
+    ax.set_title("(d) decode latency vs context, batch 1")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "decode_latency.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
