@@ -48,7 +48,9 @@ class Engine:
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir)
         cfg = self.model.cfg
-        self.max_model_len = min(2048, cfg.max_position_embeddings) if max_model_len is None else max_model_len
+        self.max_model_len = (
+            min(2048, cfg.max_position_embeddings) if max_model_len is None else max_model_len
+        )
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_model_len > cfg.max_position_embeddings:

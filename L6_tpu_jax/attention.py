@@ -17,8 +17,8 @@ q_len of its kv_len tokens. Block sizes decide how much work each loop step does
 started at 1 query x 2 pages per step and was ~3x slower end to end than at 16 x 16 (its default
 since); they change only the summation order, never which keys a query sees.
 
-A Pallas TPU kernel of the same algorithm is the planned next file (not in this checkout yet). Left
-out on purpose: sliding windows, soft-capping, quantized KV, and sharding heads across devices.
+``pallas_attention.py`` is the same algorithm as a Pallas TPU kernel (run on CPU in TPU interpret
+mode here). Left out on purpose: sliding windows, soft-capping, quantized KV, and sharding heads across devices.
 """
 
 from __future__ import annotations

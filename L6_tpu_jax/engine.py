@@ -45,10 +45,11 @@ from . import decode_state as ds
 from .attention import paged_attend, reference_kernel
 from .kv_cache import init_kv_pages
 from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv
+from .pallas_attention import pallas_kernel
 
 CLEANUPS = ("incremental", "end", "none")
 RESETS = ("logical", "physical")
-ATTENTIONS = ("reference",)  # a Pallas TPU kernel is planned, not written yet
+ATTENTIONS = ("reference", "pallas")  # pallas: TPU interpret mode off-TPU (slow; tests and smoke only)
 
 
 class OutOfPagesError(RuntimeError):
@@ -126,7 +127,8 @@ class Engine:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         self.max_prefill_tokens = max_prefill_tokens
         self.cleanup, self.reset_mode = cleanup, reset
-        self.kernel = reference_kernel(q_block, kv_pages_per_block)
+        make_kernel = pallas_kernel if attention == "pallas" else reference_kernel
+        self.kernel = make_kernel(q_block, kv_pages_per_block)
         stop = list(cfg.eos_token_ids) or [INVALID]
         self.state = ds.DecodeState.init(
             max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop

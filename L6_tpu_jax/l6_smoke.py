@@ -2,16 +2,17 @@
 
     python L6_tpu_jax/l6_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
 
-With no --model it runs the course model and a seeded random tiny Qwen3. The previous stage is L5
-when ``L5_clones/engine.py`` imports, else L4. Checked:
+With no --model it runs the course model and a seeded random tiny Qwen3, against L5 and HF. Checked:
 
 (a) L6 with the JAX reference attention (16 x 16 blocks), every prompt at once, incremental cleanup;
+(a') L6 with the Pallas kernel (``pallas_attention.py``) in TPU interpret mode on CPU: slow, so only the
+    first PALLAS_PROMPTS prompts, PALLAS_TOKENS tokens each, 2 slots and a 64-token model length;
 (b) (extra) 4 greedy clones of each prompt (prefilled once, full pages shared): every clone == HF,
     up to CLONE_TOKENS tokens;
 (c) (extra) two consecutive ``generate`` calls with logical reset == the same two with physical
     reset, and both == HF.
 
-Not run here: the Pallas TPU kernel (not written yet).
+Not run here: the Pallas kernel compiled for a real TPU (this checks it interpreted, on CPU only).
 """
 
 from __future__ import annotations
@@ -27,20 +28,23 @@ from L6_tpu_jax.engine import Engine
 
 CLONES = 4
 CLONE_TOKENS = 24
+PALLAS_PROMPTS, PALLAS_TOKENS = 2, 4
 
 
 def main_runs() -> list[StageRun]:
     """The configuration compared row by row with the previous stage and HF."""
-    return [StageRun("L6 JAX reference attention 16x16, incremental cleanup", lambda d: Engine(d))]
+    pallas = StageRun(
+        f"L6 Pallas kernel (TPU interpret mode), first {PALLAS_PROMPTS} prompts, {PALLAS_TOKENS} tokens",
+        lambda d: Engine(d, attention="pallas", max_seqs=2, max_model_len=64, kv_pages_per_block=4),
+        cap=PALLAS_TOKENS,
+        first=PALLAS_PROMPTS,
+    )
+    return [StageRun("L6 JAX reference attention 16x16, incremental cleanup", lambda d: Engine(d)), pallas]
 
 
 def previous() -> StageRun:
-    """L5 if it is in this checkout and imports, else L4."""
-    try:
-        name, cls = "L5 clones", engine_class("L5")
-    except (ValueError, ImportError):
-        name, cls = "L4 torch kernel", engine_class("L4")
-    return StageRun(name, lambda d: cls(d))
+    """The stage L6 is compared with."""
+    return StageRun("L5 clones", lambda model_dir: engine_class("L5")(model_dir))
 
 
 def clone_rows(model_dir: Path, tok, ids: list[list[int]], budget: list[int]) -> tuple[int, int]:
