@@ -14,7 +14,7 @@ state (m, l, acc) per query row::
 
 Mixed prefill and decode in one batch is just ragged q lengths: a sequence's new queries are the last
 q_len of its kv_len tokens. Block sizes decide how much work each loop step does. Levanter's reference
-started at 1 query x 2 pages per step and was ~3x slower end to end than at 16 x 16 (its default
+started at 1 query x 2 pages per step and was ~3x slower per round (2.3x end to end) than at 16 x 16 (its default
 since); they change only the summation order, never which keys a query sees.
 
 ``pallas_attention.py`` is the same algorithm as a Pallas TPU kernel (run on CPU in TPU interpret

@@ -172,7 +172,10 @@ class Engine:
         def clone_one(i, carry):
             return ds.clone_sequence(*carry, work["parents"][i], work["children"][i])
 
-        return jax.lax.fori_loop(0, self.max_seqs, clone_one, (state, kv_pages))
+        state, kv_pages = jax.lax.fori_loop(0, self.max_seqs, clone_one, (state, kv_pages))
+        if self.cleanup == "incremental":
+            state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)
+        return state, kv_pages
 
     def _decode_fn(self, params, state, kv_pages):
         self.traces["decode"] += 1
@@ -289,8 +292,9 @@ class Engine:
                 self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
             elif not running:
                 raise RuntimeError(
-                    f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free; with "
-                    f"cleanup='none' finished sequences keep their pages until the next generate()"
+                    f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free "
+                    f"(cleanup={self.cleanup!r}; with 'none', finished sequences keep their pages until the "
+                    f"next generate())"
                 )
             self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages)
 
