@@ -69,11 +69,13 @@ def paged_utilization(engine, prompts, budgets) -> dict:
 
     Live = positions whose K/V are in the pool; held = blocks owned by requests x block_size. The
     pool's spare capacity is not counted: it is free for the next request, not wasted by this one.
+    (With L5's sharing a block can hold live positions of several requests; the workload's random
+    prompts share nothing, so each live position is counted once.)
     """
     for ids, budget in zip(prompts, budgets):
         engine.add_request(ids, budget, ignore_eos=True)
     live = held = 0
-    allocator = engine.allocator
+    allocator = engine.manager if hasattr(engine, "manager") else engine.allocator  # L5 names it manager
     while engine.has_unfinished():
         engine.step()
         live += sum(r.num_computed_tokens for r in engine.scheduler.running)
