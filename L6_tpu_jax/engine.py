@@ -40,6 +40,7 @@ import numpy as np
 from kvcourse.jax_model import forward, load_params
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.requests import check_requests
+from kvcourse.stats import KvUsage
 
 from . import decode_state as ds
 from .attention import paged_attend, reference_kernel
@@ -216,6 +217,16 @@ class Engine:
     def peak_pages_in_use(self) -> int:
         """Most pages held at once during the last ``generate`` (clones' shared pages count once)."""
         return int(self.state.peak_pages_in_use)
+
+    @property
+    def usage(self) -> KvUsage:
+        """The pool's bytes versus the bytes of the most pages held at once in the last ``generate``.
+
+        The device counts pages, not positions, so "live" here includes the unused tail of each
+        sequence's last page (at most page_size - 1 positions per sequence).
+        """
+        page_bytes = self.page_size * self.cfg.kv_bytes_per_token()
+        return KvUsage(self.num_pages * page_bytes, self.peak_pages_in_use * page_bytes)
 
     def stats(self) -> dict[str, int]:
         """Active slots, pages in use, free pages and the largest refcount right now."""

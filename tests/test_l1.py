@@ -128,7 +128,8 @@ def test_l1_smoke_with_model_and_prompt_file(tiny_llama_dir, tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "L1 smoke: 2/2 prompts match HF (14 new tokens)"
 
 
-def test_cli_generate(tiny_llama_dir):
+@pytest.mark.parametrize("stage", ["L1", "L2", "L3", "L4", "L5", "L6"])
+def test_cli_generate(tiny_llama_dir, stage):
     res = subprocess.run(
         [
             sys.executable,
@@ -136,7 +137,7 @@ def test_cli_generate(tiny_llama_dir):
             "kvcourse",
             "generate",
             "--stage",
-            "L1",
+            stage,
             "--model",
             str(tiny_llama_dir),
             "--max-new-tokens",
@@ -151,7 +152,7 @@ def test_cli_generate(tiny_llama_dir):
     )
     assert res.returncode == 0, res.stderr
     assert "> chat: Hello there" in res.stdout
-    assert "L1: 6 new tokens in" in res.stdout and "KV reserved" in res.stdout and "% used" in res.stdout
+    assert f"{stage}: 6 new tokens in" in res.stdout and "KV reserved" in res.stdout and "% used" in res.stdout
 
 
 def test_cli_refuses_unknown_stage():
