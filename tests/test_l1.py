@@ -152,7 +152,9 @@ def test_cli_generate(tiny_llama_dir, stage):
     )
     assert res.returncode == 0, res.stderr
     assert "> chat: Hello there" in res.stdout
-    assert f"{stage}: 6 new tokens in" in res.stdout and "KV reserved" in res.stdout and "% used" in res.stdout
+    assert (
+        f"{stage}: 6 new tokens in" in res.stdout and "KV reserved" in res.stdout and "% used" in res.stdout
+    )
 
 
 def test_cli_refuses_unknown_stage():
