@@ -303,9 +303,13 @@ class Engine:
                 self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
             elif not running:
                 raise RuntimeError(
-                    f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free "
-                    f"(cleanup={self.cleanup!r}; with 'none', finished sequences keep their pages until the "
-                    f"next generate())"
+                    f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free with "
+                    f"cleanup={self.cleanup!r}"
+                    + (
+                        " (finished sequences keep their pages until the next generate())"
+                        if self.cleanup == "none"
+                        else ""
+                    )
                 )
             self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages)
 
