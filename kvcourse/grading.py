@@ -811,6 +811,20 @@ def check_block_hashes(block_hashes: Callable) -> None:
 # L6: the paged cache as device arrays (JAX)
 
 
+def _arrays_problem(names, expected, got) -> str | None:
+    """The first problem in a returned tuple of arrays, compared name by name; None when all match.
+
+    Example: ``_arrays_problem(("a",), [np.zeros(2)], 5)`` -> ``"returned int, expected 1 arrays"``.
+    """
+    if not isinstance(got, list | tuple) or len(got) != len(names):
+        return f"returned {type(got).__name__}, expected {len(names)} arrays"
+    for name, want, have in zip(names, expected, got):
+        problem = _array_problem(name, want, have)
+        if problem:
+            return problem
+    return None
+
+
 def _array_problem(what: str, expected, got) -> str | None:
     """None if ``got`` (any array-like) equals ``expected`` (a NumPy array) exactly, else what differs."""
     import numpy as np
@@ -879,14 +893,9 @@ def check_allocate(allocate: Callable) -> None:
             )
             inputs = [a.copy() for a in (refs_a, table_a, lens_a, slots_a, pos_a)]
             got = allocate(*inputs, page_size)
-            if not isinstance(got, list | tuple) or len(got) != 4:
-                return f"returned {type(got).__name__}, expected 4 arrays"
-            names = ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests")
-            for name, want, have in zip(names, expected, got):
-                problem = _array_problem(name, want, have)
-                if problem:
-                    return problem
-            return None
+            return _arrays_problem(
+                ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests"), expected, got
+            )
 
         return run
 
@@ -907,13 +916,25 @@ def check_allocate(allocate: Callable) -> None:
             ),
             Case(
                 "page_size 1: every token needs its own page, 3 sequences",
-                case([0, 1, 0, 0, 1, 0, 0, 0], [[1, e, e], [4, e, e], [e, e, e]], [1, 1, 0],
-                     [0, 1, 2, 2], [1, 1, 0, 1], 1),  # fmt: skip
+                case(
+                    [0, 1, 0, 0, 1, 0, 0, 0],
+                    [[1, e, e], [4, e, e], [e, e, e]],
+                    [1, 1, 0],
+                    [0, 1, 2, 2],
+                    [1, 1, 0, 1],
+                    1,
+                ),  # fmt: skip
             ),
             Case(
                 "page_size 4, mixed: prefill of slot 2 and decodes of slots 0 and 3",
-                case([1, 1, 0, 1, 0, 0, 0, 0, 0], [[0, 1, e], [e, e, e], [e, e, e], [3, e, e]],
-                     [8, 0, 0, 4], [0, 2, 2, 2, 2, 2, 3], [8, 0, 1, 2, 3, 4, 4], 4),  # fmt: skip
+                case(
+                    [1, 1, 0, 1, 0, 0, 0, 0, 0],
+                    [[0, 1, e], [e, e, e], [e, e, e], [3, e, e]],
+                    [8, 0, 0, 4],
+                    [0, 2, 2, 2, 2, 2, 3],
+                    [8, 0, 1, 2, 3, 4, 4],
+                    4,
+                ),  # fmt: skip
             ),
             Case(
                 "page_size 16, slot 1 decodes at position 31 (last slot of its 2nd page)",
@@ -954,14 +975,9 @@ def check_free_finished(free_finished: Callable) -> None:
                 np.asarray(seqs.used_mask),
             )
             got = free_finished(*[a.copy() for a in arrays])
-            if not isinstance(got, list | tuple) or len(got) != 4:
-                return f"returned {type(got).__name__}, expected 4 arrays"
-            names = ("page_ref_counts", "page_indices", "seq_lens", "used_mask")
-            for name, want, have in zip(names, expected, got):
-                problem = _array_problem(name, want, have)
-                if problem:
-                    return problem
-            return None
+            return _arrays_problem(
+                ("page_ref_counts", "page_indices", "seq_lens", "used_mask"), expected, got
+            )
 
         return run
 
@@ -986,8 +1002,13 @@ def check_free_finished(free_finished: Callable) -> None:
             ),
             Case(
                 "5 slots, one unused: 3 clones share page 0, two of them and slot 3 finish",
-                case([3, 1, 1, 1, 1, 0], [[0, 1], [0, 2], [0, 3], [4, e], [e, e]], [6, 6, 6, 2, 0],
-                     [T, T, T, T, F], [F, T, T, T, F]),  # fmt: skip
+                case(
+                    [3, 1, 1, 1, 1, 0],
+                    [[0, 1], [0, 2], [0, 3], [4, e], [e, e]],
+                    [6, 6, 6, 2, 0],
+                    [T, T, T, T, F],
+                    [F, T, T, T, F],
+                ),  # fmt: skip
             ),
         ]
     )
