@@ -122,13 +122,14 @@ def ragged_paged_attention(
 def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
     """The model's ``attend`` callback for one forward call: store this layer's new K/V, then attend.
 
-    Returns ``attend(kv_pages, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``.
+    Returns ``attend(kv_pages, layer, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``;
+    kv_pages is the tuple of every layer's pool, and only entry ``layer`` changes.
     """
 
-    def attend(kv_pages, q, k, v):
-        kv_pages = update_kv(kv_pages, info.new_token_dests, k, v)  # one scatter for all new tokens
-        out = kernel(q, kv_pages, info.seq_lens, info.page_indices, info.cu_q_lens, info.num_seqs)
-        return out, kv_pages
+    def attend(kv_pages, layer, q, k, v):
+        pool = update_kv(kv_pages[layer], info.new_token_dests, k, v)  # one scatter for all new tokens
+        out = kernel(q, pool, info.seq_lens, info.page_indices, info.cu_q_lens, info.num_seqs)
+        return out, kv_pages[:layer] + (pool,) + kv_pages[layer + 1 :]
 
     return attend
 

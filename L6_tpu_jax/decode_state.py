@@ -186,7 +186,7 @@ def update_tokens(state: DecodeState, info: PageBatchInfo, sampled: jax.Array) -
     )
 
 
-def clone_sequence(state: DecodeState, kv_pages: jax.Array, parent, child) -> tuple[DecodeState, jax.Array]:
+def clone_sequence(state: DecodeState, kv_pages: tuple, parent, child) -> tuple[DecodeState, tuple]:
     """Slot ``child`` becomes a clone of slot ``parent`` (a no-op when ``child`` is INVALID).
 
     It shares the parent's full pages, gets a copy of the partial last page (K/V copied in every

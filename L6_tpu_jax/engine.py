@@ -11,7 +11,10 @@
                    decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the token
                                       queue, allocate_for_seq, forward (KV write + ragged paged
                                       attention), greedy pick, update_tokens, and with
-                                      cleanup="incremental" free_pages_for_finished, every step
+                                      cleanup="incremental" free_pages_for_finished, every step.
+                                      The batch is as wide as the running sequences, rounded up to
+                                      a power of two (one compile per width): a lone sequence
+                                      decodes 1 row, not max_seqs padded rows
 
 ``cleanup`` says when a finished sequence's pages go back: ``"incremental"`` inside the decode loop,
 the step it finishes; ``"end"`` after each host call; ``"none"`` not until the next ``generate``
@@ -129,7 +132,8 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.cleanup, self.reset_mode = cleanup, reset
         make_kernel = pallas_kernel if attention == "pallas" else reference_kernel
-        self.kernel = make_kernel(q_block, kv_pages_per_block)
+        self.kernel = make_kernel(q_block, kv_pages_per_block)  # prefill: many queries per sequence
+        self.decode_kernel = make_kernel(1, kv_pages_per_block)  # decode: one query per sequence
         stop = list(cfg.eos_token_ids) or [INVALID]
         self.state = ds.DecodeState.init(
             max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop
@@ -139,35 +143,39 @@ class Engine:
         )
         self.traces: Counter[str] = Counter()  # how often each jit'd function was traced (= compiled)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,), static_argnums=(3,))
         self._free = jax.jit(ds.free_finished)
         self._reset_logical = jax.jit(ds.reset_logical)
-        self._zero = jax.jit(jnp.zeros_like)
+        self._zero = jax.jit(lambda pools: jax.tree.map(jnp.zeros_like, pools))
         self.reset_seconds = 0.0
 
     # ---- device functions (traced once per shape) ----
 
-    def _step(self, params, state, kv_pages, tokens, slot_ids, pos_ids):
+    def _step(self, params, state, kv_pages, tokens, slot_ids, pos_ids, kernel):
         """Allocate pages for a flat batch, run the model, pick each sequence's next token, update."""
         seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
-        logits_at = jnp.maximum(info.cu_q_lens[1:] - 1, 0)  # (S,) each sequence's last row
+        n_out = min(tokens.shape[0], self.max_seqs)  # a batch of T tokens holds at most T sequences
+        logits_at = jnp.maximum(info.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
         logits, kv_pages = forward(
             self.cfg,
             params,
             jnp.maximum(tokens, 0),
             jnp.maximum(pos_ids, 0),
-            paged_attend(info, self.kernel),
+            paged_attend(info, kernel),
             kv_pages,
             logits_at,
-        )  # (S, vocab)
-        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (S,) greedy
+        )  # (n_out, vocab)
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy
+        sampled = jnp.pad(sampled, (0, self.max_seqs - n_out))  # (S,) rows past the batch are ignored
         new = ds.update_tokens(replace(state, sequences=seqs, page_table=pages), info, sampled)
         return new, kv_pages, info
 
     def _prefill_fn(self, params, state, kv_pages, work):
         self.traces["prefill"] += 1
         state = ds.admit(state, work["new"], work["budgets"], work["ignore_eos"])
-        new, kv_pages, info = self._step(params, state, kv_pages, work["tokens"], work["slots"], work["pos"])
+        new, kv_pages, info = self._step(
+            params, state, kv_pages, work["tokens"], work["slots"], work["pos"], self.kernel
+        )
         state = record_shortage(keep_if(~info.out_of_pages, new, state), info)
 
         def clone_one(i, carry):
@@ -178,7 +186,7 @@ class Engine:
             state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)
         return state, kv_pages
 
-    def _decode_fn(self, params, state, kv_pages):
+    def _decode_fn(self, params, state, kv_pages, width):
         self.traces["decode"] += 1
 
         def go_on(carry):
@@ -187,9 +195,9 @@ class Engine:
 
         def one_round(carry):
             state, kv_pages, i = carry
-            queue, tokens, slots, pos = ds.pack_next(state.tqueue, self.max_seqs)
+            queue, tokens, slots, pos = ds.pack_next(state.tqueue, width)  # (width,) each
             new, kv_pages, info = self._step(
-                params, replace(state, tqueue=queue), kv_pages, tokens, slots, pos
+                params, replace(state, tqueue=queue), kv_pages, tokens, slots, pos, self.decode_kernel
             )
             if self.cleanup == "incremental":
                 new = ds.free_finished(new)  # pages return the step a sequence finishes
@@ -311,7 +319,10 @@ class Engine:
                         else ""
                     )
                 )
-            self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages)
+            queued = int(self.state.tqueue.num_queued)  # one token per running sequence
+            if queued:
+                width = min(self.max_seqs, bucket(queued, smallest=1))
+                self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages, width)
 
     def _admit(self, host, waiting, running, prompts, budgets, n, ignore_eos):
         """Give waiting prompts (in order) free slots while the pool can hold them to their budgets.
