@@ -119,6 +119,71 @@ def ragged_paged_attention(
     return out[:n_tok]
 
 
+def decode_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    kv_pages_per_block: int = 16,
+    scale: float | None = None,
+) -> jax.Array:
+    """``ragged_paged_attention`` for a decode batch, where every sequence brings exactly one query.
+
+    Same arguments and result, with row i of q being sequence i's query (cu_q_lens = 0, 1, 2, ...;
+    it is not read). With one query per sequence the loop over sequences becomes a batch axis: one
+    ``fori_loop`` walks KV blocks, and each step gathers block j of *every* sequence's pages at once,
+    (T, kv_pages_per_block, page_size, 2 * H_kv, D), which is what the Pallas grid's parallel sequence
+    axis does on a TPU. The loop runs to the longest sequence's last block; shorter ones are masked.
+    A query at position kv_len - 1 sees every key < kv_len, so the causal mask is the length mask.
+
+    Example, page_size 4, one block of 2 pages: kv_lens [6, 1], page_indices [[0, 2], [5, -1]]
+    -> one step reads pages 0, 2 (6 keys visible) for row 0 and page 5 (1 key) for row 1.
+    """
+    if kv_pages_per_block < 1:
+        raise ValueError(f"block sizes must be >= 1, got kv_pages_per_block={kv_pages_per_block}")
+    n_tok, n_heads, d = q.shape
+    ps, n_kv = kv_pages.shape[1], kv_pages.shape[2] // 2
+    g = n_heads // n_kv
+    scale = d**-0.5 if scale is None else scale
+    span = kv_pages_per_block * ps  # keys per KV block
+    per_seq = page_indices.shape[1]
+    pages = jnp.pad(page_indices[:n_tok], ((0, 0), (0, cdiv(per_seq, kv_pages_per_block) * kv_pages_per_block - per_seq)),
+                    constant_values=INVALID)  # (T, whole KV blocks)  # fmt: skip
+    live = jnp.arange(n_tok) < num_seqs  # (T,) rows that are sequences
+    kv_len = jnp.where(live, kv_lens[:n_tok], 0)  # (T,)
+    qs = q.reshape(n_tok, n_kv, g, d)  # (T, H_kv, G, D)
+
+    def one_kv_block(j, carry):
+        m, l, acc = carry
+        blk = jax.lax.dynamic_slice_in_dim(
+            pages, j * kv_pages_per_block, kv_pages_per_block, axis=1
+        )  # (T, N)
+        kv = kv_pages[jnp.maximum(blk, 0)].reshape(n_tok, span, 2 * n_kv, d)  # (T, span, 2 * H_kv, D)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, span, H_kv, D) each
+        sc = jnp.einsum("thgd,tkhd->thgk", qs, k, precision=HIGHEST) * scale  # (T, H_kv, G, span)
+        visible = j * span + jnp.arange(span)[None, :] < kv_len[:, None]  # (T, span)
+        sc = jnp.where(visible[:, None, None, :], sc, -jnp.inf)
+        m_new = jnp.maximum(m, sc.max(axis=-1))  # (T, H_kv, G)
+        base = jnp.where(jnp.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
+        p = jnp.exp(sc - base[..., None])  # (T, H_kv, G, span)
+        alpha = jnp.exp(m - base)
+        l = alpha * l + p.sum(axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("thgk,tkhd->thgd", p, v, precision=HIGHEST)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((n_tok, n_kv, g), -jnp.inf),
+        jnp.zeros((n_tok, n_kv, g)),
+        jnp.zeros((n_tok, n_kv, g, d)),
+    )
+    m, l, acc = jax.lax.fori_loop(0, cdiv(jnp.max(kv_len), span), one_kv_block, init)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # (T, H_kv, G, D); padding rows stay 0
+    return out.reshape(n_tok, n_heads, d)
+
+
 def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
     """The model's ``attend`` callback for one forward call: store this layer's new K/V, then attend.
 
@@ -137,3 +202,8 @@ def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
 def reference_kernel(q_block: int = 16, kv_pages_per_block: int = 16):
     """``ragged_paged_attention`` with these block sizes, ready for ``paged_attend``."""
     return functools.partial(ragged_paged_attention, q_block=q_block, kv_pages_per_block=kv_pages_per_block)
+
+
+def reference_decode_kernel(kv_pages_per_block: int = 16):
+    """``decode_paged_attention`` with this block size, ready for ``paged_attend`` in decode rounds."""
+    return functools.partial(decode_paged_attention, kv_pages_per_block=kv_pages_per_block)

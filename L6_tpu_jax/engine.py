@@ -4,7 +4,8 @@
                                       the KV pages); always run, on every host, whatever the process count
                  loop on the host:
                    collect          -> read finished slots' tokens (jax.device_get)
-                   admit + prefill  -> waiting prompts that fit get slots; ONE jit'd call allocates their
+                   admit + prefill  -> waiting prompts that fit get slots; one jit'd call per up to
+                                      max_prefill_tokens (repeated until nothing more fits) allocates their
                                       pages, runs the prompts (lengths bucketed to powers of two, so a
                                       new prompt length rarely means a new compile), picks each first
                                       token, and clones n_generations - 1 copies sharing full pages
@@ -46,7 +47,7 @@ from kvcourse.requests import check_requests
 from kvcourse.stats import KvUsage
 
 from . import decode_state as ds
-from .attention import paged_attend, reference_kernel
+from .attention import paged_attend, reference_decode_kernel, reference_kernel
 from .kv_cache import init_kv_pages
 from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv
 from .pallas_attention import pallas_kernel
@@ -107,6 +108,7 @@ class Engine:
         attention: str = "reference",
         q_block: int = 16,
         kv_pages_per_block: int = 16,
+        decode_kv_pages_per_block: int = 4,
     ):
         for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
             if value not in choices:
@@ -131,9 +133,15 @@ class Engine:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         self.max_prefill_tokens = max_prefill_tokens
         self.cleanup, self.reset_mode = cleanup, reset
-        make_kernel = pallas_kernel if attention == "pallas" else reference_kernel
-        self.kernel = make_kernel(q_block, kv_pages_per_block)  # prefill: many queries per sequence
-        self.decode_kernel = make_kernel(1, kv_pages_per_block)  # decode: one query per sequence
+        # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
+        # batches its sequences (and the Pallas kernel uses one-row query blocks, not 15 rows of
+        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §6).
+        if attention == "pallas":
+            self.kernel = pallas_kernel(q_block, kv_pages_per_block)
+            self.decode_kernel = pallas_kernel(1, decode_kv_pages_per_block)
+        else:
+            self.kernel = reference_kernel(q_block, kv_pages_per_block)
+            self.decode_kernel = reference_decode_kernel(decode_kv_pages_per_block)
         stop = list(cfg.eos_token_ids) or [INVALID]
         self.state = ds.DecodeState.init(
             max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop
@@ -308,8 +316,11 @@ class Engine:
                 return results
             work = self._admit(host, waiting, running, prompts, budgets, n, ignore_eos)
             if work is not None:
+                # Prefill, then collect again before admitting more (a prompt can finish on its prefill
+                # token and free its slot): everything that fits is admitted before the next decode.
                 self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
-            elif not running:
+                continue
+            if not running:
                 raise RuntimeError(
                     f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free with "
                     f"cleanup={self.cleanup!r}"

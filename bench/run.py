@@ -9,6 +9,13 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
 - (c) 8 samples of one 200-token prompt (stages that share blocks do so; the others run 8 requests);
 - (d) decode latency against context length (128 .. 2048), per stage: the time of 16 extra decode
   steps after a prompt of that length, divided by 16.
+- (e) L6 alone: its reference attention, jit'd, per block size (``q_block`` x ``kv_pages_per_block``)
+  on a 32-sequence decode batch and a 512-token prefill; and the time of a logical reset (metadata)
+  against a physical one (also zeroes every page of the pool).
+
+KV utilization on (b): live positions / positions of the blocks held, averaged over steps (L3-L5
+step on the host; L1 and L2 run one request at a time and are computed from their allocation rules;
+L6 decodes on the device, so it is sampled at every host round).
 
 Ceilings (``bench/ceilings.py``) are measured in the same run, and every speed is also reported as a
 ratio to HF and to the ceilings, because this machine is shared and noisy: only ratios measured side
@@ -23,6 +30,7 @@ percentiles under load, and any GPU/TPU numbers (there is no accelerator here).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import random
@@ -40,9 +48,12 @@ from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.prompts import Prompt, encode, load_tokenizer
 
 FULL = {"a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), "b_new": (16, 128), "c_n": 8,
-        "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 16}  # fmt: skip
+        "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 16,
+        "e_decode_seqs": 32, "e_context": 512, "e_prefill": 512,
+        "e_blocks": [(1, 1), (1, 4), (1, 16), (16, 4), (16, 16), (32, 32)]}  # fmt: skip
 QUICK = {"a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_new": (2, 6), "c_n": 2,
-         "c_prompt": 20, "c_new": 4, "d_contexts": [16, 48], "d_steps": 2}  # fmt: skip
+         "c_prompt": 20, "c_new": 4, "d_contexts": [16, 48], "d_steps": 2,
+         "e_decode_seqs": 2, "e_context": 40, "e_prefill": 24, "e_blocks": [(1, 1), (16, 16)]}  # fmt: skip
 
 
 def mixed_workload(vocab: int, n: int, prompt_range, new_range, seed: int = 0):
@@ -97,6 +108,88 @@ def sequential_utilization(prompts, budgets, held_positions) -> dict:
             live += n
             held += held_positions(n)
     return {"utilization": live / held, "preemptions": 0}
+
+
+def sampled_utilization(engine, prompts, budgets) -> dict:
+    """L6 decodes on the device, up to ``max_rounds`` steps per host call, so its pool is sampled at
+    every host round instead of every step: live positions (sequence lengths) / positions of pages held.
+    """
+    samples = []
+    host_state = engine.host_state
+
+    def recording():
+        state = host_state()
+        used = state.sequences.used_mask & ~state.finished  # finished slots may still hold pages
+        live = int(state.sequences.seq_lens[used].sum())
+        held = int((state.page_table.page_ref_counts > 0).sum()) * engine.page_size
+        if held:
+            samples.append((live, held))
+        return state
+
+    engine.host_state = recording
+    try:
+        engine.generate(prompts, budgets, ignore_eos=True)
+    finally:
+        del engine.host_state
+    live, held = (sum(x) for x in zip(*samples))
+    return {"utilization": live / held, "preemptions": 0, "samples": len(samples)}
+
+
+def block_size_sweep(cfg, sizes: dict) -> dict:
+    """(e) L6's reference attention alone, jit'd, for a decode batch and a prefill, per block size.
+
+    ``q_block`` x ``kv_pages_per_block`` only changes how much work each loop step does (and the
+    summation order), never which keys a query sees. Milliseconds per call, median of 5.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from L6_tpu_jax.attention import decode_paged_attention, ragged_paged_attention
+
+    rng = np.random.default_rng(0)
+    n_heads, n_kv, d, ps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
+    n_seq, ctx, prefill = sizes["e_decode_seqs"], sizes["e_context"], sizes["e_prefill"]
+    per_seq = -(-max(ctx, prefill) // ps)
+    n_pages = n_seq * per_seq
+    pool = jnp.asarray(rng.standard_normal((n_pages, ps, 2 * n_kv, d), np.float32))
+    pages = jnp.asarray(rng.permutation(n_pages).reshape(n_seq, per_seq).astype(np.int32))
+    batches = {
+        "decode": (n_seq, jnp.full(n_seq, ctx, jnp.int32), jnp.arange(n_seq + 1, dtype=jnp.int32)),
+        "prefill": (prefill, jnp.full(n_seq, prefill, jnp.int32).at[1:].set(0),
+                    jnp.full(n_seq + 1, prefill, jnp.int32).at[0].set(0)),
+    }  # fmt: skip
+
+    def ms(kernel, args) -> float:
+        f = jax.jit(kernel)
+        return 1000 * ceilings.median_seconds(lambda: f(*args).block_until_ready(), 5)
+
+    rows = {}
+    for work, (n_tok, kv_lens, cu) in batches.items():
+        q = jnp.asarray(rng.standard_normal((n_tok, n_heads, d), np.float32))
+        args = (q, pool, kv_lens, pages, cu, jnp.int32(n_seq if work == "decode" else 1))
+        for qb, kb in sizes["e_blocks"]:
+            rows[f"{work} ragged q{qb} x kv{kb}"] = ms(
+                functools.partial(ragged_paged_attention, q_block=qb, kv_pages_per_block=kb), args
+            )
+            if work == "decode" and qb == 1:
+                rows[f"decode batched kv{kb}"] = ms(
+                    functools.partial(decode_paged_attention, kv_pages_per_block=kb), args
+                )
+    return rows
+
+
+def reset_times(model_dir, options: dict) -> dict:
+    """(e) Milliseconds of L6's logical reset (metadata only) and physical reset (also zeroes every page)."""
+    from L6_tpu_jax.engine import Engine
+
+    out = {}
+    for mode in ("logical", "physical"):
+        engine = Engine(model_dir, reset=mode, **options)
+        engine.reset()  # compile
+        out[mode] = 1000 * ceilings.median_seconds(engine.reset, 5)
+        out["pool_MB"] = sum(pool.nbytes for pool in engine.kv_pages) / 1e6
+    return out
 
 
 def decode_latency(system: System, vocab: int, context: int, steps: int) -> float:
@@ -175,10 +268,10 @@ def main(argv=None) -> int:
                 str(c): decode_latency(system, vocab, c, sizes["d_steps"]) for c in sizes["d_contexts"]
             }
     for name in stages:
-        if name == "L6":
-            continue  # its pages live on the device, in a jit'd loop: no per-step view from the host
         fresh = stage(name, model_dir, **stage_options(name, sizes, max_len)).engine
-        if hasattr(fresh, "add_request"):
+        if name == "L6":
+            rows[name]["b_kv"] = sampled_utilization(fresh, b_prompts, b_budgets)
+        elif hasattr(fresh, "add_request"):
             rows[name]["b_kv"] = paged_utilization(fresh, b_prompts, b_budgets)
         elif hasattr(fresh, "allocator"):  # L2: whole blocks
             bs = fresh.allocator.block_size
@@ -188,6 +281,11 @@ def main(argv=None) -> int:
         else:  # L1: max_seq_len per request
             rows[name]["b_kv"] = sequential_utilization(b_prompts, b_budgets, lambda n: max_len)
     results["systems"] = rows
+    if "L6" in stages:
+        results["e"] = {
+            "block_sizes_ms": block_size_sweep(model.cfg, sizes),
+            "reset_ms": reset_times(model_dir, stage_options("L6", sizes, max_len)),
+        }
     add_ratios(results)
     (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "plots")
@@ -228,6 +326,15 @@ def summary_table(results: dict) -> str:
             f"{row['b']['vs_hf_batched']:.2f}x | {100 * row['b']['of_large_batch_ceiling']:.0f}% | {kv} | "
             f"{row['c']['tok_s']:.1f} |"
         )
+    if "e" in results:
+        e = results["e"]
+        lines += ["", "| (e) L6 attention alone | ms per call |", "|---|---|"]
+        lines += [f"| {name} | {ms:.2f} |" for name, ms in e["block_sizes_ms"].items()]
+        r = e["reset_ms"]
+        lines += [
+            "",
+            f"(e) reset of a {r['pool_MB']:.0f} MB pool: logical {r['logical']:.2f} ms, physical {r['physical']:.1f} ms",
+        ]
     return "\n".join(lines)
 
 
