@@ -41,6 +41,20 @@ def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch
     return (w[..., None] * acc).sum(dim=0) / (w * l).sum(dim=0)[..., None]
 
 
+def online_softmax_update(m, l, acc, s, v, pv: str):
+    """Fold one block's scores ``s`` (..., keys) and values ``v`` into the running (m, l, acc).
+
+    ``pv`` is the einsum that multiplies the block's probabilities by its values. Rows whose keys are
+    all masked so far keep m = -inf; they exponentiate against 0 (``base``), since exp(-inf - -inf)
+    would be NaN. Returns the new (m, l, acc).
+    """
+    m_new = torch.maximum(m, s.amax(dim=-1))  # running max
+    base = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    p = torch.exp(s - base[..., None])  # masked entries are 0
+    alpha = torch.exp(m - base)  # rescales what was accumulated under the old max
+    return m_new, alpha * l + p.sum(dim=-1), alpha[..., None] * acc + torch.einsum(pv, p, v)
+
+
 def attend_blocks(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -67,13 +81,47 @@ def attend_blocks(
         s = torch.einsum("hgqd,hkd->hgqk", q, k) * scale  # (H_kv, G, Tq, block_size)
         k_pos = j * block_size + torch.arange(block_size)  # (block_size,)
         s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))  # causal (and beyond the end)
-        m_new = torch.maximum(m, s.amax(dim=-1))  # (H_kv, G, Tq)
-        base = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        p = torch.exp(s - base[..., None])  # (H_kv, G, Tq, block_size), masked entries are 0
-        alpha = torch.exp(m - base)  # rescales what was accumulated under the old max
-        l = alpha * l + p.sum(dim=-1)
-        acc = alpha[..., None] * acc + torch.einsum("hgqk,hkd->hgqd", p, v)
-        m = m_new
+        m, l, acc = online_softmax_update(m, l, acc, s, v, "hgqk,hkd->hgqd")
+    return m, l, acc
+
+
+def attend_decode_batch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    first_block: int,
+    last_block: int,
+    scale: float,
+    blocks_per_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online softmax of B decode queries (one per sequence) over logical blocks first..last - 1, all
+    sequences at once, ``blocks_per_tile`` blocks per step.
+
+    On a GPU every (sequence, head) is its own program and they run side by side; here the sequences
+    are a batch axis instead of a Python loop. Each step gathers a tile of every sequence's blocks,
+    ``k_pool[ids]`` (B, tile blocks, block_size, H_kv, D): the copy a GPU program makes when it loads
+    blocks into on-chip memory, one tile at a time, never the whole history. Keys at or past a
+    sequence's context length are masked (a decode query sees every earlier key), so table padding
+    may name any block.
+
+    q: (B, H_kv, G, D); block_tables: (B, >= last_block), entries clamped into the pool;
+    context_lens: (B,). Returns m, l: (B, H_kv, G) and acc: (B, H_kv, G, D).
+    """
+    n_seq, n_kv, g, d = q.shape
+    block_size = k_pool.shape[1]
+    m = torch.full((n_seq, n_kv, g), float("-inf"))
+    l = torch.zeros(n_seq, n_kv, g)
+    acc = torch.zeros(n_seq, n_kv, g, d)
+    for j in range(first_block, last_block, blocks_per_tile):
+        ids = block_tables[:, j : min(j + blocks_per_tile, last_block)]  # (B, n) physical blocks
+        k = k_pool[ids].flatten(1, 2)  # (B, n * block_size, H_kv, D): the tile, gathered
+        v = v_pool[ids].flatten(1, 2)
+        s = torch.einsum("bhgd,bkhd->bhgk", q, k) * scale  # (B, H_kv, G, n * block_size)
+        k_pos = j * block_size + torch.arange(k.shape[1])  # (n * block_size,)
+        s = s.masked_fill((k_pos[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
+        m, l, acc = online_softmax_update(m, l, acc, s, v, "bhgk,bkhd->bhgd")
     return m, l, acc
 
 
@@ -86,31 +134,52 @@ def paged_attention(
     cu_q_lens: torch.Tensor,
     num_splits: int = 1,
     scale: float | None = None,
+    blocks_per_tile: int = 16,
 ) -> torch.Tensor:
     """Attention of a flat batch of new tokens over their sequences' paged KV history.
 
     q: (T, H, D), the new tokens of all sequences back to back; k_pool, v_pool: (num_blocks,
     block_size, H_kv, D), already holding these tokens' K/V; block_tables: (S, max_blocks) int, row s
-    lists sequence s's physical blocks in order (padding past its length is never read);
+    lists sequence s's physical blocks in order (padding past its length is never used);
     context_lens: (S,) tokens of history including the new ones; cu_q_lens: (S + 1,) query offsets,
     sequence s owns q rows cu_q_lens[s]:cu_q_lens[s + 1]. num_splits > 1 takes the split-KV path.
     Returns (T, H, D).
+
+    Sequences with one new token (decode) go through ``attend_decode_batch`` together, a tile of
+    ``blocks_per_tile`` blocks per step; the others (prefill, chunks) one by one through
+    ``attend_blocks``, a block per step.
 
     Example: a decode batch of two sequences with 5 and 20 tokens of history, block_size 16:
     block_tables [[7, 0], [2, 9]], context_lens [5, 20], cu_q_lens [0, 1, 2]; the first query reads
     block 7 (5 keys), the second reads blocks 2 and 9 (16 + 4 keys).
     """
     n_tok, n_heads, d = q.shape
-    block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
+    num_blocks, block_size, n_kv = k_pool.shape[:3]
     g = n_heads // n_kv
     scale = d**-0.5 if scale is None else scale
     out = torch.empty_like(q)
-    for s in range(block_tables.shape[0]):
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # (S,)
+
+    decode = (q_lens == 1).nonzero().flatten()  # (B,) sequences with one new token
+    if len(decode):
+        rows, ctx = cu_q_lens[decode], context_lens[decode]  # (B,) each
+        n_blocks = (int(ctx.max()) + block_size - 1) // block_size
+        tables = block_tables[decode, :n_blocks].clamp(0, num_blocks - 1)  # (B, n_blocks)
+        per_split = -(-n_blocks // num_splits)  # ceil: blocks handled by each split
+        partials = [
+            attend_decode_batch(q[rows].view(-1, n_kv, g, d), k_pool, v_pool, tables, ctx, i,
+                                min(i + per_split, n_blocks), scale, blocks_per_tile)
+            for i in range(0, n_blocks, per_split)
+        ]  # fmt: skip
+        m, l, acc = (torch.stack(t) for t in zip(*partials))  # (splits, B, H_kv, G[, D])
+        out[rows] = merge_partials(m, l, acc).reshape(-1, n_heads, d)
+
+    for s in (q_lens != 1).nonzero().flatten().tolist():
         q0, q1, ctx = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(context_lens[s])
         qs = q[q0:q1].view(q1 - q0, n_kv, g, d).permute(1, 2, 0, 3)  # (H_kv, G, Tq, D)
         q_pos = torch.arange(ctx - (q1 - q0), ctx)  # (Tq,) the new tokens are the last Tq positions
         blocks = block_tables[s, : (ctx + block_size - 1) // block_size].tolist()
-        per_split = -(-len(blocks) // num_splits)  # ceil: blocks handled by each split
+        per_split = -(-len(blocks) // num_splits)
         partials = [
             attend_blocks(qs, k_pool, v_pool, blocks[i : i + per_split], i, q_pos, scale)
             for i in range(0, len(blocks), per_split)

@@ -3,7 +3,7 @@
 Every case builds a pool with shuffled, non-contiguous block ids, writes random K/V, and compares the
 kernel with plain softmax attention over the gathered history (the L3 way), for: lengths 1, exact
 multiples of block_size and ragged; block sizes 1, 7, 16; GQA ratios 1, 3, 4; 1 and 4 splits; decode
-queries and mixed prefill chunks (causal inside the new tokens).
+queries (batched, in tiles of 1, 3 and 16 blocks) and mixed prefill chunks (causal inside the new tokens).
 """
 
 from __future__ import annotations
@@ -57,11 +57,14 @@ def cases():
             yield block_size, n_heads, n_kv, [1, 3 * block_size, 23, 9], [1, 1, 6, 9]
 
 
+@pytest.mark.parametrize("blocks_per_tile", [1, 3, 16])  # decode rows: tiles of blocks, ragged last tile
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
-def test_torch_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits):
+def test_torch_kernel_matches_dense(
+    block_size, n_heads, n_kv, context_lens, q_lens, num_splits, blocks_per_tile
+):
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
-    got = paged_attention(*args, num_splits=num_splits)
+    got = paged_attention(*args, num_splits=num_splits, blocks_per_tile=blocks_per_tile)
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
 
 
