@@ -30,6 +30,12 @@ class System:
     run: Run
     engine: object | None = None  # the course engine, for its memory counters
 
+    def run_samples(self, prompt: list[int], budget: int, n: int) -> list[list[int]]:
+        """n sequences of one prompt: prefilled once and forked where the stage can (L5, L6), else n requests."""
+        if hasattr(self.engine, "generate_samples"):
+            return self.engine.generate_samples([prompt], budget, n=n, ignore_eos=True)[0]
+        return self.run([prompt] * n, [budget] * n)
+
 
 def hf_batch1(model_dir) -> System:
     model = load_hf_model(model_dir)
