@@ -34,6 +34,24 @@ from .kv_cache import update_kv
 from .page_table import INVALID, PageBatchInfo, cdiv
 
 
+def empty_softmax_state(rows: tuple[int, ...], d: int):
+    """(m, l, acc) before any key: m = -inf, l = 0 of shape ``rows``; acc = 0 of shape rows + (d,)."""
+    return jnp.full(rows, -jnp.inf), jnp.zeros(rows), jnp.zeros((*rows, d))
+
+
+def online_softmax_update(m, l, acc, sc, v, pv: str):
+    """Fold one KV block's masked scores ``sc`` (..., keys) and values ``v`` into (m, l, acc).
+
+    L4's update in JAX; ``pv`` is the einsum of the block's probabilities with its values. Rows with
+    nothing visible yet keep m = -inf and exponentiate against 0 (exp(-inf - -inf) would be NaN).
+    """
+    m_new = jnp.maximum(m, sc.max(axis=-1))  # running max
+    base = jnp.where(jnp.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    p = jnp.exp(sc - base[..., None])  # masked entries are 0
+    alpha = jnp.exp(m - base)  # rescales what was accumulated under the old max
+    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + jnp.einsum(pv, p, v, precision=HIGHEST)
+
+
 def ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -93,19 +111,9 @@ def ragged_paged_attention(
                 k_pos = j * span + jnp.arange(span)  # (span,)
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)  # (QB, span)
                 sc = jnp.where(visible, sc, -jnp.inf)
-                m_new = jnp.maximum(m, sc.max(axis=-1))  # (H_kv, G, QB)
-                base = jnp.where(jnp.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
-                p = jnp.exp(sc - base[..., None])  # (H_kv, G, QB, span)
-                alpha = jnp.exp(m - base)
-                l = alpha * l + p.sum(axis=-1)
-                acc = alpha[..., None] * acc + jnp.einsum("hgqk,khd->hgqd", p, v, precision=HIGHEST)
-                return m_new, l, acc
+                return online_softmax_update(m, l, acc, sc, v, "hgqk,khd->hgqd")
 
-            init = (
-                jnp.full((n_kv, g, q_block), -jnp.inf),
-                jnp.zeros((n_kv, g, q_block)),
-                jnp.zeros((n_kv, g, q_block, d)),
-            )
+            init = empty_softmax_state((n_kv, g, q_block), d)
             m, l, acc = jax.lax.fori_loop(0, cdiv(newest + 1, span), one_kv_block, init)
             o = acc / jnp.where(l == 0, 1.0, l)[..., None]  # (H_kv, G, QB, D)
             o = o.transpose(2, 0, 1, 3).reshape(q_block, n_heads, d)  # (QB, H, D)
@@ -166,19 +174,9 @@ def decode_paged_attention(
         sc = jnp.einsum("thgd,tkhd->thgk", qs, k, precision=HIGHEST) * scale  # (T, H_kv, G, span)
         visible = j * span + jnp.arange(span)[None, :] < kv_len[:, None]  # (T, span)
         sc = jnp.where(visible[:, None, None, :], sc, -jnp.inf)
-        m_new = jnp.maximum(m, sc.max(axis=-1))  # (T, H_kv, G)
-        base = jnp.where(jnp.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        p = jnp.exp(sc - base[..., None])  # (T, H_kv, G, span)
-        alpha = jnp.exp(m - base)
-        l = alpha * l + p.sum(axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("thgk,tkhd->thgd", p, v, precision=HIGHEST)
-        return m_new, l, acc
+        return online_softmax_update(m, l, acc, sc, v, "thgk,tkhd->thgd")
 
-    init = (
-        jnp.full((n_tok, n_kv, g), -jnp.inf),
-        jnp.zeros((n_tok, n_kv, g)),
-        jnp.zeros((n_tok, n_kv, g, d)),
-    )
+    init = empty_softmax_state((n_tok, n_kv, g), d)
     m, l, acc = jax.lax.fori_loop(0, cdiv(jnp.max(kv_len), span), one_kv_block, init)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # (T, H_kv, G, D); padding rows stay 0
     return out.reshape(n_tok, n_heads, d)
