@@ -230,6 +230,16 @@ def decode_latency(system: System, vocab: int, context: int, steps: int) -> floa
     return max(long - short, 0.0) / steps
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
 def stage_options(name: str, sizes: dict, max_len: int) -> dict:
     """Pool and batch sizes large enough that (b), (c) and (d) run without preemption in every stage,
     and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens).
@@ -272,8 +282,8 @@ def main(argv=None) -> int:
     max_len = max(max_len, sizes["b_prompt"][1] + sizes["b_new"][1], sizes["c_prompt"] + sizes["c_new"])
     stages = args.stages.split(",") if args.stages else present_stages()
     results = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cores": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": {"platform": platform.platform(), "processor": cpu_name(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
         "quick": args.quick,
         "sizes": sizes,
         "ceilings": ceilings.measure(model.w, quick=args.quick),
@@ -354,8 +364,9 @@ def add_ratios(results: dict) -> None:
 
 def summary_table(results: dict) -> str:
     """The Markdown table README shows."""
-    c = results["ceilings"]
+    c, m = results["ceilings"], results["machine"]
     lines = [
+        f"machine: {m['processor']}, {m['threads']} threads, {m['platform']}, torch {m['torch']}",
         f"ceilings: copy {c['copy_bandwidth_GBps']:.1f} GB/s over {c['weight_bytes'] / 1e6:.0f} MB of weights -> "
         f"batch-1 {c['batch1_ceiling_tok_s']:.1f} tok/s; matmul {c['matmul_GFLOPs']:.1f} GFLOP/s -> "
         f"large-batch {c['large_batch_ceiling_tok_s']:.1f} tok/s",
