@@ -10,8 +10,9 @@ the attention output *and* the updated cache::
 
     attend(kv, layer, q, k, v) -> (out, kv)   # q: (T, H, D), k/v: (T, H_kv, D) after RoPE; out: (T, H, D)
 
-``kv`` is whatever the caller keeps (L6: every layer's page pool, stacked), or ``None`` for no cache.
-``attend`` writes this layer's new K/V and reads its history in place, by index into the stack.
+``kv`` is whatever the caller keeps (L6: a tuple of page pools, one per layer), or ``None`` for no cache.
+``attend`` writes layer ``layer``'s new K/V, reads its history in place, and returns the cache with only
+that layer's part changed.
 
 The layers are a Python loop over a tuple of per-layer weights, unrolled when ``jit`` traces it.
 Levanter instead stacks every layer's weights along a leading axis and runs one ``jax.lax.scan`` (XLA
