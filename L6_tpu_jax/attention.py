@@ -34,6 +34,26 @@ from .kv_cache import update_kv
 from .page_table import INVALID, PageBatchInfo, cdiv
 
 
+def check_block_sizes(**sizes: int) -> None:
+    """Raise ValueError naming every block size unless all are >= 1.
+
+    Example: ``check_block_sizes(q_block=0, kv_pages_per_block=16)`` raises
+    ``block sizes must be >= 1, got q_block=0, kv_pages_per_block=16``.
+    """
+    if min(sizes.values()) < 1:
+        raise ValueError("block sizes must be >= 1, got " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
+
+
+def pad_to_kv_blocks(page_indices: jax.Array, kv_pages_per_block: int) -> jax.Array:
+    """Pad each row of a page table with INVALID to a whole number of KV blocks.
+
+    Example: pages per row 5, kv_pages_per_block 2 -> 6 columns, the last one INVALID.
+    """
+    per_seq = page_indices.shape[1]
+    pad = cdiv(per_seq, kv_pages_per_block) * kv_pages_per_block - per_seq
+    return jnp.pad(page_indices, ((0, 0), (0, pad)), constant_values=INVALID)
+
+
 def empty_softmax_state(rows: tuple[int, ...], d: int):
     """(m, l, acc) before any key: m = -inf, l = 0 of shape ``rows``; acc = 0 of shape rows + (d,)."""
     return jnp.full(rows, -jnp.inf), jnp.zeros(rows), jnp.zeros((*rows, d))
@@ -76,18 +96,13 @@ def ragged_paged_attention(
     sequence holds 6: kv_lens [3, 6], page_indices [[5, -1], [0, 2]], cu_q_lens [0, 3, 4]. Query 0
     sees key 0 of page 5, query 2 keys 0..2; query 3 sees all of page 0 and keys 0..1 of page 2.
     """
-    if q_block < 1 or kv_pages_per_block < 1:
-        raise ValueError(
-            f"block sizes must be >= 1, got q_block={q_block}, kv_pages_per_block={kv_pages_per_block}"
-        )
+    check_block_sizes(q_block=q_block, kv_pages_per_block=kv_pages_per_block)
     n_tok, n_heads, d = q.shape
     ps, n_kv = kv_pages.shape[1], kv_pages.shape[2] // 2
     g = n_heads // n_kv
     scale = d**-0.5 if scale is None else scale
     span = kv_pages_per_block * ps  # keys per KV block
-    per_seq = page_indices.shape[1]
-    pages = jnp.pad(page_indices, ((0, 0), (0, cdiv(per_seq, kv_pages_per_block) * kv_pages_per_block - per_seq)),
-                    constant_values=INVALID)  # (S, whole KV blocks)  # fmt: skip
+    pages = pad_to_kv_blocks(page_indices, kv_pages_per_block)  # (S, whole KV blocks)
     q_pad = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))  # (T + q_block, H, D): a block never runs off the end
 
     def one_seq(s, out):
@@ -150,16 +165,13 @@ def decode_paged_attention(
     Example, page_size 4, one block of 2 pages: kv_lens [6, 1], page_indices [[0, 2], [5, -1]]
     -> one step reads pages 0, 2 (6 keys visible) for row 0 and page 5 (1 key) for row 1.
     """
-    if kv_pages_per_block < 1:
-        raise ValueError(f"block sizes must be >= 1, got kv_pages_per_block={kv_pages_per_block}")
+    check_block_sizes(kv_pages_per_block=kv_pages_per_block)
     n_tok, n_heads, d = q.shape
     ps, n_kv = kv_pages.shape[1], kv_pages.shape[2] // 2
     g = n_heads // n_kv
     scale = d**-0.5 if scale is None else scale
     span = kv_pages_per_block * ps  # keys per KV block
-    per_seq = page_indices.shape[1]
-    pages = jnp.pad(page_indices[:n_tok], ((0, 0), (0, cdiv(per_seq, kv_pages_per_block) * kv_pages_per_block - per_seq)),
-                    constant_values=INVALID)  # (T, whole KV blocks)  # fmt: skip
+    pages = pad_to_kv_blocks(page_indices[:n_tok], kv_pages_per_block)  # (T, whole KV blocks)
     live = jnp.arange(n_tok) < num_seqs  # (T,) rows that are sequences
     kv_len = jnp.where(live, kv_lens[:n_tok], 0)  # (T,)
     qs = q.reshape(n_tok, n_kv, g, d)  # (T, H_kv, G, D)

@@ -330,7 +330,7 @@ class Engine:
                         else ""
                     )
                 )
-            queued = int(self.state.tqueue.num_queued)  # one token per running sequence
+            queued = int(host.tqueue.num_queued)  # one token per running sequence; nothing ran since `host`
             if queued:
                 width = min(self.max_seqs, bucket(queued, smallest=1))
                 self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages, width)

@@ -50,7 +50,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvcourse.jax_model import HIGHEST
 
-from .page_table import INVALID, cdiv
+from .attention import check_block_sizes, pad_to_kv_blocks
+from .page_table import cdiv
 
 
 def _kernel(
@@ -129,10 +130,7 @@ def ragged_paged_attention(
     (positions 3, 4); step (0, 0, 1, 1) loads the same pages again (block 1 is clamped to block 0: nothing
     past key 5 exists), so it is skipped, and query 2 (position 5) finishes after block 0.
     """
-    if q_block < 1 or kv_pages_per_block < 1:
-        raise ValueError(
-            f"block sizes must be >= 1, got q_block={q_block}, kv_pages_per_block={kv_pages_per_block}"
-        )
+    check_block_sizes(q_block=q_block, kv_pages_per_block=kv_pages_per_block)
     n_tok, n_heads, d = q.shape
     ps, n_kv = kv_pages.shape[1], kv_pages.shape[2] // 2
     g, n_seq, per_seq = n_heads // n_kv, page_indices.shape[0], page_indices.shape[1]
@@ -151,8 +149,7 @@ def ragged_paged_attention(
     q_seq = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows]  # (S, T_pad, H, D)
     q_seq = q_seq.reshape(n_seq, t_pad, n_kv, g, d).transpose(0, 2, 1, 3, 4)  # (S, H_kv, T_pad, G, D)
     q_seq = q_seq.reshape(n_seq, n_kv, t_pad * g, d)  # (S, H_kv, T_pad * G, D)
-    pad = n_kvb * n_pb - per_seq
-    pages = jnp.pad(page_indices, ((0, 0), (0, pad)), constant_values=INVALID)  # (S, n_kvb * N)
+    pages = pad_to_kv_blocks(page_indices, n_pb)  # (S, n_kvb * N)
 
     def q_map(s, h, b, j, *prefetch):
         return s, h, b, 0
