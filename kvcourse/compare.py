@@ -5,11 +5,18 @@ the first differing position the HF reference's top-2 logit gap is below ``TIE_G
 disagree on a numerical tie (fp32 engines that batch differently differ from HF by ~5e-5 per logit).
 That is reported as a tie, with its position and gap, and nothing after it is compared: the two
 continuations are from then on different texts. A tie is never counted silently as a match.
+
+HF's gaps describe HF's own text. So the rule applies only where the expected tokens still are HF's
+text: always when comparing with HF; when comparing with the previous stage, only if that stage
+agreed with HF up to the differing position. Once the previous stage has tied away from HF, its
+continuation is another text whose gaps nobody measured, and any later difference is a mismatch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvcourse.reference import Reference
 
 TIE_GAP = 1e-3
 
@@ -37,19 +44,28 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     Examples: ``([1, 2, 3], [1, 2, 3]) -> None``, ``([1, 2, 3], [1, 5, 3]) -> 1``,
     ``([1, 2], [1, 2, 3]) -> 2``.
     """
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # a length difference is checked below
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(expected: list[int], got: list[int], hf_gaps: list[float]) -> Comparison:
-    """Compare ``got`` with ``expected``, applying the tie rule with HF's per-position top-2 gaps."""
+def compare(expected: list[int], got: list[int], hf: Reference) -> Comparison:
+    """Compare ``got`` with ``expected``, applying the tie rule with HF's per-position top-2 gaps.
+
+    ``expected`` is HF's tokens (possibly cut to a cap) or the previous stage's. The tie rule needs
+    both runs to have picked a token at the first difference (a missing token is never a tie) and
+    ``expected`` to be HF's text up to there. Example, HF [5, 9, 4] with gaps [2.0, 1e-4, 3.0]:
+    ``compare([5, 9, 4], [5, 7, 1], hf)`` is ``tie@1``; ``compare([5, 9, 4], [5, 9], hf)`` is
+    ``DIFF@2``; a previous stage [5, 8, 4] against [5, 8, 6] is ``DIFF@2`` (at 2 its text is not HF's).
+    """
     pos = first_difference(expected, got)
     if pos is None:
         return Comparison(None)
-    if pos < len(hf_gaps) and hf_gaps[pos] < TIE_GAP:
-        return Comparison(pos, hf_gaps[pos])
+    picked_both = pos < min(len(expected), len(got))
+    hf_text = expected[:pos] == hf.tokens[:pos]
+    if picked_both and hf_text and pos < len(hf.gaps) and hf.gaps[pos] < TIE_GAP:
+        return Comparison(pos, hf.gaps[pos])
     return Comparison(pos)
 
 

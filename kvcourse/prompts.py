@@ -32,28 +32,38 @@ class Prompt:
         return ("chat: " if self.messages else "text: ") + " ".join(body.split())
 
 
+KEYS = ("messages", "text", "max_new_tokens")
+MESSAGE_KEYS = ("role", "content")
+
+
 def parse_prompt(obj: dict, where: str = "prompt") -> Prompt:
-    """Validate one decoded JSONL object and turn it into a ``Prompt``."""
+    """Validate one decoded JSONL object and turn it into a ``Prompt``.
+
+    Every problem is a ValueError that names the line and the value, e.g.
+    ``prompts.jsonl:3: unknown key 'max_tokens' (allowed: messages, text, max_new_tokens)``.
+    """
     if not isinstance(obj, dict) or ("messages" in obj) == ("text" in obj):
         raise ValueError(f"{where}: need exactly one of 'messages' or 'text', got {obj!r}")
+    unknown = [k for k in obj if k not in KEYS]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
     budget = obj.get("max_new_tokens")
-    if budget is not None and (not isinstance(budget, int) or budget < 1):
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"{where}: max_new_tokens must be a positive integer, got {budget!r}")
     if "text" in obj:
         if not isinstance(obj["text"], str) or not obj["text"]:
-            raise ValueError(f"{where}: 'text' must be a non-empty string")
+            raise ValueError(f"{where}: 'text' must be a non-empty string, got {obj['text']!r}")
         return Prompt(text=obj["text"], max_new_tokens=budget)
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+        raise ValueError(f"{where}: 'messages' must be a non-empty list, got {messages!r}")
     pairs = []
     for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
+        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in MESSAGE_KEYS):
             raise ValueError(f"{where}: each message needs string 'role' and 'content', got {m!r}")
+        unknown = [k for k in m if k not in MESSAGE_KEYS]
+        if unknown:
+            raise ValueError(f"{where}: unknown message key {unknown[0]!r} (allowed: role, content)")
         pairs.append((m["role"], m["content"]))
     return Prompt(messages=tuple(pairs), max_new_tokens=budget)
 
@@ -61,8 +71,14 @@ def parse_prompt(obj: dict, where: str = "prompt") -> Prompt:
 def read_prompts(path: str | Path | None = None) -> list[Prompt]:
     """Read a JSONL prompt file (default: the course's prompt set). Blank lines are skipped."""
     path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file") from None
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
                 obj = json.loads(line)
@@ -70,7 +86,7 @@ def read_prompts(path: str | Path | None = None) -> list[Prompt]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             prompts.append(parse_prompt(obj, f"{path}:{lineno}"))
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError(f"{path}: no prompts (one JSON object per line)")
     return prompts
 
 

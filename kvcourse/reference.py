@@ -4,8 +4,10 @@ Every stage's smoke check compares against this. Besides the tokens it records, 
 position, the gap between the top-2 logits: the comparison report uses it for the numerical-tie rule
 (a first difference where HF's own top-2 gap is below 1e-3 is a tie, reported as such).
 
-HF runs at ~11 tokens/s here, so results are cached on disk under ``.cache/reference/``, keyed by a
-fingerprint of the checkpoint, the ``transformers`` version, the prompt ids and the budget. The cache
+HF runs at ~30 tokens/s here, so results are cached on disk under ``.cache/reference/``, keyed by
+everything that decides them: the full content of the checkpoint's weight, config and tokenizer
+files (a sha256 of each file, itself cached by path, size and modification time, so a 500 MB file is
+hashed once), the ``torch`` and ``transformers`` versions, the prompt ids and the budget. The cache
 only ever holds what HF itself produced, so it stays an independent reference.
 
 Left out on purpose: sampling (the course compares greedy outputs) and batching (batched HF with left
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,38 +32,64 @@ class Reference:
     gaps: list[float]  # top-1 minus top-2 logit at each generated position
 
 
+FINGERPRINTED = ("*.safetensors", "*.json", "*.jinja", "tokenizer.model")
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's whole content, remembered in ``.cache/file-hashes.json`` under its path, size
+    and modification time: a file that has not changed since it was hashed is not read again."""
+    path = path.resolve()
+    stat = path.stat()
+    index_file = cache_root() / "file-hashes.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else {}
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    if key not in index:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+        index[key] = h.hexdigest()
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_file.with_name(f"{index_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(index, indent=0) + "\n")
+        tmp.replace(index_file)  # atomic: a second process never reads half a file
+    return index[key]
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
-    """A cheap content fingerprint: config files plus the size and both ends of each weight file."""
+    """A fingerprint of everything in a checkpoint folder that can change HF's output: the content of
+    its weight, config and tokenizer files (marker files the course writes itself excluded)."""
     model_dir = Path(model_dir)
+    files = sorted({f for pattern in FINGERPRINTED for f in model_dir.glob(pattern)})
     h = hashlib.sha256()
-    for name in ("config.json", "generation_config.json"):
-        if (model_dir / name).exists():
-            h.update((model_dir / name).read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
+    for f in files:
+        if f.name != "kvcourse_prepared.json":
+            h.update(f"{f.name}:{file_sha256(f)}\n".encode())
     return h.hexdigest()[:16]
 
 
-def _cache_file(model_dir: Path, prompt_ids: list[int], budget: int) -> Path:
+def _cache_file(setup: str, prompt_ids: list[int], budget: int) -> Path:
+    """Where HF's answer for one prompt is kept; ``setup`` is ``_setup_key``'s value."""
+    digest = hashlib.sha256(json.dumps([setup, prompt_ids, budget]).encode()).hexdigest()[:24]
+    return cache_root() / "reference" / f"{digest}.json"
+
+
+def _setup_key(model_dir: Path) -> str:
+    """The checkpoint's fingerprint and the library versions that produce the reference."""
+    import torch
     import transformers
 
-    key = json.dumps([model_fingerprint(model_dir), transformers.__version__, prompt_ids, budget])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return cache_root() / "reference" / f"{digest}.json"
+    return f"{model_fingerprint(model_dir)}|torch {torch.__version__}|transformers {transformers.__version__}"
 
 
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int]) -> list[Reference]:
     """HF greedy generation for each prompt (cached). ``budgets[i]`` is prompt i's max_new_tokens."""
     model_dir = Path(model_dir)
+    setup = _setup_key(model_dir)
     out: list[Reference | None] = []
     todo = []
     for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
-        f = _cache_file(model_dir, ids, budget)
+        f = _cache_file(setup, ids, budget)
         if f.exists():
             raw = json.loads(f.read_text())
             out.append(Reference(raw["tokens"], raw["gaps"]))
@@ -68,9 +97,10 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int
             out.append(None)
             todo.append(i)
     if todo:
-        for i, ref in zip(todo, _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo])):
+        hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo])
+        for i, ref in zip(todo, hf, strict=True):
             out[i] = ref
-            f = _cache_file(model_dir, prompts[i], budgets[i])
+            f = _cache_file(setup, prompts[i], budgets[i])
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(json.dumps({"tokens": ref.tokens, "gaps": ref.gaps}))
     return out

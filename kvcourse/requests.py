@@ -1,30 +1,75 @@
 """Checks and stopping rules every engine applies the same way (not lesson material).
 
-``check_requests`` validates what a caller hands ``Engine.generate``; ``finished`` is HF's stopping
-rule: the eos token is kept in the output, then generation stops; otherwise stop at the budget.
+``resolve_max_model_len`` picks an engine's length limit; ``check_requests`` validates what a caller
+hands ``Engine.generate`` (prompts, budgets, the length limit); ``check_blocks`` refuses a request a
+pool could never hold; ``finished`` is HF's stopping rule: the eos token is kept in the output, then
+generation stops; otherwise stop at the budget. Every message names the value and the limit.
 """
 
 from __future__ import annotations
 
+from kvcourse.config import ModelConfig
 
-def check_requests(prompts: list[list[int]], max_new_tokens: int | list[int], vocab_size: int) -> list[int]:
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
+    """The longest sequence (prompt + new tokens) an engine accepts.
+
+    None means ``min(2048, cfg.max_position_embeddings)``. Example with max_position_embeddings 8192:
+    ``None -> 2048``, ``512 -> 512``, ``0`` raises ``max_model_len must be in [1, 8192], got 0``.
+    """
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return min(DEFAULT_MAX_MODEL_LEN, limit)
+    if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        raise ValueError(
+            f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), got {max_model_len!r}"
+        )
+    return max_model_len
+
+
+def check_requests(
+    prompts: list[list[int]], max_new_tokens: int | list[int], vocab_size: int, max_model_len: int
+) -> list[int]:
     """Validate prompts and budgets; return one budget per prompt.
 
-    Example: ``check_requests([[1, 2], [3]], 8, 100) -> [8, 8]``;
-    ``check_requests([[]], 8, 100)`` raises ``ValueError: prompt 0 is empty``.
+    Example: ``check_requests([[1, 2], [3]], 8, 100, 64) -> [8, 8]``;
+    ``check_requests([[]], 8, 100, 64)`` raises ``ValueError: prompt 0 is empty``;
+    ``check_requests([[1] * 60], 8, 100, 64)`` raises
+    ``prompt 0: 60 prompt tokens + max_new_tokens 8 = 68 exceeds max_model_len=64``.
     """
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts):
         raise ValueError(f"got {len(budgets)} max_new_tokens values for {len(prompts)} prompts")
-    for i, (ids, budget) in enumerate(zip(prompts, budgets)):
+    for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty")
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-        if budget < 1:
-            raise ValueError(f"prompt {i}: max_new_tokens must be >= 1, got {budget}")
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"prompt {i}: max_new_tokens must be an integer >= 1, got {budget!r}")
+        total = len(ids) + budget
+        if total > max_model_len:
+            raise ValueError(
+                f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {budget} = {total} "
+                f"exceeds max_model_len={max_model_len}"
+            )
     return budgets
+
+
+def check_blocks(label: str, num_tokens: int, needed: int, block_size: int, num_blocks: int) -> None:
+    """Refuse a request whose ``num_tokens`` need more blocks than the whole pool has.
+
+    Example: ``check_blocks("prompt 5", 272, 17, 16, 16)`` raises
+    ``prompt 5: 272 tokens need 17 blocks of 16, but the pool has only 16 blocks``.
+    """
+    if needed > num_blocks:
+        raise ValueError(
+            f"{label}: {num_tokens} tokens need {needed} blocks of {block_size}, "
+            f"but the pool has only {num_blocks} blocks"
+        )
 
 
 def finished(token: int, num_generated: int, budget: int, eos_ids: tuple[int, ...], ignore_eos: bool) -> bool:

@@ -9,7 +9,18 @@ match HF and the previous stage, where they first differ, and what the stage wro
 
     LN smoke: K/K prompts match L(N-1) and HF (T new tokens)
 
-and the exit status is 0 only if every row agrees (a reported numerical tie counts as agreement).
+and the exit status is 0 only if every row agrees (a reported numerical tie counts as agreement), 1 if
+a row disagrees, and 2 for bad input (a malformed prompt file, a missing model folder, a prompt longer
+than the model's context, a budget below 1), which is reported as one ``error: ...`` line.
+
+A smoke script describes its configurations as functions of a ``SmokeContext``: the prompts, their
+budgets and HF's answers for one model. So configurations that need a tight pool size it from the
+prompts they are given (the longest request fits, all of them at once do not), and every engine gets
+a ``max_model_len`` that holds the longest request.
+
+Left out on purpose: sampling (no HF reference can check a random draw; L5 compares its sampled
+clones with independent requests instead), and timing claims (the tok/s printed are for orientation;
+``make bench`` measures).
 """
 
 from __future__ import annotations
@@ -22,45 +33,90 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcourse.compare import Row, compare, format_rows
+from kvcourse.config import ModelConfig
 from kvcourse.model_store import MODEL_ENV, resolve_model_dir
-from kvcourse.prompts import budgets, encode, load_tokenizer, read_prompts
-from kvcourse.reference import hf_greedy
+from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
+from kvcourse.reference import Reference, hf_greedy
+from kvcourse.requests import DEFAULT_MAX_MODEL_LEN
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size), for sizing pools from prompts: ``blocks_for(17, 16) -> 2``."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class SmokeContext:
+    """What every configuration of one smoke run shares, for one model."""
+
+    model_dir: Path
+    tokenizer: Any
+    prompts: list[Prompt]
+    ids: list[list[int]]  # token ids of each prompt
+    budgets: list[int]  # max_new_tokens of each prompt
+    refs: list[Reference]  # HF greedy's answer for each prompt
+    context_limit: int  # the model's max_position_embeddings
+
+    @property
+    def max_model_len(self) -> int:
+        """A length limit that holds every request: the engines' default, or the longest request."""
+        longest = max(len(p) + b for p, b in zip(self.ids, self.budgets, strict=True))
+        return max(min(DEFAULT_MAX_MODEL_LEN, self.context_limit), longest)
+
+    def tight_pool(self, block_size: int) -> int:
+        """A pool under pressure: the longest request fits alone, and every prompt (with its first new
+        token) fits at once, but nothing more. All prompts are admitted in the first step, the pool
+        is then full, and as soon as the sequences grow into new blocks the scheduler must preempt.
+
+        Example, block_size 16, prompts of 365, 32 and 34 tokens with budgets 12, 8, 5: the longest
+        needs 24 blocks; the prompts need 23 + 3 + 3 = 29; the pool gets 29 and the three sequences,
+        which grow to 24 + 3 + 3 = 30 blocks, cannot all stay.
+        """
+        longest = max(blocks_for(len(p) + b, block_size) for p, b in zip(self.ids, self.budgets, strict=True))
+        return max(longest, sum(blocks_for(len(p) + 1, block_size) for p in self.ids))
+
+    def shortest(self, n: int) -> list[int]:
+        """Indices of the n shortest prompts, in file order (for slow interpreted kernels)."""
+        return sorted(sorted(range(len(self.ids)), key=lambda i: len(self.ids[i]))[:n])
 
 
 @dataclass
 class StageRun:
-    """One way to run a stage: a name for the report and a factory ``make(model_dir) -> engine``.
+    """One way to run a stage: a name for the report and a factory ``make(ctx) -> engine``.
 
     ``run(engine, prompt_ids, budgets)`` defaults to ``engine.generate(prompt_ids, budgets)``; a smoke
     can override it (for example to submit requests in a staggered order). For slow interpreted
-    kernels, ``first`` runs only the first n prompts and ``cap`` limits every budget; the references
-    are then compared up to the cap, which is exact: greedy decoding's first n tokens do not depend on
-    the budget.
+    kernels, ``only`` picks which prompts run (indices) and ``cap`` limits every budget; the
+    references are then compared up to the cap, which is exact: greedy decoding's first n tokens do
+    not depend on the budget.
     """
 
     name: str
-    make: Callable[[Path], object]
-    run: Callable[[object, list[list[int]], list[int]], list[list[int]]] | None = None
+    make: Callable[[SmokeContext], Any]
+    run: Callable[[Any, list[list[int]], list[int]], list[list[int]]] | None = None
     cap: int | None = None
-    first: int | None = None
+    only: list[int] | None = None
 
-    def generate(self, model_dir: Path, prompt_ids: list[list[int]], budget: list[int]):
-        prompt_ids, budget = prompt_ids[: self.first], budget[: self.first]
-        if self.cap is not None:
-            budget = [min(b, self.cap) for b in budget]
-        engine = self.make(model_dir)
+    def generate(self, ctx: SmokeContext) -> tuple[list[int], list[list[int]] | None]:
+        """Run this configuration; return (the prompt indices it ran, its outputs or None if the
+        engine returned a different number of outputs than prompts)."""
+        chosen = list(range(len(ctx.ids))) if self.only is None else self.only
+        ids = [ctx.ids[i] for i in chosen]
+        budget = [min(ctx.budgets[i], self.cap or ctx.budgets[i]) for i in chosen]
+        engine = self.make(ctx)
         t0 = time.perf_counter()
-        out = self.run(engine, prompt_ids, budget) if self.run else engine.generate(prompt_ids, budget)
+        out = self.run(engine, ids, budget) if self.run else engine.generate(ids, budget)
         seconds = time.perf_counter() - t0
         n = sum(map(len, out))
-        usage = getattr(engine, "usage", None)
-        print(
-            f"  {self.name}: {n} new tokens in {seconds:.1f} s ({n / seconds:.1f} tok/s)"
-            + (f"; {usage}" if usage else "")
-        )
-        return engine, out
+        print(f"  {self.name}: {n} new tokens in {seconds:.1f} s ({n / seconds:.1f} tok/s)")
+        print(f"  {engine.stats()}")
+        if len(out) != len(ids):
+            print(f"  !! {len(out)} outputs for {len(ids)} prompts")
+            return chosen, None
+        return chosen, out
 
 
 def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
@@ -75,69 +131,103 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def prepare(model_dir: Path, prompts: list[Prompt], default_budget: int) -> SmokeContext:
+    """Tokenize and check every prompt for one model, then fetch HF's answers (cached).
+
+    Raises ValueError naming the prompt, the value and the limit for a request the model cannot run.
+    """
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = load_tokenizer(model_dir)
+    ids = [encode(tok, p) for p in prompts]
+    budget = budgets(prompts, default_budget)
+    for i, (p, b) in enumerate(zip(ids, budget, strict=True)):
+        if not p:
+            raise ValueError(f"prompt {i + 1}: it encodes to no tokens")
+        if len(p) + b > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i + 1}: {len(p)} prompt tokens + max_new_tokens {b} = {len(p) + b} exceeds the "
+                f"model's context limit (max_position_embeddings={cfg.max_position_embeddings})"
+            )
+    refs = hf_greedy(model_dir, ids, budget)
+    return SmokeContext(model_dir, tok, prompts, ids, budget, refs, cfg.max_position_embeddings)
+
+
+def compare_run(ctx: SmokeContext, run: StageRun, prev: dict[int, list[int]] | None, prev_name: str | None):
+    """Run one configuration and print its rows; return (passed, total, ties, new tokens)."""
+    chosen, out = run.generate(ctx)
+    print(f"-- {run.name}")
+    if out is None:
+        return 0, len(chosen), 0, 0
+    rows = []
+    for i, got in zip(chosen, out, strict=True):
+        ref = ctx.refs[i]
+        expected = ref.tokens[: run.cap]  # a slice with cap None is the whole list
+        rows.append(
+            Row(
+                label=ctx.prompts[i].label,
+                vs_hf=compare(expected, got, ref),
+                vs_prev=compare(prev[i][: run.cap], got, ref) if prev is not None else None,
+                text=ctx.tokenizer.decode(got),
+                hf_text=ctx.tokenizer.decode(expected),
+            )
+        )
+    print(format_rows(rows, prev_name))
+    return sum(r.ok for r in rows), len(rows), sum(r.tie for r in rows), sum(map(len, out))
+
+
 def smoke_main(
     stage: str,
-    runs: list[StageRun],
-    prev: StageRun | None,
+    runs: Callable[[SmokeContext], list[StageRun]],
+    previous: Callable[[SmokeContext], StageRun] | None = None,
     argv: list[str] | None = None,
-    extra: Callable[[Path], tuple[int, int]] | None = None,
+    extra: Callable[[SmokeContext], tuple[int, int]] | None = None,
 ) -> int:
-    """Run the smoke check; return the exit status.
+    """Run the smoke check; return the exit status (0 all agree, 1 a disagreement, 2 bad input).
 
-    ``extra(model_dir) -> (passed, total)`` lets a stage add checks of its own (for example sampled
-    clones); they are counted in the summary line.
+    ``runs(ctx)`` lists this stage's configurations and ``previous(ctx)`` the previous stage's
+    engine; ``extra(ctx) -> (passed, total)`` lets a stage add checks of its own (for example
+    sampled clones), printed by itself and counted in the summary line.
     """
     args = parse_args(stage, argv)
-    prompts = read_prompts(args.prompts)
-    chosen = args.model or os.environ.get(MODEL_ENV)
-    models: list[tuple[str, Path]] = [("model", resolve_model_dir(chosen))]
     tmp = None
-    if not chosen:
-        from kvcourse.tiny import make_tiny_checkpoint
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        prompts = read_prompts(args.prompts)
+        chosen = args.model or os.environ.get(MODEL_ENV)
+        models: list[tuple[str, Path]] = [("model", resolve_model_dir(chosen))]
+        if not chosen:
+            from kvcourse.tiny import make_tiny_checkpoint
 
-        tmp = tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-")
-        models.append(("tiny random Qwen3 (seed 0)", make_tiny_checkpoint("qwen3", tmp.name)))
+            tmp = tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-")
+            models.append(("tiny random Qwen3 (seed 0)", make_tiny_checkpoint("qwen3", tmp.name)))
+        contexts = [(title, prepare(model_dir, prompts, args.max_new_tokens)) for title, model_dir in models]
+    except (ValueError, OSError) as e:
+        if tmp:
+            tmp.cleanup()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     passed = total = new_tokens = ties = 0
+    prev_name = previous(contexts[0][1]).name.split()[0] if previous else None
     try:
-        for title, model_dir in models:
-            print(f"== {stage} smoke on {title}: {model_dir}")
-            tok = load_tokenizer(model_dir)
-            ids = [encode(tok, p) for p in prompts]
-            budget = budgets(prompts, args.max_new_tokens)
-            refs = hf_greedy(model_dir, ids, budget)
-            print(f"  HF reference: {sum(len(r.tokens) for r in refs)} new tokens")
-            prev_out = prev.generate(model_dir, ids, budget)[1] if prev else None
-            for run in runs:
-                _, out = run.generate(model_dir, ids, budget)
-                rows = []
-                for i, (ref, got) in enumerate(zip(refs, out)):
-                    expected = ref.tokens[: run.cap]  # a slice with cap None is the whole list
-                    rows.append(
-                        Row(
-                            label=prompts[i].label,
-                            vs_hf=compare(expected, got, ref.gaps),
-                            vs_prev=compare(prev_out[i][: run.cap], got, ref.gaps) if prev_out else None,
-                            text=tok.decode(got),
-                            hf_text=tok.decode(expected),
-                        )
-                    )
-                print(f"-- {run.name}")
-                print(format_rows(rows, prev.name.split()[0] if prev else None))
-                passed += sum(r.ok for r in rows)
-                ties += sum(
-                    r.ok and (r.vs_hf.tie_gap is not None or bool(r.vs_prev and r.vs_prev.tie_gap))
-                    for r in rows
-                )
-                total += len(rows)
-                new_tokens += sum(map(len, out))
+        for title, ctx in contexts:
+            print(f"== {stage} smoke on {title}: {ctx.model_dir}")
+            print(f"  HF reference: {sum(len(r.tokens) for r in ctx.refs)} new tokens")
+            prev = None
+            if previous:
+                chosen, prev_out = previous(ctx).generate(ctx)
+                prev = dict(zip(chosen, prev_out or [[]] * len(chosen), strict=True))
+            for run in runs(ctx):
+                p, t, tie, n = compare_run(ctx, run, prev, prev_name)
+                passed, total, ties, new_tokens = passed + p, total + t, ties + tie, new_tokens + n
             if extra:
-                p, t = extra(model_dir)
+                p, t = extra(ctx)
                 passed, total = passed + p, total + t
     finally:
         if tmp:
             tmp.cleanup()
-    versus = f"{prev.name.split()[0]} and HF" if prev else "HF"
+    versus = f"{prev_name} and HF" if previous else "HF"
     tie_note = f"; {ties} numerical tie(s), reported above" if ties else ""
     print(f"{stage} smoke: {passed}/{total} prompts match {versus} ({new_tokens} new tokens{tie_note})")
     return 0 if passed == total else 1

@@ -1,8 +1,22 @@
-"""KV memory accounting shared by every stage: bytes reserved versus bytes holding live tokens."""
+"""The statistics every engine reports the same way: ``Engine.stats() -> EngineStats``.
+
+One interface for every stage, so that tools (the CLI, the smoke report, the benchmarks) never ask
+which stage they hold. A field a stage has no use for stays 0 (L1 has no blocks; only L3+ preempt;
+only L5/L6 fork; only engines that compile count compiles). Counters cover everything since the
+engine was built; ``kv_bytes_live``, ``blocks_held`` and ``blocks_shared`` are peaks.
+
+"Held" and "live" positions are what KV utilization compares, step by step:
+
+- held: positions of memory set aside for running sequences: L1 reserves ``max_model_len`` per
+  request; a paged stage holds whole blocks (blocks held x ``block_size``);
+- live: positions whose K/V are in the cache, a shared block's rows counted once.
+
+``kv_utilization`` = (live summed over steps) / (held summed over steps): 1.0 wastes nothing.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def format_bytes(n: float) -> str:
@@ -18,19 +32,60 @@ def format_bytes(n: float) -> str:
 
 
 @dataclass(frozen=True)
-class KvUsage:
-    """Peak KV memory of a run: what the stage set aside, and what actually held tokens' K and V."""
+class EngineStats:
+    kv_bytes_reserved: int  # bytes set aside for K/V: the whole cache or pool
+    kv_bytes_live: int  # most bytes holding live tokens' K/V at once
+    kv_utilization: float  # live positions / held positions, summed over steps (0.0 before any step)
+    block_size: int = 0  # tokens per block (0: the stage has no blocks)
+    num_blocks: int = 0  # blocks in the pool
+    blocks_held: int = 0  # most blocks held at once
+    blocks_shared: int = 0  # most blocks held by two or more sequences at once
+    steps: int = 0  # forward calls
+    tokens_run: int = 0  # tokens through the model (prefill the prefix cache skipped is not run)
+    preemptions: int = 0
+    forks: int = 0  # requests split into their n samples
+    prefix_cache_hits: int = 0  # blocks shared at admission instead of computed
+    compiles: dict[str, int] = field(default_factory=dict)  # traces per compiled function
 
-    reserved_bytes: int
-    live_bytes: int
+    def __str__(self) -> str:
+        """One line, e.g. ``KV reserved 90.0 MiB, live 1.2 MiB at peak, 96.3% utilized; 34/130 blocks
+        held at peak, 0 shared; 87 steps, 0 preemptions``."""
+        parts = [
+            f"KV reserved {format_bytes(self.kv_bytes_reserved)}, live {format_bytes(self.kv_bytes_live)} "
+            f"at peak, {100 * self.kv_utilization:.1f}% utilized"
+        ]
+        if self.num_blocks:
+            parts.append(
+                f"{self.blocks_held}/{self.num_blocks} blocks held at peak, {self.blocks_shared} shared"
+            )
+        counts = f"{self.steps} steps, {self.preemptions} preemptions"
+        if self.forks or self.prefix_cache_hits:
+            counts += f", {self.forks} forks, {self.prefix_cache_hits} prefix-cache block hits"
+        if self.compiles:
+            counts += ", compiles " + ", ".join(f"{k} {v}" for k, v in sorted(self.compiles.items()))
+        return "; ".join([*parts, counts])
+
+
+@dataclass
+class UsageMeter:
+    """The running sums behind ``EngineStats``' utilization and peaks; each engine feeds it per step.
+
+    Example: two steps with (live, held) = (3, 16) and (13, 16) -> utilization 16 / 32 = 0.5.
+    """
+
+    live_sum: int = 0
+    held_sum: int = 0
+    live_peak: int = 0  # positions
+    blocks_held_peak: int = 0
+    blocks_shared_peak: int = 0
+
+    def step(self, live: int, held: int, blocks_held: int = 0, blocks_shared: int = 0) -> None:
+        self.live_sum += live
+        self.held_sum += held
+        self.live_peak = max(self.live_peak, live)
+        self.blocks_held_peak = max(self.blocks_held_peak, blocks_held)
+        self.blocks_shared_peak = max(self.blocks_shared_peak, blocks_shared)
 
     @property
     def utilization(self) -> float:
-        """Fraction of the reserved bytes that held live tokens (1.0 = nothing wasted)."""
-        return self.live_bytes / self.reserved_bytes if self.reserved_bytes else 0.0
-
-    def __str__(self) -> str:
-        return (
-            f"KV reserved {format_bytes(self.reserved_bytes)}, live {format_bytes(self.live_bytes)} "
-            f"({100 * self.utilization:.1f}% used)"
-        )
+        return self.live_sum / self.held_sum if self.held_sum else 0.0

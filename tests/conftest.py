@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
+import pytest
 
-# Triton decides interpreter vs compiler when it is first imported, and importing HF's modeling code
-# imports triton; so interpret mode must be on before any test module loads. CPU only here: no GPU.
-if shutil.which("nvidia-smi") is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kvcourse.model_store import default_model_dir  # noqa: E402
-from kvcourse.tiny import make_tiny_checkpoint  # noqa: E402
+# Importing kvcourse (here, before any test module) puts Triton in interpreter mode on a machine
+# without a GPU, which has to happen before anything (HF's modeling code included) imports triton.
+from kvcourse.model_store import default_model_dir
+from kvcourse.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

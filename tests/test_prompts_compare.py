@@ -8,6 +8,7 @@ import pytest
 
 from kvcourse.compare import TIE_GAP, Comparison, Row, compare, first_difference, format_rows
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, parse_prompt, read_prompts
+from kvcourse.reference import Reference
 
 
 def write_jsonl(path, objs):
@@ -35,11 +36,28 @@ def test_read_prompts_both_kinds_and_budget(tmp_path):
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "user"}]}, "string 'role' and 'content'"),
         ({"text": "a", "max_new_tokens": 0}, "positive integer"),
+        ({"text": "a", "max_new_tokens": True}, "positive integer, got True"),
+        (
+            {"text": "a", "max_tokens": 5},
+            r"unknown key 'max_tokens' \(allowed: messages, text, max_new_tokens\)",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "unknown message key 'name'"),
     ],
 )
 def test_bad_prompt_lines_are_named(obj, message):
     with pytest.raises(ValueError, match=message):
         parse_prompt(obj)
+
+
+def test_missing_empty_and_binary_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file .*nope.jsonl does not exist"):
+        read_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match="empty.jsonl: no prompts"):
+        read_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="bin.jsonl: not a UTF-8 text file"):
+        read_prompts(tmp_path / "bin.jsonl")
 
 
 def test_bad_json_names_file_and_line(tmp_path):
@@ -57,7 +75,7 @@ def test_default_prompt_set_meets_the_design(model_dir):
     lengths = [len(encode(tok, p)) for p in prompts]
     assert len(set(lengths)) >= 5, "prompt lengths should vary"
     # at least one prompt whose prompt + generation crosses several 16-token block boundaries
-    assert any(n + b >= 4 * 16 for n, b in zip(lengths, budgets(prompts, 64)))
+    assert any(n + b >= 4 * 16 for n, b in zip(lengths, budgets(prompts, 64), strict=True))
 
 
 def test_chat_template_and_raw_encoding(model_dir):
@@ -74,12 +92,38 @@ def test_first_difference_examples():
 
 
 def test_tie_rule_applies_only_below_the_gap():
-    gaps = [5.0, TIE_GAP / 2, 5.0]
-    tie = compare([1, 2, 3], [1, 9, 9], gaps)
+    hf = Reference([1, 2, 3], [5.0, TIE_GAP / 2, 5.0])
+    tie = compare([1, 2, 3], [1, 9, 9], hf)
     assert tie.ok and tie.first_diff == 1 and tie.status == "tie@1"
-    real = compare([1, 2, 3], [9, 2, 3], gaps)
+    real = compare([1, 2, 3], [9, 2, 3], hf)
     assert not real.ok and real.status == "DIFF@0"
-    assert compare([1, 2, 3], [1, 2, 3], gaps).status == "match"
+    assert compare([1, 2, 3], [1, 2, 3], hf).status == "match"
+
+
+def test_compare_docstring_examples():
+    hf = Reference([5, 9, 4], [2.0, 1e-4, 3.0])
+    assert compare([5, 9, 4], [5, 7, 1], hf).status == "tie@1"
+    assert compare([5, 9, 4], [5, 9], hf).status == "DIFF@2"
+    assert compare([5, 8, 4], [5, 8, 6], hf).status == "DIFF@2"
+
+
+def test_a_missing_token_is_never_a_tie():
+    """An engine that stops early differs where its output ends: there it picked nothing, so even a
+    near-tie in HF's logits at that position is not a tie."""
+    hf = Reference([1, 2, 3], [5.0, TIE_GAP / 2, TIE_GAP / 2])
+    assert compare([1, 2, 3], [1], hf).status == "DIFF@1"
+    assert compare([1, 2, 3], [1, 2, 3, 7], hf).status == "DIFF@3"
+
+
+def test_previous_stage_ties_only_while_it_still_agrees_with_hf():
+    """HF's gaps describe HF's text. Once the previous stage has tied away from HF (position 1), its
+    continuation is another text: a later difference from it is a mismatch, whatever HF's gap says."""
+    hf = Reference([1, 2, 3, 4], [5.0, TIE_GAP / 2, TIE_GAP / 2, 5.0])
+    prev_agrees = [1, 2, 3, 4]
+    assert compare(prev_agrees, [1, 2, 8, 8], hf).status == "tie@2"
+    prev_tied_away = [1, 9, 3, 4]
+    assert compare(prev_tied_away, [1, 2, 3, 4], hf).status == "tie@1"  # at 1 it is still HF's text
+    assert compare(prev_tied_away, [1, 9, 8, 4], hf).status == "DIFF@2"  # at 2 it no longer is
 
 
 def test_report_shows_ties_and_hf_text():
