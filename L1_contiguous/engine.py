@@ -18,27 +18,22 @@ import torch
 
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.requests import check_requests, finished
-from kvcourse.stats import KvUsage
+from kvcourse.requests import check_requests, finished, resolve_max_model_len
+from kvcourse.stats import EngineStats, UsageMeter
 
 from .attention import attention
 from .cache import KvCache
 
 
 class Engine:
-    def __init__(self, model_dir=None, max_seq_len: int | None = None):
+    def __init__(self, model_dir=None, max_model_len: int | None = None):
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir)
         cfg = self.model.cfg
-        if max_seq_len is None:
-            max_seq_len = min(2048, cfg.max_position_embeddings)
-        if max_seq_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
-                f"{cfg.max_position_embeddings}"
-            )
-        self.cache = KvCache(cfg.num_layers, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-        self.usage = KvUsage(self.cache.nbytes, 0)  # peak of the last generate() call
+        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
+        self.cache = KvCache(cfg.num_layers, self.max_model_len, cfg.num_kv_heads, cfg.head_dim)
+        self.meter = UsageMeter()  # live vs reserved positions, step by step
+        self.num_steps = self.num_tokens_run = 0
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Run the whole prompt, caching positions 0..P-1. Returns the last token's logits (vocab,)."""
@@ -47,27 +42,41 @@ class Engine:
         logits = self.model.forward(
             torch.tensor(prompt), torch.arange(n), attend, logits_at=torch.tensor([n - 1])
         )
+        self._count(n, n)
         return logits[0]
 
     def decode_step(self, token: int, pos: int) -> torch.Tensor:
         """Run one token at position ``pos`` (0..pos-1 already cached). Returns its logits (vocab,)."""
         attend = functools.partial(attention, self.cache, pos)
-        return self.model.forward(torch.tensor([token]), torch.tensor([pos]), attend)[0]
+        logits = self.model.forward(torch.tensor([token]), torch.tensor([pos]), attend)[0]
+        self._count(1, pos + 1)
+        return logits
+
+    def _count(self, tokens: int, cached: int) -> None:
+        """One forward call ran ``tokens`` tokens; ``cached`` positions now hold K/V of max_model_len."""
+        self.num_steps += 1
+        self.num_tokens_run += tokens
+        self.meter.step(live=cached, held=self.max_model_len)
+
+    def stats(self) -> EngineStats:
+        """KV reserved vs live and the step counters, since the engine was built (see kvcourse.stats)."""
+        per_token = self.model.cfg.kv_bytes_per_token()
+        return EngineStats(
+            kv_bytes_reserved=self.cache.nbytes,
+            kv_bytes_live=self.meter.live_peak * per_token,
+            kv_utilization=self.meter.utilization,
+            steps=self.num_steps,
+            tokens_run=self.num_tokens_run,
+        )
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Greedy generation for each prompt in turn; returns the new tokens of each (eos included)."""
-        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size)
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            if len(prompt) + budget > self.cache.max_seq_len:
-                raise ValueError(
-                    f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens {budget} = "
-                    f"{len(prompt) + budget} exceeds max_seq_len={self.cache.max_seq_len}"
-                )
+        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
         eos = self.model.cfg.eos_token_ids
-        outputs, peak = [], 0
-        for prompt, budget in zip(prompts, budgets):
+        outputs = []
+        for prompt, budget in zip(prompts, budgets, strict=True):
             token = int(self.prefill(prompt).argmax())
             out = [token]
             pos = len(prompt)  # KV of 0..pos-1 is cached; `token` is not yet
@@ -76,6 +85,4 @@ class Engine:
                 out.append(token)
                 pos += 1
             outputs.append(out)
-            peak = max(peak, pos)
-        self.usage = KvUsage(self.cache.nbytes, peak * self.model.cfg.kv_bytes_per_token())
         return outputs

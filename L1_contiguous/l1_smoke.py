@@ -6,14 +6,14 @@ With no --model it runs the course model and a seeded random tiny Qwen3. L1 is t
 it is compared with HF only.
 """
 
-from kvcourse.smoke import StageRun, run_smoke
+from kvcourse.smoke import SmokeContext, StageRun, run_smoke
 from L1_contiguous.engine import Engine
 
 
-def main_runs() -> list[StageRun]:
+def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations this smoke checks (one: L1 has no options worth varying)."""
-    return [StageRun("L1 contiguous", lambda model_dir: Engine(model_dir))]
+    return [StageRun("L1 contiguous", lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len))]
 
 
 if __name__ == "__main__":
-    run_smoke("L1", main_runs(), prev=None)
+    run_smoke("L1", runs)

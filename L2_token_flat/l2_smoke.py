@@ -7,23 +7,26 @@ block_size 16 (the default), 1 (every token its own block) and 7 (blocks that ne
 powers of two the prompts and budgets tend to be), since odd sizes catch slot-index bugs.
 """
 
-from kvcourse.smoke import StageRun, run_smoke
+from kvcourse.smoke import SmokeContext, StageRun, run_smoke
 from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat.engine import Engine
 
 
-def main_runs() -> list[StageRun]:
+def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations this smoke checks: one per block size."""
     return [
-        StageRun(f"L2 token-flat, block_size {bs}", lambda model_dir, bs=bs: Engine(model_dir, block_size=bs))
+        StageRun(
+            f"L2 token-flat, block_size {bs}",
+            lambda ctx, bs=bs: Engine(ctx.model_dir, block_size=bs, max_model_len=ctx.max_model_len),
+        )
         for bs in (16, 1, 7)
     ]
 
 
-def previous() -> StageRun:
+def previous(ctx: SmokeContext) -> StageRun:
     """The stage L2 is compared with."""
-    return StageRun("L1 contiguous", lambda model_dir: L1Engine(model_dir))
+    return StageRun("L1 contiguous", lambda ctx: L1Engine(ctx.model_dir, max_model_len=ctx.max_model_len))
 
 
 if __name__ == "__main__":
-    run_smoke("L2", main_runs(), prev=previous())
+    run_smoke("L2", runs, previous)

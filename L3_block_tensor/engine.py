@@ -1,6 +1,6 @@
-"""L3 engine: many requests in flight, one flat batch per step (continuous batching).
+"""L3 engine: many sequences in flight, one flat batch per step (continuous batching).
 
-    step:  scheduler.schedule()  -> which requests run, and how many tokens each (decode tokens,
+    step:  scheduler.schedule()  -> which sequences run, and how many tokens each (decode tokens,
                                     prefill chunks, recomputes after a preemption)
            prepare()             -> the tokens packed back to back, with positions, slots, block
                                     tables, context lengths and the rows that need logits
@@ -8,11 +8,11 @@
            scheduler.update()    -> append each finished row's greedy token, finish who is done
 
 Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) between steps; a finished
-request's blocks go straight back to the free list. ``generate`` submits every prompt at once and
+sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
 steps until all are done; ``add_request`` + ``step`` let a caller feed requests in over time.
 
 Left out on purpose: sampling (greedy only), streaming outputs to callers, an attention kernel that
-reads blocks in place (L4), and sharing blocks between requests (L5).
+reads blocks in place (L4), and sharing blocks between sequences (L5).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ import torch
 
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.requests import check_requests
-from kvcourse.stats import KvUsage
+from kvcourse.requests import check_blocks, check_requests, resolve_max_model_len
+from kvcourse.stats import EngineStats, UsageMeter
 
-from .attention import attention
-from .cache import BlockAllocator, ForwardMeta, KvPool, Request, blocks_needed, slots
+from .allocator import BlockAllocator, blocks_needed
+from .attention import ForwardMeta, attention
+from .cache import KvPool
 from .scheduler import Batch, Scheduler
+from .sequence import Sequence, slots
 
 
 class Engine:
@@ -43,21 +45,10 @@ class Engine:
         prefill_chunk_size: int | None = None,
         max_model_len: int | None = None,
     ):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir)
         cfg = self.model.cfg
-        self.max_model_len = (
-            min(2048, cfg.max_position_embeddings) if max_model_len is None else max_model_len
-        )
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                f"{cfg.max_position_embeddings}"
-            )
+        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = self.max_model_len
         if prefill_chunk_size is None and max_num_batched_tokens < self.max_model_len:
@@ -65,9 +56,9 @@ class Engine:
                 f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
                 f"{max_num_batched_tokens} < max_model_len={self.max_model_len}"
             )
-        if num_blocks is None:  # L1's bytes (one max_model_len request), now shared by every request
+        if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
         self.pool = KvPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.scheduler = Scheduler(
             self.allocator,
@@ -76,69 +67,66 @@ class Engine:
             prefill_chunk_size=prefill_chunk_size,
             eos_ids=cfg.eos_token_ids,
         )
-        self.attention = attention  # the attend step; L4 swaps in a kernel that reads blocks in place
-        self.num_steps = 0
-        self.peak_live_tokens = 0  # most positions whose K/V were in the pool at once
+        self.meter = UsageMeter()  # live vs held positions, step by step
+        self.num_steps = self.num_tokens_run = 0
         self._ids = itertools.count()
 
-    @property
-    def usage(self) -> KvUsage:
-        """Pool bytes versus the peak bytes holding live tokens, since the engine was built."""
-        return KvUsage(self.pool.nbytes, self.peak_live_tokens * self.model.cfg.kv_bytes_per_token())
+    def stats(self) -> EngineStats:
+        """KV reserved vs live, blocks held and the scheduler's counters, since the engine was built."""
+        per_token = self.model.cfg.kv_bytes_per_token()
+        return EngineStats(
+            kv_bytes_reserved=self.pool.nbytes,
+            kv_bytes_live=self.meter.live_peak * per_token,
+            kv_utilization=self.meter.utilization,
+            block_size=self.allocator.block_size,
+            num_blocks=self.allocator.num_blocks,
+            blocks_held=self.meter.blocks_held_peak,
+            steps=self.num_steps,
+            tokens_run=self.num_tokens_run,
+            preemptions=self.scheduler.num_preemptions,
+        )
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> None:
-        """Refuse a request that could never run: longer than max_model_len, or more than the pool."""
-        total = len(prompt) + max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"{label}: {len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} = {total} "
-                f"exceeds max_model_len={self.max_model_len}"
-            )
-        block_size, pool_blocks = self.allocator.block_size, self.allocator.num_blocks
-        if blocks_needed(total, block_size) > pool_blocks:
-            raise ValueError(
-                f"{label}: {total} tokens need {blocks_needed(total, block_size)} blocks of "
-                f"{block_size}, but the pool has only {pool_blocks} blocks"
-            )
+    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> list[int]:
+        """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
+        whole pool). Returns its budget."""
+        [budget] = check_requests([prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        total, block_size = len(prompt) + budget, self.allocator.block_size
+        check_blocks(label, total, blocks_needed(total, block_size), block_size, self.allocator.num_blocks)
+        return budget
 
     def add_request(
         self, prompt_ids: list[int], max_new_tokens: int, *, priority: int = 0, ignore_eos: bool = False
-    ) -> Request:
+    ) -> Sequence:
         """Submit one request; it joins the batch at a coming step. Its ``output_ids`` grow as it runs."""
-        check_requests([prompt_ids], max_new_tokens, self.model.cfg.vocab_size)
         self.check_fits(prompt_ids, max_new_tokens)
-        req = Request(
+        seq = Sequence(
             next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos=ignore_eos, priority=priority
         )
-        self.scheduler.add(req)
-        return req
+        self.scheduler.add(seq)
+        return seq
 
-    def abort(self, request_id: int) -> Request:
+    def abort(self, request_id: int) -> Sequence:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardMeta]:
-        """Pack the scheduled tokens of every request into one flat batch, and describe it."""
+        """Pack the scheduled tokens of every sequence into one flat batch, and describe it."""
         block_size = self.allocator.block_size
         token_ids, positions, slot_mapping, logits_at = [], [], [], []
         cu_q_lens, context_lens = [0], []
-        for req, n in batch:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            token_ids += req.all_ids[start:end]
+        for seq, n in batch:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            token_ids += seq.all_ids[start:end]
             positions += range(start, end)
-            slot_mapping += slots(req.block_table, start, end, block_size)
+            slot_mapping += slots(seq.block_table, start, end, block_size)
             cu_q_lens.append(cu_q_lens[-1] + n)
             context_lens.append(end)
-            if end == req.num_tokens:  # its last known token runs: that row's logits give the next one
+            if end == seq.num_tokens:  # its last known token runs: that row's logits give the next one
                 logits_at.append(cu_q_lens[-1] - 1)
-        width = max(len(req.block_table) for req, _ in batch)
-        block_tables = [req.block_table + [-1] * (width - len(req.block_table)) for req, _ in batch]
+        width = max(len(seq.block_table) for seq, _ in batch)
+        block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _ in batch]
         meta = ForwardMeta(
             positions=torch.tensor(positions),  # (T,)
             slot_mapping=torch.tensor(slot_mapping),  # (T,)
@@ -149,27 +137,33 @@ class Engine:
         )
         return torch.tensor(token_ids), meta
 
-    def step(self) -> list[Request]:
-        """Run one forward call over the scheduled batch. Returns the requests it finished."""
+    def step(self) -> list[Sequence]:
+        """Run one forward call over the scheduled batch. Returns the sequences it finished."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         token_ids, meta = self.prepare(batch)
-        attend = functools.partial(self.attention, self.pool, meta)
+        attend = functools.partial(attention, self.pool, meta)
         logits = self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)  # (N, vocab)
-        live = sum(r.num_computed_tokens for r in self.scheduler.running) + len(token_ids)
-        self.peak_live_tokens = max(self.peak_live_tokens, live)
-        self.num_steps += 1
+        self._count(len(token_ids))
         return self.scheduler.update(batch, logits.argmax(-1).tolist())
+
+    def _count(self, tokens: int) -> None:
+        """After a forward: the step counters, and live vs held positions of the running sequences."""
+        self.num_steps += 1
+        self.num_tokens_run += tokens
+        live = sum(seq.num_computed_tokens for seq in self.scheduler.running) + tokens
+        held = self.allocator.num_used
+        self.meter.step(live, held * self.allocator.block_size, held)
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Submit every prompt at once and step until all requests finish; new tokens in input order."""
-        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size)
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
             self.check_fits(prompt, budget, f"prompt {i}")
-        reqs = [self.add_request(p, b, ignore_eos=ignore_eos) for p, b in zip(prompts, budgets)]
+        seqs = [self.add_request(p, b, ignore_eos=ignore_eos) for p, b in zip(prompts, budgets, strict=True)]
         while self.has_unfinished():
             self.step()
-        return [req.output_ids for req in reqs]
+        return [seq.output_ids for seq in seqs]

@@ -1,22 +1,42 @@
-"""L4 engine: L3's continuous-batching engine with the gather-then-attend step replaced by a kernel.
+"""L4 engine: L3's continuous-batching engine, with attention done by a kernel that reads blocks in place.
 
-Everything else (pool, allocator, scheduler, preemption, chunked prefill) is L3's, unchanged, so
-this file only chooses the attention: ``kernel="torch"`` (the PyTorch reference, default) or
-``kernel="triton"`` (the Triton kernel; in the interpreter on CPU, slow: use it on small runs), and
-``num_splits`` for the split-KV path.
+    step:  scheduler.schedule()  -> which sequences run, and how many tokens each (decode tokens,
+                                    prefill chunks, recomputes after a preemption)
+           prepare()             -> the tokens packed back to back, with positions, slots, block
+                                    tables, context lengths and the rows that need logits
+           model.forward()       -> one forward call for all of them; each layer's attention is one
+                                    kernel call over the whole batch (``attention.py``)
+           scheduler.update()    -> append each finished row's greedy token, finish who is done
 
-Left out on purpose: anything that is not the attention kernel (see L3), and CUDA graphs or other
-launch-overhead tricks a GPU engine would add around the kernel.
+Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) between steps; a finished
+sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
+steps until all are done; ``add_request`` + ``step`` let a caller feed requests in over time.
+
+``kernel="torch"`` (the PyTorch reference, default) or ``kernel="triton"`` (the Triton kernel; in its
+interpreter on CPU, slow: use it on small runs) chooses the kernel, and ``num_splits`` the split-KV path.
+
+Left out on purpose: sampling (greedy only), streaming outputs to callers, sharing blocks between
+sequences (L5), and CUDA graphs or other launch-overhead tricks a GPU engine adds around the kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
-from L3_block_tensor.engine import Engine as L3Engine
+import torch
 
-from .attention import attention
+from kvcourse.model import Transformer
+from kvcourse.model_store import resolve_model_dir
+from kvcourse.requests import check_blocks, check_requests, resolve_max_model_len
+from kvcourse.stats import EngineStats, UsageMeter
+
+from .allocator import BlockAllocator, blocks_needed
+from .attention import ForwardMeta, attention
+from .cache import KvPool
 from .paged_attention import paged_attention
+from .scheduler import Batch, Scheduler
+from .sequence import Sequence, slots
 
 KERNELS = ("torch", "triton")
 
@@ -32,10 +52,142 @@ def load_kernel(name: str):
     raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
 
 
-class Engine(L3Engine):
-    def __init__(self, model_dir=None, kernel: str = "torch", num_splits: int = 1, **l3_options):
+class Engine:
+    def __init__(
+        self,
+        model_dir=None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int | None = None,
+        prefill_chunk_size: int | None = None,
+        max_model_len: int | None = None,
+        kernel: str = "torch",
+        num_splits: int = 1,
+    ):
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        super().__init__(model_dir, **l3_options)
-        self.kernel = kernel
-        self.attention = functools.partial(attention, kernel=load_kernel(kernel), num_splits=num_splits)
+        self.kernel = load_kernel(kernel)
+        self.num_splits = num_splits
+        self.model_dir = resolve_model_dir(model_dir)
+        self.model = Transformer.from_dir(self.model_dir)
+        cfg = self.model.cfg
+        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = self.max_model_len
+        if prefill_chunk_size is None and max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
+                f"{max_num_batched_tokens} < max_model_len={self.max_model_len}"
+            )
+        if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
+            num_blocks = blocks_needed(self.max_model_len, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
+        self.pool = KvPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+            eos_ids=cfg.eos_token_ids,
+        )
+        self.meter = UsageMeter()  # live vs held positions, step by step
+        self.num_steps = self.num_tokens_run = 0
+        self._ids = itertools.count()
+
+    def stats(self) -> EngineStats:
+        """KV reserved vs live, blocks held and the scheduler's counters, since the engine was built."""
+        per_token = self.model.cfg.kv_bytes_per_token()
+        return EngineStats(
+            kv_bytes_reserved=self.pool.nbytes,
+            kv_bytes_live=self.meter.live_peak * per_token,
+            kv_utilization=self.meter.utilization,
+            block_size=self.allocator.block_size,
+            num_blocks=self.allocator.num_blocks,
+            blocks_held=self.meter.blocks_held_peak,
+            steps=self.num_steps,
+            tokens_run=self.num_tokens_run,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> list[int]:
+        """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
+        whole pool). Returns its budget."""
+        [budget] = check_requests([prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        total, block_size = len(prompt) + budget, self.allocator.block_size
+        check_blocks(label, total, blocks_needed(total, block_size), block_size, self.allocator.num_blocks)
+        return budget
+
+    def add_request(
+        self, prompt_ids: list[int], max_new_tokens: int, *, priority: int = 0, ignore_eos: bool = False
+    ) -> Sequence:
+        """Submit one request; it joins the batch at a coming step. Its ``output_ids`` grow as it runs."""
+        self.check_fits(prompt_ids, max_new_tokens)
+        seq = Sequence(
+            next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos=ignore_eos, priority=priority
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: int) -> Sequence:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardMeta]:
+        """Pack the scheduled tokens of every sequence into one flat batch, and describe it."""
+        block_size = self.allocator.block_size
+        token_ids, positions, slot_mapping, logits_at = [], [], [], []
+        cu_q_lens, context_lens = [0], []
+        for seq, n in batch:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            token_ids += seq.all_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += slots(seq.block_table, start, end, block_size)
+            cu_q_lens.append(cu_q_lens[-1] + n)
+            context_lens.append(end)
+            if end == seq.num_tokens:  # its last known token runs: that row's logits give the next one
+                logits_at.append(cu_q_lens[-1] - 1)
+        width = max(len(seq.block_table) for seq, _ in batch)
+        block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _ in batch]
+        meta = ForwardMeta(
+            positions=torch.tensor(positions),  # (T,)
+            slot_mapping=torch.tensor(slot_mapping),  # (T,)
+            block_tables=torch.tensor(block_tables),  # (B, width)
+            context_lens=torch.tensor(context_lens),  # (B,)
+            cu_q_lens=torch.tensor(cu_q_lens),  # (B + 1,)
+            logits_at=torch.tensor(logits_at, dtype=torch.long),  # (N,), N may be 0
+        )
+        return torch.tensor(token_ids), meta
+
+    def step(self) -> list[Sequence]:
+        """Run one forward call over the scheduled batch. Returns the sequences it finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        token_ids, meta = self.prepare(batch)
+        attend = functools.partial(attention, self.pool, meta, kernel=self.kernel, num_splits=self.num_splits)
+        logits = self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)  # (N, vocab)
+        self._count(len(token_ids))
+        return self.scheduler.update(batch, logits.argmax(-1).tolist())
+
+    def _count(self, tokens: int) -> None:
+        """After a forward: the step counters, and live vs held positions of the running sequences."""
+        self.num_steps += 1
+        self.num_tokens_run += tokens
+        live = sum(seq.num_computed_tokens for seq in self.scheduler.running) + tokens
+        held = self.allocator.num_used
+        self.meter.step(live, held * self.allocator.block_size, held)
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
+    ) -> list[list[int]]:
+        """Submit every prompt at once and step until all requests finish; new tokens in input order."""
+        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            self.check_fits(prompt, budget, f"prompt {i}")
+        seqs = [self.add_request(p, b, ignore_eos=ignore_eos) for p, b in zip(prompts, budgets, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        return [seq.output_ids for seq in seqs]

@@ -7,13 +7,13 @@ With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs
 (a) the PyTorch kernel, every prompt at once;
 (b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
     causal queries in the middle of a sequence;
-(c) the Triton kernel, in Triton's interpreter on CPU (no GPU here). The interpreter runs the kernel
-    with NumPy, one program at a time (all ten prompts, 8 tokens each, took ~9 minutes here), so this
-    run takes the first 3 prompts and 4 new tokens each, compared with the first 4 tokens of L3 and
-    HF (exact for greedy decoding).
+(c) the Triton kernel, in Triton's interpreter on a machine without a GPU (the course switches the
+    interpreter on by itself). The interpreter runs the kernel with NumPy, one program at a time,
+    so this run takes the TRITON_PROMPTS shortest prompts and TRITON_TOKENS new tokens each,
+    compared with the first TRITON_TOKENS tokens of L3 and HF (exact for greedy decoding).
 """
 
-from kvcourse.smoke import StageRun, run_smoke
+from kvcourse.smoke import SmokeContext, StageRun, run_smoke
 from L3_block_tensor.engine import Engine as L3Engine
 from L4_paged_kernel.engine import Engine
 
@@ -21,27 +21,29 @@ TRITON_TOKENS = 4
 TRITON_PROMPTS = 3
 
 
-def main_runs() -> list[StageRun]:
+def runs(ctx: SmokeContext) -> list[StageRun]:
     """The three configurations this smoke checks."""
     return [
-        StageRun("L4 torch kernel", lambda d: Engine(d)),
+        StageRun("L4 torch kernel", lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len)),
         StageRun(
             "L4 torch kernel, 4 splits, chunked prefill 8",
-            lambda d: Engine(d, num_splits=4, prefill_chunk_size=8),
+            lambda ctx: Engine(
+                ctx.model_dir, num_splits=4, prefill_chunk_size=8, max_model_len=ctx.max_model_len
+            ),
         ),
         StageRun(
-            f"L4 triton kernel (interpreter), first {TRITON_PROMPTS} prompts, {TRITON_TOKENS} tokens each",
-            lambda d: Engine(d, kernel="triton"),
+            f"L4 triton kernel (interpreter), {TRITON_PROMPTS} shortest prompts, {TRITON_TOKENS} tokens each",
+            lambda ctx: Engine(ctx.model_dir, kernel="triton", max_model_len=ctx.max_model_len),
             cap=TRITON_TOKENS,
-            first=TRITON_PROMPTS,
+            only=ctx.shortest(TRITON_PROMPTS),
         ),
     ]
 
 
-def previous() -> StageRun:
+def previous(ctx: SmokeContext) -> StageRun:
     """The stage L4 is compared with."""
-    return StageRun("L3 block-tensor", lambda model_dir: L3Engine(model_dir))
+    return StageRun("L3 block-tensor", lambda ctx: L3Engine(ctx.model_dir, max_model_len=ctx.max_model_len))
 
 
 if __name__ == "__main__":
-    run_smoke("L4", main_runs(), prev=previous())
+    run_smoke("L4", runs, previous)

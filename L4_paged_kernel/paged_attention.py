@@ -171,7 +171,7 @@ def paged_attention(
                                 min(i + per_split, n_blocks), scale, blocks_per_tile)
             for i in range(0, n_blocks, per_split)
         ]  # fmt: skip
-        m, l, acc = (torch.stack(t) for t in zip(*partials))  # (splits, B, H_kv, G[, D])
+        m, l, acc = (torch.stack(t) for t in zip(*partials, strict=True))  # (splits, B, H_kv, G[, D])
         out[rows] = merge_partials(m, l, acc).reshape(-1, n_heads, d)
 
     for s in (q_lens != 1).nonzero().flatten().tolist():
@@ -184,7 +184,7 @@ def paged_attention(
             attend_blocks(qs, k_pool, v_pool, blocks[i : i + per_split], i, q_pos, scale)
             for i in range(0, len(blocks), per_split)
         ]
-        m, l, acc = (torch.stack(t) for t in zip(*partials))  # (splits, H_kv, G, Tq[, D])
+        m, l, acc = (torch.stack(t) for t in zip(*partials, strict=True))  # (splits, H_kv, G, Tq[, D])
         o = merge_partials(m, l, acc)  # (H_kv, G, Tq, D)
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q1 - q0, n_heads, d)
     return out

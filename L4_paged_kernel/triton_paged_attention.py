@@ -1,4 +1,4 @@
-"""L4's paged attention as a Triton kernel: the algorithm of ``paged_attention.py``, one program per
+"""Paged attention as a Triton kernel (from L4 on): the algorithm of ``paged_attention.py``, one program per
 (sequence, KV head, split).
 
 Each program loads its sequence's query rows for one KV head (the G query heads that share it, for
@@ -8,9 +8,9 @@ with several, each program writes its partial (m, l, acc) and a second small ker
 (the flash-decoding reduce).
 
 On a machine with a CUDA GPU this compiles natively. Here (CPU only) it runs under Triton's
-interpreter, ``TRITON_INTERPRET=1``, which this module turns on when no GPU is present: the same
-kernel source executes with NumPy, slowly, so tests use small shapes. Native GPU runs are NOT verified
-in this repository.
+interpreter, ``TRITON_INTERPRET=1``, which ``import kvcourse`` turns on when no GPU is present (and
+this module says so when it loads): the same kernel source executes with NumPy, slowly, so tests use
+small shapes. Native GPU runs are NOT verified in this repository.
 
 Left out on purpose: autotuning, fp16/bf16 inputs, and the vLLM-style tricks that matter only for
 speed (persistent programs, splitting query tiles across programs).
@@ -23,14 +23,21 @@ import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    # Triton picks interpreter or compiler when it is first imported (importing HF modeling code
-    # imports it too), so the switch only works if nothing imported triton before this module.
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "no GPU: set TRITON_INTERPRET=1 before anything imports triton (the Makefile does)"
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
+import kvcourse
+
+# Triton picks interpreter or compiler when it is first imported, and importing HF's modeling code
+# imports it too. ``import kvcourse`` (which every entry point does first) sets TRITON_INTERPRET=1 on a
+# machine without a GPU; if triton was imported before that, the switch comes too late.
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        "no GPU, and Triton is not in interpreter mode: import kvcourse (or set TRITON_INTERPRET=1) "
+        "before anything imports triton"
+    )
+if kvcourse.TRITON_INTERPRET_SET_HERE:
+    print(
+        "kvcourse: no GPU here, so Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1)",
+        file=sys.stderr,
+    )
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

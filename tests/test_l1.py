@@ -22,13 +22,13 @@ def engine(model_dir):
 
 
 def test_cache_write_read_positions():
-    cache = KvCache(num_layers=2, max_seq_len=8, num_kv_heads=1, head_dim=2)
+    cache = KvCache(num_layers=2, max_model_len=8, num_kv_heads=1, head_dim=2)
     cache.write(1, 0, torch.ones(3, 1, 2), 2 * torch.ones(3, 1, 2))
     cache.write(1, 3, 5 * torch.ones(1, 1, 2), 6 * torch.ones(1, 1, 2))
     k, v = cache.read(1, 4)
     assert k[:, 0, 0].tolist() == [1, 1, 1, 5] and v[:, 0, 0].tolist() == [2, 2, 2, 6]
     assert cache.k[0].abs().sum() == 0, "layer 0 was never written"
-    with pytest.raises(ValueError, match="overflows max_seq_len=8"):
+    with pytest.raises(ValueError, match="overflows max_model_len=8"):
         cache.write(0, 7, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
 
 
@@ -66,8 +66,8 @@ def test_ignore_eos_gives_fixed_length(engine):
         ([[]], 4, "prompt 0 is empty"),
         ([[1, 2], [1, 49152]], 4, r"prompt 1: token id 49152 is outside the vocabulary \[0, 49152\)"),
         ([[1, -1]], 4, "token id -1 is outside"),
-        ([[1, 2]], 0, "max_new_tokens must be >= 1, got 0"),
-        ([[1] * 2000], 100, "2000 prompt tokens \\+ max_new_tokens 100 = 2100 exceeds max_seq_len=2048"),
+        ([[1, 2]], 0, "max_new_tokens must be an integer >= 1, got 0"),
+        ([[1] * 2000], 100, "2000 prompt tokens \\+ max_new_tokens 100 = 2100 exceeds max_model_len=2048"),
     ],
 )
 def test_bad_input_is_named(engine, prompts, budget, message):
@@ -75,25 +75,29 @@ def test_bad_input_is_named(engine, prompts, budget, message):
         engine.generate(prompts, budget)
 
 
-def test_max_seq_len_over_model_limit(tiny_llama_dir):
-    with pytest.raises(ValueError, match="max_seq_len=4096 exceeds the model's max_position_embeddings=2048"):
-        Engine(tiny_llama_dir, max_seq_len=4096)
+def test_max_model_len_over_model_limit(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 2048\] .*got 4096"):
+        Engine(tiny_llama_dir, max_model_len=4096)
 
 
-def test_usage_reports_reserved_and_live(tiny_llama_dir):
-    eng = Engine(tiny_llama_dir, max_seq_len=64)
+def test_stats_report_reserved_live_and_utilization(tiny_llama_dir):
+    eng = Engine(tiny_llama_dir, max_model_len=64)
     eng.generate([[1, 2, 3, 4]], 4, ignore_eos=True)
     per_token = eng.model.cfg.kv_bytes_per_token()
-    assert eng.usage.reserved_bytes == 64 * per_token
-    assert eng.usage.live_bytes == (4 + 3) * per_token  # the last token's K/V is never written
+    stats = eng.stats()
+    assert stats.kv_bytes_reserved == 64 * per_token
+    assert stats.kv_bytes_live == (4 + 3) * per_token  # the last token's K/V is never written
+    assert (stats.steps, stats.tokens_run) == (4, 4 + 3)  # a prefill of 4, then 3 decode steps
+    assert stats.kv_utilization == pytest.approx((4 + 5 + 6 + 7) / (4 * 64))  # cached after each step
+    assert stats.num_blocks == 0 and stats.preemptions == 0 and stats.compiles == {}
 
 
 @pytest.mark.slow
 def test_l1_smoke_default(capsys):
     """The smoke check itself: course model and tiny Qwen3, every prompt equal to HF greedy."""
-    from L1_contiguous.l1_smoke import main_runs
+    from L1_contiguous.l1_smoke import runs
 
-    status = smoke_main("L1", main_runs(), prev=None, argv=[])
+    status = smoke_main("L1", runs, argv=[])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L1 smoke: 20/20 prompts match HF")
@@ -153,7 +157,9 @@ def test_cli_generate(tiny_llama_dir, stage):
     assert res.returncode == 0, res.stderr
     assert "> chat: Hello there" in res.stdout
     assert (
-        f"{stage}: 6 new tokens in" in res.stdout and "KV reserved" in res.stdout and "% used" in res.stdout
+        f"{stage}: 6 new tokens in" in res.stdout
+        and "KV reserved" in res.stdout
+        and "% utilized" in res.stdout
     )
 
 
@@ -168,12 +174,9 @@ def test_cli_refuses_unknown_stage():
     assert res.returncode == 2 and "invalid choice: 'L9'" in res.stderr
 
 
-@pytest.mark.parametrize(
-    "stage, option",
-    [("L1", "max_seq_len"), ("L2", "max_seq_len"), ("L3", "max_model_len"), ("L4", "max_model_len")],
-)
-def test_zero_length_limit_is_refused_not_defaulted(tiny_llama_dir, stage, option):
+@pytest.mark.parametrize("stage", ["L1", "L2", "L3", "L4", "L5", "L6"])
+def test_zero_length_limit_is_refused_not_defaulted(tiny_llama_dir, stage):
     from kvcourse.stages import engine_class
 
-    with pytest.raises(ValueError, match=f"{option} must be >= 1, got 0"):
-        engine_class(stage)(tiny_llama_dir, **{option: 0})
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 2048\] .*got 0"):
+        engine_class(stage)(tiny_llama_dir, max_model_len=0)

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from kvcourse.reference import hf_greedy
 from kvcourse.smoke import smoke_main
 from L1_contiguous.engine import Engine as L1Engine
-from L2_token_flat.cache import BlockAllocator, KvPool, OutOfBlocks, Request, blocks_needed, reserve
+from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
+from L2_token_flat.cache import KvPool
 from L2_token_flat.engine import Engine
+from L2_token_flat.sequence import Sequence, reserve
 
 PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 137)), [9], [4093, 198] * 8]
 BUDGETS = [20, 9, 30, 17]
@@ -42,7 +44,7 @@ def test_out_of_blocks_names_the_counts_and_changes_nothing():
     a = BlockAllocator(5, block_size=4)
     held = a.alloc_blocks(3)
     before = books(a)
-    with pytest.raises(OutOfBlocks, match="need 3, only 2 free") as err:
+    with pytest.raises(OutOfBlocksError, match="need 3, only 2 free") as err:
         a.alloc_blocks(3)
     assert isinstance(err.value, RuntimeError)
     assert (err.value.needed, err.value.free) == (3, 2)
@@ -75,7 +77,7 @@ def test_check_invariants_catches_broken_books():
     held = a.alloc_blocks(2)
     with pytest.raises(AssertionError, match="two owners"):
         a.check_invariants([held, held[:1]])
-    with pytest.raises(AssertionError, match="requests hold"):
+    with pytest.raises(AssertionError, match="sequences hold"):
         a.check_invariants([held[:1]])  # a block handed out that no request holds: a leak
     a.free_blocks.append(held[0])
     with pytest.raises(AssertionError, match="both free and owned"):
@@ -115,7 +117,7 @@ def test_allocator_property(num_blocks, ops):
         before = books(a)
         if op == "alloc":
             if x > a.num_free:
-                with pytest.raises(OutOfBlocks):
+                with pytest.raises(OutOfBlocksError):
                     a.alloc_blocks(x)
                 assert books(a) == before
             else:
@@ -143,44 +145,46 @@ def test_allocator_property(num_blocks, ops):
 
 def test_reserve_docstring_example():
     alloc = BlockAllocator(8, block_size=4)
-    a, b = Request([1]), Request([2])
+    a, b = Sequence([1]), Sequence([2])
     reserve(a, alloc, 1)
     reserve(b, alloc, 1)
-    assert (a.blocks, b.blocks) == ([0], [1])
+    assert (a.block_table, b.block_table) == ([0], [1])
     reserve(a, alloc, 4)
-    assert a.blocks == [0]
+    assert a.block_table == [0]
     reserve(a, alloc, 6)
-    assert a.blocks == [0, 2] and a.slot_indices == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert a.block_table == [0, 2] and a.slot_indices == [0, 1, 2, 3, 8, 9, 10, 11]
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_reserve_grows_block_by_block(block_size):
     """Token by token to 40: a new block exactly when a position crosses a block boundary."""
     alloc = BlockAllocator(2 * blocks_needed(40, block_size), block_size)
-    req, other = Request([1]), Request([2])
+    seq, other = Sequence([1]), Sequence([2])
     for target in range(1, 41):
-        before = list(req.blocks)
-        reserve(req, alloc, target)
+        before = list(seq.block_table)
+        reserve(seq, alloc, target)
         reserve(other, alloc, target)  # interleaved, so the two requests' blocks are not contiguous
-        assert len(req.blocks) == blocks_needed(target, block_size)
-        assert req.blocks[: len(before)] == before
-        assert req.slot_indices == [b * block_size + w for b in req.blocks for w in range(block_size)]
-        assert all(req.slot_indices[t] // block_size == req.blocks[t // block_size] for t in range(target))
-    reserve(req, alloc, 3)  # shrinking never frees
-    assert len(req.blocks) == blocks_needed(40, block_size)
-    assert not set(req.slot_indices) & set(other.slot_indices)
-    alloc.check_invariants([req.blocks, other.blocks])
+        assert len(seq.block_table) == blocks_needed(target, block_size)
+        assert seq.block_table[: len(before)] == before
+        assert seq.slot_indices == [b * block_size + w for b in seq.block_table for w in range(block_size)]
+        assert all(
+            seq.slot_indices[t] // block_size == seq.block_table[t // block_size] for t in range(target)
+        )
+    reserve(seq, alloc, 3)  # shrinking never frees
+    assert len(seq.block_table) == blocks_needed(40, block_size)
+    assert not set(seq.slot_indices) & set(other.slot_indices)
+    alloc.check_invariants([seq.block_table, other.block_table])
 
 
 def test_reserve_out_of_blocks_leaves_request_and_allocator_unchanged():
     alloc = BlockAllocator(3, block_size=7)
-    req = Request([1])
-    reserve(req, alloc, 14)  # 2 blocks
+    seq = Sequence([1])
+    reserve(seq, alloc, 14)  # 2 blocks
     alloc.alloc_blocks(1)  # someone else takes the last one
-    before = (list(req.blocks), list(req.slot_indices), books(alloc))
-    with pytest.raises(OutOfBlocks, match="need 1, only 0 free"):
-        reserve(req, alloc, 15)
-    assert (req.blocks, req.slot_indices, books(alloc)) == before
+    before = (list(seq.block_table), list(seq.slot_indices), books(alloc))
+    with pytest.raises(OutOfBlocksError, match="need 1, only 0 free"):
+        reserve(seq, alloc, 15)
+    assert (seq.block_table, seq.slot_indices, books(alloc)) == before
 
 
 def test_pool_writes_each_token_to_its_slot():
@@ -213,11 +217,11 @@ def test_invariants_hold_at_every_step_and_blocks_are_reused(tiny_llama_dir):
     eng = Engine(tiny_llama_dir, block_size=3, num_blocks=12)  # 36 slots: enough for one request at a time
     decode_step, steps = eng.decode_step, []
 
-    def checked_decode_step(req, token):
-        eng.allocator.check_invariants([req.blocks])
-        assert len(req.blocks) == blocks_needed(req.cur_len, 3)
-        steps.append(req.cur_len)
-        return decode_step(req, token)
+    def checked_decode_step(seq, token):
+        eng.allocator.check_invariants([seq.block_table])
+        assert len(seq.block_table) == blocks_needed(seq.num_computed_tokens, 3)
+        steps.append(seq.num_computed_tokens)
+        return decode_step(seq, token)
 
     eng.decode_step = checked_decode_step
     out = eng.generate([[1, 2, 3] * 5, [4], [7] * 20], [20, 30, 15], ignore_eos=True)
@@ -225,8 +229,12 @@ def test_invariants_hold_at_every_step_and_blocks_are_reused(tiny_llama_dir):
     assert eng.allocator.num_free == 12
     eng.allocator.check_invariants([])
     per_token = eng.model.cfg.kv_bytes_per_token()
-    assert eng.usage.reserved_bytes == 36 * per_token
-    assert eng.usage.live_bytes == (20 + 14) * per_token  # the longest: 20 prompt + 15 new - 1 uncached
+    stats = eng.stats()
+    assert stats.kv_bytes_reserved == 36 * per_token
+    assert stats.kv_bytes_live == (20 + 14) * per_token  # the longest: 20 prompt + 15 new - 1 uncached
+    assert stats.blocks_held == blocks_needed(20 + 14, 3) and stats.num_blocks == 12 and stats.block_size == 3
+    assert stats.steps == 20 + 30 + 15  # a prefill and budget - 1 decode steps per request
+    assert 0.5 < stats.kv_utilization <= 1.0  # whole blocks of 3: at most 2 positions wasted per step
 
 
 @pytest.mark.parametrize(
@@ -235,10 +243,10 @@ def test_invariants_hold_at_every_step_and_blocks_are_reused(tiny_llama_dir):
         ({}, [[]], 4, "prompt 0 is empty"),
         ({}, [[1, 2], [1, 49152]], 4, r"prompt 1: token id 49152 is outside the vocabulary \[0, 49152\)"),
         (
-            {"max_seq_len": 64},
+            {"max_model_len": 64},
             [[1] * 60],
             5,
-            r"prompt 0: 60 prompt tokens \+ max_new_tokens 5 = 65 exceeds max_seq_len=64",
+            r"prompt 0: 60 prompt tokens \+ max_new_tokens 5 = 65 exceeds max_model_len=64",
         ),
         (
             {"block_size": 4, "num_blocks": 3},
@@ -260,7 +268,7 @@ def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, budget, message
     [
         ({"block_size": 0}, "block_size must be >= 1, got 0"),
         ({"block_size": -3}, "block_size must be >= 1, got -3"),
-        ({"max_seq_len": 4096}, "max_seq_len=4096 exceeds the model's max_position_embeddings=2048"),
+        ({"max_model_len": 4096}, r"max_model_len must be in \[1, 2048\] .*got 4096"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
     ],
 )
@@ -272,9 +280,9 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 @pytest.mark.slow
 def test_l2_smoke_default(capsys):
     """The smoke check itself: course model and tiny Qwen3, block sizes 16, 1, 7, equal to L1 and HF."""
-    from L2_token_flat.l2_smoke import main_runs, previous
+    from L2_token_flat.l2_smoke import previous, runs
 
-    status = smoke_main("L2", main_runs(), prev=previous(), argv=[])
+    status = smoke_main("L2", runs, previous, argv=[])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L2 smoke: 60/60 prompts match L1 and HF"), last

@@ -15,23 +15,15 @@ from hypothesis import strategies as st
 from kvcourse.reference import hf_greedy
 from kvcourse.smoke import smoke_main
 from kvcourse.workloads import staggered
-from L2_token_flat.cache import BlockAllocator as L2Allocator
-from L2_token_flat.cache import Request as L2Request
-from L2_token_flat.cache import reserve as l2_reserve
+from L2_token_flat.allocator import BlockAllocator as L2Allocator
 from L2_token_flat.engine import Engine as L2Engine
-from L3_block_tensor.cache import (
-    BlockAllocator,
-    FinishReason,
-    KvPool,
-    OutOfBlocks,
-    Request,
-    Status,
-    blocks_needed,
-    reserve,
-    slots,
-)
+from L2_token_flat.sequence import Sequence as L2Sequence
+from L2_token_flat.sequence import reserve as l2_reserve
+from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
+from L3_block_tensor.cache import KvPool
 from L3_block_tensor.engine import Engine
 from L3_block_tensor.scheduler import Scheduler
+from L3_block_tensor.sequence import FinishReason, Sequence, Status, reserve, slots
 
 EOS = 2
 TOKEN = 7  # what the fake model of the scheduler tests always answers (not eos)
@@ -65,20 +57,20 @@ def test_block_table_slots_equal_l2_slot_indices(block_size):
     """L3 computes from the block table exactly the slots L2 kept per position."""
     n = 2 * blocks_needed(60, block_size)
     a2, a3 = L2Allocator(n, block_size), BlockAllocator(n, block_size)
-    r2, r3, o2, o3 = L2Request([1]), Request(0, [1], 1), L2Request([2]), Request(1, [2], 1)
+    r2, r3, o2, o3 = L2Sequence([1]), Sequence(0, [1], 1), L2Sequence([2]), Sequence(1, [2], 1)
     for target in range(1, 60):
         l2_reserve(r2, a2, target)
         reserve(r3, a3, target)
         if target % 3 == 0:  # a neighbour grows too, so the blocks are not contiguous
             l2_reserve(o2, a2, target)
             reserve(o3, a3, target)
-        assert r3.block_table == r2.blocks
+        assert r3.block_table == r2.block_table
         assert slots(r3.block_table, 0, target, block_size) == r2.slot_indices[:target]
 
 
 def test_reserve_and_out_of_blocks_leave_state_unchanged():
     alloc = BlockAllocator(3, block_size=4)
-    a, b = Request(0, [1], 1), Request(1, [2], 1)
+    a, b = Sequence(0, [1], 1), Sequence(1, [2], 1)
     reserve(a, alloc, 1)
     reserve(b, alloc, 1)
     reserve(a, alloc, 4)
@@ -86,7 +78,7 @@ def test_reserve_and_out_of_blocks_leave_state_unchanged():
     reserve(a, alloc, 6)
     assert a.block_table == [0, 2]
     before = (list(a.block_table), list(alloc.free_blocks), set(alloc.owned))
-    with pytest.raises(OutOfBlocks, match="need 1, only 0 free") as err:
+    with pytest.raises(OutOfBlocksError, match="need 1, only 0 free") as err:
         reserve(a, alloc, 9)
     assert (err.value.needed, err.value.free) == (1, 0)
     assert (a.block_table, list(alloc.free_blocks), set(alloc.owned)) == before
@@ -106,28 +98,28 @@ def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
 
 def submit(
     s: Scheduler, prompt_len: int, max_new: int, priority: int = 0, ignore_eos: bool = False
-) -> Request:
-    req = Request(
+) -> Sequence:
+    seq = Sequence(
         len(s.waiting) + len(s.running) + len(s.finished), [TOKEN] * prompt_len, max_new, ignore_eos, priority
     )
-    s.add(req)
-    return req
+    s.add(seq)
+    return seq
 
 
-def fake_step(s: Scheduler, answer=lambda req: TOKEN):
+def fake_step(s: Scheduler, answer=lambda seq: TOKEN):
     """One engine step without a model: schedule, 'run', answer each row that wants a next token."""
     batch = s.schedule()
-    wanted = [req for req, n in batch if req.num_computed_tokens + n == req.num_tokens]
-    done = s.update(batch, [answer(req) for req in wanted])
+    wanted = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+    done = s.update(batch, [answer(seq) for seq in wanted])
     s.check_invariants()
-    return [(req.request_id, n) for req, n in batch], done
+    return [(seq.request_id, n) for seq, n in batch], done
 
 
-def drain(s: Scheduler, answer=lambda req: TOKEN) -> list[int]:
+def drain(s: Scheduler, answer=lambda seq: TOKEN) -> list[int]:
     """Step until nothing is left; returns request ids in the order they finished."""
     order = []
     while s.has_unfinished():
-        order += [req.request_id for req in fake_step(s, answer)[1]]
+        order += [seq.request_id for seq in fake_step(s, answer)[1]]
     return order
 
 
@@ -176,7 +168,7 @@ def test_finish_reasons_and_eos_kept_in_the_output():
     stops = submit(s, 3, 10)
     runs_on = submit(s, 3, 4, ignore_eos=True)
     budget = submit(s, 3, 4)
-    drain(s, answer=lambda req: EOS if req.request_id < 2 and len(req.output_ids) == 1 else TOKEN)
+    drain(s, answer=lambda seq: EOS if seq.request_id < 2 and len(seq.output_ids) == 1 else TOKEN)
     assert stops.output_ids == [TOKEN, EOS] and stops.finish_reason is FinishReason.EOS
     assert (
         runs_on.output_ids == [TOKEN, EOS, TOKEN, TOKEN] and runs_on.finish_reason is FinishReason.MAX_TOKENS
@@ -266,25 +258,25 @@ def test_scheduler_property(num_blocks, block_size, max_num_seqs, chunk, arrival
     )
     capacity = num_blocks * block_size
     pending = sorted(arrivals, key=lambda a: a[0])
-    reqs: list[Request] = []
+    seqs: list[Sequence] = []
     eos_at: dict[int, int] = {}  # request id -> index of the output the fake model makes eos
     step = 0
     while pending or s.has_unfinished():
         while pending and pending[0][0] <= step:
             _, prompt_len, max_new, priority, eos = pending.pop(0)
             prompt_len = min(prompt_len, capacity - 1)  # what Engine.check_fits guarantees: it fits alone
-            reqs.append(submit(s, prompt_len, min(max_new, capacity - prompt_len), priority))
-            eos_at[reqs[-1].request_id] = eos
+            seqs.append(submit(s, prompt_len, min(max_new, capacity - prompt_len), priority))
+            eos_at[seqs[-1].request_id] = eos
         for at, which in aborts:
-            if at == step and which < len(reqs) and reqs[which].status is not Status.FINISHED:
-                s.abort(reqs[which].request_id)
-        fake_step(s, answer=lambda req: EOS if len(req.output_ids) == eos_at[req.request_id] else TOKEN)
+            if at == step and which < len(seqs) and seqs[which].status is not Status.FINISHED:
+                s.abort(seqs[which].request_id)
+        fake_step(s, answer=lambda seq: EOS if len(seq.output_ids) == eos_at[seq.request_id] else TOKEN)
         step += 1
     hypothesis.target(
         float(s.num_preemptions), label="preemptions"
     )  # steer the search towards memory pressure
-    assert s.allocator.num_free == num_blocks and all(r.status is Status.FINISHED for r in reqs)
-    for r in reqs:
+    assert s.allocator.num_free == num_blocks and all(r.status is Status.FINISHED for r in seqs)
+    for r in seqs:
         if r.finish_reason is not FinishReason.ABORTED:
             eos = eos_at[r.request_id]
             alone = [TOKEN] * eos + [EOS] if eos < r.max_new_tokens else [TOKEN] * r.max_new_tokens
@@ -339,7 +331,7 @@ def test_all_at_once_equals_l2_and_hf(tiny_qwen3_dir, expected, kwargs):
     eng = checked(Engine(tiny_qwen3_dir, **kwargs))
     assert eng.generate(PROMPTS, BUDGETS) == expected
     finish_clean(eng)
-    assert eng.num_preemptions == 0
+    assert eng.stats().preemptions == 0
 
 
 def test_staggered_arrivals_equal_l2_and_hf(tiny_qwen3_dir, expected):
@@ -350,35 +342,38 @@ def test_staggered_arrivals_equal_l2_and_hf(tiny_qwen3_dir, expected):
 
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_preemption_changes_no_token(tiny_qwen3_dir, expected, chunk):
-    need = max(blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, BUDGETS))  # the longest request alone
+    need = max(
+        blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, BUDGETS, strict=True)
+    )  # the longest request alone
     eng = checked(Engine(tiny_qwen3_dir, block_size=4, num_blocks=need, prefill_chunk_size=chunk))
     assert eng.generate(PROMPTS, BUDGETS) == expected
-    assert eng.num_preemptions >= 1
+    stats = eng.stats()
+    assert stats.preemptions >= 1
     finish_clean(eng)
-    assert eng.usage.live_bytes <= eng.usage.reserved_bytes
+    assert stats.kv_bytes_live <= stats.kv_bytes_reserved and stats.blocks_held <= need
 
 
 def test_priority_decides_who_runs_first(tiny_llama_dir):
     eng = checked(Engine(tiny_llama_dir, max_num_seqs=1))
-    reqs = [eng.add_request([5, 6, 7], 3, priority=p, ignore_eos=True) for p in (0, 2, 1, 2)]
+    seqs = [eng.add_request([5, 6, 7], 3, priority=p, ignore_eos=True) for p in (0, 2, 1, 2)]
     order = []
     while eng.has_unfinished():
         order += [r.request_id for r in eng.step()]
-    assert order == [1, 3, 2, 0] and all(len(r.output_ids) == 3 for r in reqs)
+    assert order == [1, 3, 2, 0] and all(len(r.output_ids) == 3 for r in seqs)
     finish_clean(eng)
 
 
 def test_abort_mid_run_leaves_the_others_untouched(tiny_qwen3_dir, expected):
     eng = checked(Engine(tiny_qwen3_dir, block_size=4))
-    reqs = [eng.add_request(p, b) for p, b in zip(PROMPTS, BUDGETS)]
+    seqs = [eng.add_request(p, b) for p, b in zip(PROMPTS, BUDGETS, strict=True)]
     for _ in range(3):
         eng.step()
-    victim = eng.abort(reqs[6].request_id)
+    victim = eng.abort(seqs[6].request_id)
     assert victim.finish_reason is FinishReason.ABORTED and victim.block_table == []
     while eng.has_unfinished():
         eng.step()
-    assert [r.output_ids for i, r in enumerate(reqs) if i != 6] == expected[:6] + expected[7:]
-    assert {r.finish_reason for r in reqs} <= {
+    assert [r.output_ids for i, r in enumerate(seqs) if i != 6] == expected[:6] + expected[7:]
+    assert {r.finish_reason for r in seqs} <= {
         FinishReason.MAX_TOKENS,
         FinishReason.EOS,
         FinishReason.ABORTED,
@@ -386,13 +381,17 @@ def test_abort_mid_run_leaves_the_others_untouched(tiny_qwen3_dir, expected):
     finish_clean(eng)
 
 
-def test_usage_and_counters(tiny_llama_dir):
+def test_stats_count_steps_blocks_and_live_positions(tiny_llama_dir):
     eng = Engine(tiny_llama_dir, block_size=4, num_blocks=8)
     eng.generate([[1, 2, 3], [4, 5, 6, 7, 8]], [4, 2], ignore_eos=True)
     per_token = eng.model.cfg.kv_bytes_per_token()
-    assert eng.usage.reserved_bytes == 32 * per_token
-    assert eng.usage.live_bytes == (3 + 5 + 2) * per_token  # step 2: both decode; 3 + 5 cached, 2 new
-    assert eng.num_steps == 4 and eng.num_preemptions == 0
+    stats = eng.stats()
+    assert stats.kv_bytes_reserved == 32 * per_token
+    assert stats.kv_bytes_live == (3 + 5 + 2) * per_token  # step 2: both decode; 3 + 5 cached, 2 new
+    assert (stats.steps, stats.tokens_run, stats.preemptions) == (4, 3 + 5 + 2 + 1 + 1, 0)
+    # live / held per step: (3 + 5) / (1 + 2 blocks), (4 + 6) / (1 + 2), (5) / (2), (6) / (2)
+    assert stats.kv_utilization == pytest.approx((8 + 10 + 5 + 6) / (4 * (3 + 3 + 2 + 2)))
+    assert (stats.blocks_held, stats.blocks_shared, stats.num_blocks, stats.block_size) == (3, 0, 8, 4)
 
 
 @pytest.mark.parametrize(
@@ -400,7 +399,7 @@ def test_usage_and_counters(tiny_llama_dir):
     [
         ({}, [[]], 4, "prompt 0 is empty"),
         ({}, [[1, 2], [1, 49152]], 4, r"prompt 1: token id 49152 is outside the vocabulary \[0, 49152\)"),
-        ({}, [[1]], 0, "max_new_tokens must be >= 1, got 0"),
+        ({}, [[1]], 0, "max_new_tokens must be an integer >= 1, got 0"),
         (
             {"max_model_len": 64},
             [[1] * 60],
@@ -429,7 +428,7 @@ def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, budget, message
     [
         ({"block_size": 0}, "block_size must be >= 1, got 0"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
-        ({"max_model_len": 4096}, "max_model_len=4096 exceeds the model's max_position_embeddings=2048"),
+        ({"max_model_len": 4096}, r"max_model_len must be in \[1, 2048\] .*got 4096"),
         ({"max_num_batched_tokens": 100}, "max_num_batched_tokens=100 < max_model_len=2048"),
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     ],
@@ -443,12 +442,12 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 def test_l3_smoke_default(capsys):
     """The smoke check itself on the course model and tiny Qwen3: four ways of running, equal to L2 and
     HF, and the small-pool run really preempts on both models."""
-    from L3_block_tensor.l3_smoke import main_runs, previous
+    from L3_block_tensor.l3_smoke import previous, runs
 
-    status = smoke_main("L3", main_runs(), prev=previous(), argv=[])
+    status = smoke_main("L3", runs, previous, argv=[])
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L3 smoke: 80/80 prompts match L2 and HF"), last
-    preemptions = re.findall(r"scheduler: \d+ steps, (\d+) preemptions\n  L3 small pool", out)
+    preemptions = re.findall(r"  L3 small pool .*\n  .*; \d+ steps, (\d+) preemptions", out)
     assert len(preemptions) == 2 and all(int(n) >= 1 for n in preemptions), preemptions

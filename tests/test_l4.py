@@ -49,9 +49,9 @@ def test_bad_options_are_named(tiny_llama_dir, options, message):
 @pytest.mark.slow
 def test_l4_smoke_default(capsys):
     from kvcourse.smoke import smoke_main
-    from L4_paged_kernel.l4_smoke import main_runs, previous
+    from L4_paged_kernel.l4_smoke import previous, runs
 
-    status = smoke_main("L4", main_runs(), prev=previous(), argv=[])
+    status = smoke_main("L4", runs, previous, argv=[])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L4 smoke: ") and "prompts match L3 and HF" in last

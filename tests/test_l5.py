@@ -1,4 +1,4 @@
-"""L5: the block manager (refcounts, forks with copy-on-write, the chained-hash prefix cache, LRU reuse),
+"""L5: the refcounted block allocator (refcounts, forks that copy the partial block, the chained-hash prefix cache, LRU reuse),
 the scheduler's forks and prefix hits with a fake model, and the engine on tiny models: greedy clones
 and prefix hits equal HF, forked samples equal independent runs, every invariant after every step."""
 
@@ -17,22 +17,13 @@ from kvcourse.reference import hf_greedy
 from kvcourse.sampling import SamplingParams
 from kvcourse.smoke import smoke_main
 from L4_paged_kernel.engine import Engine as L4Engine
-from L5_clones import cache
-from L5_clones.cache import (
-    BlockManager,
-    FinishReason,
-    KvPool,
-    OutOfBlocks,
-    Request,
-    Status,
-    block_hash,
-    blocks_needed,
-    match_prefix,
-    reserve,
-    slots,
-)
+from L5_clones import prefix_cache
+from L5_clones.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
+from L5_clones.cache import KvPool
 from L5_clones.engine import Engine
+from L5_clones.prefix_cache import block_hash, match_prefix
 from L5_clones.scheduler import Scheduler
+from L5_clones.sequence import FinishReason, Sequence, Status, reserve, slots
 
 EOS = 2
 TOKEN = 7  # what the fake model of the scheduler tests always answers (not eos)
@@ -45,7 +36,7 @@ SYSTEM = [_rng.randrange(3, 49152) for _ in range(37)]  # a shared "system promp
 SAMPLED = SamplingParams(temperature=5.0, top_k=40, top_p=0.95, seed=11)  # hot: the tiny model is peaked
 
 
-def snapshot(m: BlockManager, pool: KvPool | None = None):
+def snapshot(m: BlockAllocator, pool: KvPool | None = None):
     """Everything a failed operation must leave as it was."""
     books = (
         [(b.ref_count, b.hash, b.token_ids) for b in m.blocks],
@@ -63,16 +54,16 @@ def same(a, b) -> bool:
     return a == b
 
 
-def full_request(m: BlockManager, request_id: int, tokens: list[int]) -> Request:
+def full_request(m: BlockAllocator, request_id: int, tokens: list[int]) -> Sequence:
     """A request whose ``tokens`` are all computed: prefix hits shared, the rest reserved and registered."""
-    req = Request(request_id, list(tokens), 1)
-    cached = match_prefix(req, m)
-    reserve(req, m, len(tokens), cached)
-    req.num_computed_tokens = len(tokens)
-    return req
+    seq = Sequence(request_id, list(tokens), 1)
+    cached = match_prefix(seq.all_ids, m)
+    reserve(seq, m, len(tokens), cached)
+    seq.num_computed_tokens = len(tokens)
+    return seq
 
 
-# ---------------------------------------------------------------- block manager
+# ---------------------------------------------------------------- refcounted block allocator
 
 
 def test_block_hash_chain_examples():
@@ -84,7 +75,7 @@ def test_block_hash_chain_examples():
 
 
 def test_refcounts_through_alloc_share_and_free():
-    m = BlockManager(4, block_size=2)
+    m = BlockAllocator(4, block_size=2)
     assert m.alloc_blocks(2) == [0, 1]
     m.register(0, block_hash(None, [5, 6]), [5, 6])
     assert m.alloc_blocks(1, cached=[0]) == [0, 2]  # share block 0, plus a fresh one
@@ -100,7 +91,7 @@ def test_refcounts_through_alloc_share_and_free():
 
 
 def test_double_free_and_unknown_ids_are_rejected_unchanged():
-    m = BlockManager(3, block_size=2)
+    m = BlockAllocator(3, block_size=2)
     m.alloc_blocks(2)
     before = snapshot(m)
     for bad, message in (
@@ -118,16 +109,16 @@ def test_double_free_and_unknown_ids_are_rejected_unchanged():
 
 
 def test_out_of_blocks_leaves_everything_unchanged():
-    m = BlockManager(4, block_size=2)
+    m = BlockAllocator(4, block_size=2)
     a = full_request(m, 0, [1, 2, 3, 4, 5])  # blocks 0, 1 (full, registered), 2
     m.free(a.block_table)  # all free again, 0 and 1 still cached
-    b = Request(1, [9], 1)
+    b = Sequence(1, [9], 1)
     reserve(b, m, 1)  # takes block 3
-    c = Request(2, [1, 2, 3, 4, 5, 6, 7], 1)
-    cached = match_prefix(c, m)
+    c = Sequence(2, [1, 2, 3, 4, 5, 6, 7], 1)
+    cached = match_prefix(c.all_ids, m)
     assert cached == [0, 1]
     before = snapshot(m)
-    with pytest.raises(OutOfBlocks, match="need 4, only 3 free") as err:
+    with pytest.raises(OutOfBlocksError, match="need 4, only 3 free") as err:
         reserve(c, m, 7, cached)  # reviving 0 and 1 uses up two free blocks, and 2 more are needed
     assert (err.value.needed, err.value.free) == (4, 3)
     assert snapshot(m) == before and c.block_table == []
@@ -138,9 +129,9 @@ def test_out_of_blocks_leaves_everything_unchanged():
 
 def test_reserve_registers_the_blocks_a_step_fills():
     """The docstring example: with block_size 4, a request reaching 4 positions registers its block."""
-    m = BlockManager(8, block_size=4)
-    other = Request(1, [9], 1)
-    a = Request(0, [10, 11, 12, 13, 14, 15], 1)
+    m = BlockAllocator(8, block_size=4)
+    other = Sequence(1, [9], 1)
+    a = Sequence(0, [10, 11, 12, 13, 14, 15], 1)
     reserve(a, m, 1)
     reserve(other, m, 1)
     assert a.block_table == [0] and m.blocks[0].hash is None
@@ -154,29 +145,29 @@ def test_reserve_registers_the_blocks_a_step_fills():
 
 
 def test_match_prefix_never_takes_the_block_of_the_last_token():
-    m = BlockManager(8, block_size=4)
+    m = BlockAllocator(8, block_size=4)
     tokens = list(range(20, 29))  # 9 tokens: blocks 0, 1 full, block 2 partial
     a = full_request(m, 0, tokens)
-    assert match_prefix(Request(1, tokens, 1), m) == a.block_table[:2]  # the 9th token runs
-    assert match_prefix(Request(2, tokens[:4] + [99], 1), m) == a.block_table[:1]
-    assert match_prefix(Request(3, tokens[:8], 1), m) == a.block_table[:1]  # ends on a boundary
-    assert match_prefix(Request(4, [99] + tokens[1:], 1), m) == []  # the chain breaks at block 0
-    assert match_prefix(Request(5, tokens[4:], 1), m) == []  # same tokens, another prefix
+    assert match_prefix(tokens, m) == a.block_table[:2]  # the 9th token runs
+    assert match_prefix(tokens[:4] + [99], m) == a.block_table[:1]
+    assert match_prefix(tokens[:8], m) == a.block_table[:1]  # ends on a boundary
+    assert match_prefix([99] + tokens[1:], m) == []  # the chain breaks at block 0
+    assert match_prefix(tokens[4:], m) == []  # same tokens, another prefix
 
 
 def test_a_hash_hit_with_other_tokens_is_a_miss(monkeypatch):
-    m = BlockManager(8, block_size=4)
+    m = BlockAllocator(8, block_size=4)
     a = full_request(m, 0, [1, 2, 3, 4, 5])
-    monkeypatch.setattr(cache, "block_hash", lambda prev, tokens: 42)  # every block collides
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda prev, tokens: 42)  # every block collides
     a2 = full_request(m, 1, [1, 2, 3, 4, 5])  # misses a's real key; its block 0 is registered as 42
-    assert match_prefix(Request(2, [1, 2, 3, 4, 5], 1), m) == a2.block_table[:1]
-    assert match_prefix(Request(3, [1, 2, 3, 9, 5], 1), m) == []  # key 42 found, tokens differ
+    assert match_prefix([1, 2, 3, 4, 5], m) == a2.block_table[:1]
+    assert match_prefix([1, 2, 3, 9, 5], m) == []  # key 42 found, tokens differ
     assert m.lookup(42, [1, 2, 3, 9]) is None and m.lookup(42, [1, 2, 3, 4]) == a2.block_table[0]
     m.check_invariants([a.block_table, a2.block_table])
 
 
 def test_freed_blocks_keep_their_hash_and_serve_a_later_prefix():
-    m = BlockManager(6, block_size=4)
+    m = BlockAllocator(6, block_size=4)
     a = full_request(m, 0, list(range(10)))  # blocks 0, 1 full; 2 partial
     m.free(a.block_table)
     assert m.num_free == 6 and m.blocks[0].hash is not None
@@ -186,22 +177,22 @@ def test_freed_blocks_keep_their_hash_and_serve_a_later_prefix():
 
 
 def test_lru_allocation_forgets_the_oldest_freed_blocks_first():
-    m = BlockManager(4, block_size=2)
+    m = BlockAllocator(4, block_size=2)
     old = full_request(m, 0, [1, 2, 3, 4, 5])  # blocks 0, 1 full; 2
     new = full_request(m, 1, [6, 7])  # block 3, full; the pool is full
     m.free(old.block_table)  # free list 2, 1, 0 (tail first)
     m.free(new.block_table)  # ... 2, 1, 0, 3
     assert list(m.free_blocks) == [2, 1, 0, 3]
-    assert match_prefix(Request(2, [1, 2, 3, 4, 5], 1), m) == [0, 1]
+    assert match_prefix([1, 2, 3, 4, 5], m) == [0, 1]
     assert m.alloc_blocks(2) == [2, 1]  # block 1 is evicted: its key leaves the index
     assert m.blocks[1].hash is None and 1 not in m.hash_to_block.values()
-    assert match_prefix(Request(3, [1, 2, 3, 4, 5], 1), m) == [0]  # block 0 still hits
-    assert match_prefix(Request(4, [6, 7, 8], 1), m) == [3]  # the last freed survives longest
+    assert match_prefix([1, 2, 3, 4, 5], m) == [0]  # block 0 still hits
+    assert match_prefix([6, 7, 8], m) == [3]  # the last freed survives longest
     m.check_invariants([[2], [1]])
 
 
 def test_fork_docstring_example_and_copy_on_write_of_every_layer():
-    m = BlockManager(9, block_size=4)
+    m = BlockAllocator(9, block_size=4)
     pool = KvPool(num_layers=3, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=3)
     pool.k.copy_(torch.randn(pool.k.shape, generator=torch.Generator().manual_seed(0)))
     pool.v.copy_(-pool.k)
@@ -213,8 +204,10 @@ def test_fork_docstring_example_and_copy_on_write_of_every_layer():
     m.register(5, block_hash(m.blocks[3].hash, tokens[4:8]), tokens[4:8])
     parent, other = [3, 5, 8], [4, 6, 7]
     before = pool.k.clone()
-    children = m.fork(parent, 10, 2, pool)
-    assert children == [[3, 5, 0], [3, 5, 1]]
+    children, copies = m.fork(parent, 10, 2)
+    assert children == [[3, 5, 0], [3, 5, 1]] and copies == [(8, 0), (8, 1)]
+    for src, dst in copies:
+        pool.copy_block(src, dst)
     assert {b: m.blocks[b].ref_count for b in (3, 5, 8, 0, 1, 2)} == {3: 3, 5: 3, 8: 1, 0: 1, 1: 1, 2: 0}
     assert list(m.free_blocks) == [2]
     for copy in (0, 1):  # the partial block, K and V, in every layer
@@ -228,21 +221,21 @@ def test_fork_docstring_example_and_copy_on_write_of_every_layer():
 
 
 def test_fork_on_a_block_boundary_copies_nothing_and_a_failed_fork_takes_nothing():
-    m = BlockManager(3, block_size=2)
+    m = BlockAllocator(3, block_size=2)
     pool = KvPool(1, 3, 2, 1, 1)
     a = full_request(m, 0, [1, 2, 3, 4])  # two full blocks, one free
-    assert m.fork(a.block_table, 4, 3, pool) == [[0, 1]] * 3  # everything shared, nothing copied
+    assert m.fork(a.block_table, 4, 3) == ([[0, 1]] * 3, [])  # everything shared, nothing copied
     assert m.num_free == 1 and m.blocks[0].ref_count == 4
     m.free([0, 1])
     m.free([0, 1])
     m.free([0, 1])
     b = full_request(m, 1, [1, 2, 3])  # block 0 hit; block 2 partial; the pool is full
     before = snapshot(m, pool)
-    with pytest.raises(OutOfBlocks, match="need 2, only 0 free"):
-        m.fork(b.block_table, 3, 2, pool)
+    with pytest.raises(OutOfBlocksError, match="need 2, only 0 free"):
+        m.fork(b.block_table, 3, 2)
     assert same(snapshot(m, pool), before)
     with pytest.raises(ValueError, match="2 blocks do not hold exactly 5 tokens"):
-        m.fork(b.block_table, 5, 1, pool)
+        m.fork(b.block_table, 5, 1)
     m.check_invariants([a.block_table, b.block_table])
 
 
@@ -269,54 +262,56 @@ def kv_value(tokens: list[int]) -> float:
         max_size=30,
     ),
 )
-def test_block_manager_property(num_blocks, block_size, ops):
+def test_block_allocator_property(num_blocks, block_size, ops):
     """Random new requests (from three prompts with common prefixes, so the prefix cache hits, live
     or freed), appends, forks and frees on a small pool. A fake model writes into each computed
     position a value determined by the whole prefix. After every operation: the invariants hold,
     every live sequence reads back exactly its own prefix values (so no shared block was written
     and every hit and copy was right), and a failed operation changed nothing. At the end nothing
     leaks."""
-    m = BlockManager(num_blocks, block_size)
+    m = BlockAllocator(num_blocks, block_size)
     pool = KvPool(1, num_blocks, block_size, 1, 1)
     stems = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5]]
-    live: list[Request] = []
+    live: list[Sequence] = []
     ids = iter(range(10**6))
     most_hits = most_shared = 0  # steer the search towards prefix hits and sharing
 
-    def compute(req: Request, start: int) -> None:
-        """Run positions start .. num_tokens - 1 of ``req`` through the fake model."""
-        tokens = req.all_ids
-        where = torch.tensor(slots(req.block_table, start, len(tokens), block_size))
+    def compute(seq: Sequence, start: int) -> None:
+        """Run positions start .. num_tokens - 1 of ``seq`` through the fake model."""
+        tokens = seq.all_ids
+        where = torch.tensor(slots(seq.block_table, start, len(tokens), block_size))
         values = torch.tensor([kv_value(tokens[: p + 1]) for p in range(start, len(tokens))])
         pool.set_kv(0, where, values.view(-1, 1, 1), values.view(-1, 1, 1))
-        req.num_computed_tokens = len(tokens)
+        seq.num_computed_tokens = len(tokens)
 
     for op, a, b, c in ops:
         before = (snapshot(m, pool), [list(r.block_table) for r in live])
         try:
             if op == "new":
-                req = Request(next(ids), stems[a % 3][:b] + ([10 + c] if c else []), 1)
-                cached = match_prefix(req, m)
-                reserve(req, m, req.num_tokens, cached)
-                compute(req, len(cached) * block_size)
-                live.append(req)
+                seq = Sequence(next(ids), stems[a % 3][:b] + ([10 + c] if c else []), 1)
+                cached = match_prefix(seq.all_ids, m)
+                reserve(seq, m, seq.num_tokens, cached)
+                compute(seq, len(cached) * block_size)
+                live.append(seq)
                 most_hits = max(most_hits, len(cached))
             elif op == "append" and live:
-                req = live[a % len(live)]
+                seq = live[a % len(live)]
                 new = [20 + c] * (b % 3 + 1)
-                if req.num_tokens + len(new) <= num_blocks * block_size:
-                    req.output_ids += new
+                if seq.num_tokens + len(new) <= num_blocks * block_size:
+                    seq.output_ids += new
                     try:
-                        reserve(req, m, req.num_tokens)
-                    except OutOfBlocks:
-                        del req.output_ids[-len(new) :]
+                        reserve(seq, m, seq.num_tokens)
+                    except OutOfBlocksError:
+                        del seq.output_ids[-len(new) :]
                         raise
-                    compute(req, req.num_computed_tokens)
+                    compute(seq, seq.num_computed_tokens)
             elif op == "fork" and live:
                 parent = live[a % len(live)]
-                tables = m.fork(parent.block_table, parent.num_computed_tokens, c % 3 + 1, pool)
+                tables, copies = m.fork(parent.block_table, parent.num_computed_tokens, c % 3 + 1)
+                for src, dst in copies:
+                    pool.copy_block(src, dst)
                 for t in tables:
-                    child = Request(
+                    child = Sequence(
                         next(ids), parent.prompt_ids, 1, block_table=t, output_ids=list(parent.output_ids)
                     )
                     child.num_computed_tokens = parent.num_computed_tokens
@@ -324,7 +319,7 @@ def test_block_manager_property(num_blocks, block_size, ops):
                 most_shared = max(most_shared, m.num_shared)
             elif op == "free" and live:
                 m.free(live.pop(a % len(live)).block_table)
-        except OutOfBlocks:
+        except OutOfBlocksError:
             assert same(snapshot(m, pool), before[0]) and [r.block_table for r in live] == before[1]
         m.check_invariants(r.block_table for r in live)
         for r in live:
@@ -344,31 +339,31 @@ def test_block_manager_property(num_blocks, block_size, ops):
 def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
     kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, **kw}
     pool = KvPool(1, num_blocks, block_size, 1, 1)
-    return Scheduler(BlockManager(num_blocks, block_size), pool, eos_ids=(EOS,), **kw)
+    return Scheduler(BlockAllocator(num_blocks, block_size), pool, eos_ids=(EOS,), **kw)
 
 
-def submit(s: Scheduler, prompt: list[int] | int, max_new: int, n: int = 1, priority: int = 0) -> Request:
+def submit(s: Scheduler, prompt: list[int] | int, max_new: int, n: int = 1, priority: int = 0) -> Sequence:
     prompt = [TOKEN] * prompt if isinstance(prompt, int) else prompt
-    req = Request(
+    seq = Sequence(
         len({r.request_id for r in s.waiting + s.running + s.finished}),
         prompt,
         max_new,
         priority=priority,
         n=n,
     )
-    s.add(req)
-    return req
+    s.add(seq)
+    return seq
 
 
 def fake_step(s: Scheduler):
     """One engine step without a model: schedule, 'run', answer TOKEN to every row that wants one."""
     batch = s.schedule()
-    rows = sum(req.num_computed_tokens + n == req.num_tokens for req, n in batch)
+    rows = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch)
     logits = torch.zeros(rows, VOCAB)
     logits[:, TOKEN] = 1.0  # (rows, vocab): greedy picks TOKEN
     done = s.update(batch, logits)
     s.check_invariants()
-    return [(req.request_id, n) for req, n in batch], done
+    return [(seq.request_id, n) for seq, n in batch], done
 
 
 def drain(s: Scheduler) -> None:
@@ -378,18 +373,18 @@ def drain(s: Scheduler) -> None:
 
 def test_a_request_with_n_samples_prefills_once_then_forks():
     s = make_scheduler(block_size=4)
-    req = submit(s, 6, 3, n=3)
+    seq = submit(s, 6, 3, n=3)
     assert fake_step(s)[0] == [(0, 6)]  # one prefill
     seqs = s.running
-    assert [r.sample_index for r in seqs] == [0, 1, 2] and seqs[0] is req and s.num_forks == 1
+    assert [r.sample_index for r in seqs] == [0, 1, 2] and seqs[0] is seq and s.num_forks == 1
     assert [r.output_ids for r in seqs] == [[TOKEN]] * 3 and {r.request_id for r in seqs} == {0}
     shared, own = seqs[0].block_table[0], [r.block_table[1] for r in seqs]
     assert all(r.block_table[0] == shared for r in seqs) and len(set(own)) == 3
-    assert s.manager.blocks[shared].ref_count == 3
+    assert s.allocator.blocks[shared].ref_count == 3
     assert fake_step(s)[0] == [(0, 1)] * 3  # then three separate decodes
     drain(s)
     assert [r.output_ids for r in s.finished] == [[TOKEN] * 3] * 3
-    assert s.manager.num_free == s.manager.num_blocks
+    assert s.allocator.num_free == s.allocator.num_blocks
 
 
 def test_samples_count_against_max_num_seqs():
@@ -410,7 +405,7 @@ def test_same_step_admission_shares_blocks_registered_in_that_step():
     b = submit(s, list(range(10, 20)), 2)
     assert fake_step(s)[0] == [(0, 10), (1, 2)]  # b runs only its last partial block
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert s.manager.num_used == 4 and s.num_cached_blocks == 2
+    assert s.allocator.num_used == 4 and s.num_cached_blocks == 2
     drain(s)
     assert a.output_ids == b.output_ids == [TOKEN, TOKEN]
 
@@ -440,11 +435,11 @@ def test_a_parent_that_cannot_fork_goes_back_and_forks_after_its_recompute():
 
 def test_abort_cancels_every_sample_and_frees_their_blocks():
     s = make_scheduler()
-    req = submit(s, 6, 5, n=3)
+    seq = submit(s, 6, 5, n=3)
     fake_step(s)
-    seqs = s.abort(req.request_id)
+    seqs = s.abort(seq.request_id)
     assert len(seqs) == 3 and all(r.finish_reason is FinishReason.ABORTED for r in seqs)
-    assert s.manager.num_free == s.manager.num_blocks and not s.has_unfinished()
+    assert s.allocator.num_free == s.allocator.num_blocks and not s.has_unfinished()
     s.check_invariants()
 
 
@@ -452,7 +447,7 @@ def test_abort_cancels_every_sample_and_frees_their_blocks():
 
 
 def checked(engine: Engine) -> Engine:
-    """Make every ``engine.step()`` end with the scheduler's (and block manager's) invariant checks."""
+    """Make every ``engine.step()`` end with the scheduler's (and allocator's) invariant checks."""
     step = engine.step
 
     def checked_step():
@@ -466,7 +461,7 @@ def checked(engine: Engine) -> Engine:
 
 def finish_clean(engine: Engine) -> None:
     engine.scheduler.check_invariants()
-    assert not engine.has_unfinished() and engine.manager.num_free == engine.manager.num_blocks
+    assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -501,26 +496,26 @@ def test_prefix_cache_skips_a_shared_system_prompt(tiny_qwen3_dir):
     assert [uncached.generate([p], 6)[0] for p in prompts] == ref
     one_by_one = checked(Engine(tiny_qwen3_dir, block_size=8))
     assert [one_by_one.generate([p], 6)[0] for p in prompts] == ref  # the first one's blocks are free
-    assert one_by_one.num_cached_blocks == 4 and one_by_one.num_cached_tokens == 32
-    assert one_by_one.num_tokens_run == uncached.num_tokens_run - 32
+    assert one_by_one.stats().prefix_cache_hits == 4  # 4 blocks of 8: 32 prompt tokens not run
+    assert one_by_one.stats().tokens_run == uncached.stats().tokens_run - 32
     together = checked(Engine(tiny_qwen3_dir, block_size=8))
     assert together.generate(prompts, 6) == ref
-    assert together.num_cached_blocks == 4 and together.peak_blocks_shared == 4
+    assert together.stats().prefix_cache_hits == 4 and together.stats().blocks_shared == 4
     finish_clean(together)
 
 
 def test_identical_prompts_in_one_step_allocate_no_duplicate_blocks(tiny_llama_dir):
     prompt = SYSTEM[:35]  # block_size 8: 4 full blocks, then 3 tokens
     eng = checked(Engine(tiny_llama_dir, block_size=8))
-    reqs = [eng.add_request(prompt, 4) for _ in range(3)]
+    seqs = [eng.add_request(prompt, 4) for _ in range(3)]
     eng.step()  # all three admitted in this step
-    assert reqs[1].block_table[:4] == reqs[2].block_table[:4] == reqs[0].block_table[:4]
-    assert eng.manager.num_used == 4 + 3 and eng.num_cached_blocks == 8
-    assert eng.num_tokens_run == 35 + 3 + 3
+    assert seqs[1].block_table[:4] == seqs[2].block_table[:4] == seqs[0].block_table[:4]
+    assert eng.allocator.num_used == 4 + 3 and eng.stats().prefix_cache_hits == 8
+    assert eng.stats().tokens_run == 35 + 3 + 3
     while eng.has_unfinished():
         eng.step()
     ref = hf_greedy(tiny_llama_dir, [prompt], [4])[0].tokens
-    assert [r.output_ids for r in reqs] == [ref] * 3
+    assert [r.output_ids for r in seqs] == [ref] * 3
     finish_clean(eng)
 
 
@@ -533,35 +528,38 @@ def test_sampled_clones_equal_independent_runs(tiny_qwen3_dir, kwargs):
     alone = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, enable_prefix_caching=False, **kwargs))
     assert alone.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED, share=False) == shared
     assert sum(len({tuple(s) for s in samples}) > 1 for samples in shared) >= 4  # the samples do differ
-    assert forked.num_forks == len(PROMPTS) and forked.peak_blocks_used < alone.peak_blocks_used
+    assert forked.stats().forks == len(PROMPTS) and forked.stats().blocks_held < alone.stats().blocks_held
     finish_clean(forked)
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_preemption_with_clones_changes_no_token(tiny_qwen3_dir, expected, chunk):
-    need = max(blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, BUDGETS))  # the longest alone
+    need = max(
+        blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, BUDGETS, strict=True)
+    )  # the longest alone
     small = dict(block_size=4, num_blocks=need, prefill_chunk_size=chunk, max_num_seqs=24)
     greedy = checked(Engine(tiny_qwen3_dir, **small))
     assert greedy.generate_samples(PROMPTS, BUDGETS, n=3) == [[e] * 3 for e in expected]
-    assert greedy.num_preemptions >= 1
+    assert greedy.stats().preemptions >= 1
     finish_clean(greedy)
     sampled = checked(Engine(tiny_qwen3_dir, **small))
     reference = Engine(tiny_qwen3_dir, max_num_seqs=24).generate_samples(
         PROMPTS, BUDGETS, n=3, sampling=SAMPLED
     )
     assert sampled.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED) == reference
-    assert sampled.num_preemptions >= 1
+    assert sampled.stats().preemptions >= 1
     finish_clean(sampled)
 
 
-def test_usage_counts_a_shared_block_once(tiny_llama_dir):
+def test_stats_count_a_shared_block_once(tiny_llama_dir):
     eng = Engine(tiny_llama_dir, block_size=4, num_blocks=16)
     eng.generate_samples([[5, 6, 7, 8, 9, 10, 11, 12]], 2, n=3, ignore_eos=True)
     # step 1: the 8-token prompt (2 full blocks); the fork shares both; step 2: each sample's first
     # token in a block of its own: 8 + 3 positions in 5 blocks, 2 of them shared
-    assert eng.peak_live_tokens == 11 and eng.peak_blocks_used == 5 and eng.peak_blocks_shared == 2
-    assert eng.usage.live_bytes == 11 * eng.model.cfg.kv_bytes_per_token()
-    assert eng.num_forks == 1 and eng.num_steps == 2
+    stats = eng.stats()
+    assert (stats.blocks_held, stats.blocks_shared, stats.forks, stats.steps) == (5, 2, 1, 2)
+    assert stats.kv_bytes_live == 11 * eng.model.cfg.kv_bytes_per_token()
+    assert stats.kv_utilization == pytest.approx((8 + 11) / (4 * (2 + 5)))
 
 
 def test_staggered_arrivals_with_prefix_hits(tiny_qwen3_dir):
@@ -571,7 +569,7 @@ def test_staggered_arrivals_with_prefix_hits(tiny_qwen3_dir):
     ref = [r.tokens for r in hf_greedy(tiny_qwen3_dir, prompts, [8] * 5)]
     eng = checked(Engine(tiny_qwen3_dir, block_size=4))
     assert staggered(eng, prompts, [8] * 5, every=3) == ref
-    assert eng.num_cached_blocks == 4 * 9  # each later request shares the 9 full blocks of SYSTEM
+    assert eng.stats().prefix_cache_hits == 4 * 9  # each later request shares the 9 full blocks of SYSTEM
     finish_clean(eng)
 
 
@@ -607,7 +605,7 @@ def test_bad_sample_requests_are_named(tiny_llama_dir, kwargs, n, message):
         ({"num_splits": 0}, "num_splits must be >= 1, got 0"),
         ({"block_size": 0}, "block_size must be >= 1, got 0"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
-        ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
+        ({"max_model_len": 0}, r"max_model_len must be in \[1, 2048\] .*got 0"),
     ],
 )
 def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
@@ -619,9 +617,9 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 def test_l5_smoke_default(capsys):
     """The smoke itself on the course model and tiny Qwen3: L5 == L4 == HF, clones, sampled clones
     and the prefix-cache workload all agree."""
-    from L5_clones.l5_smoke import extra_checks, main_runs, previous
+    from L5_clones.l5_smoke import extra, previous, runs
 
-    status = smoke_main("L5", main_runs(), prev=previous(), argv=[], extra=extra_checks([]))
+    status = smoke_main("L5", runs, previous, argv=[], extra=extra)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L5 smoke: 54/54 prompts match L4 and HF"), last

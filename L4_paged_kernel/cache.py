@@ -1,0 +1,40 @@
+"""The KV storage from L3 on: a block-tensor pool per layer, indexed by block tables.
+
+Shape per layer: (num_blocks, block_size, H_kv, D), the same bytes as L2's (num_slots, H_kv, D) with
+the block axis made explicit, so that a sequence's block table indexes the pool directly:
+``pool.k[layer][block_table]`` is that sequence's blocks, in position order. Slot s, the flat index
+L2 used, is row s % block_size of block s // block_size; writes still go by slot, through a flat
+(num_blocks * block_size, H_kv, D) view of the same memory.
+
+``KvPool`` is only the tensors: it knows nothing about who owns which block (``allocator.py`` and the
+sequences keep those books).
+
+Left out on purpose (and the stage that adds it): copying a block (L5, for forks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KvPool:
+    """Per-layer K and V blocks, each (num_layers, num_blocks, block_size, H_kv, D), fp32, zero-initialised."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        self.block_size = block_size
+        self.k = torch.zeros(num_layers, num_blocks, block_size, num_kv_heads, head_dim)  # (L, N, B, H_kv, D)
+        self.v = torch.zeros_like(self.k)  # (L, N, B, H_kv, D)
+
+    def set_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the K/V of T new tokens: token i goes to slot ``slot_mapping[i]`` of ``layer``.
+
+        slot_mapping: (T,) int64; k, v: (T, H_kv, D). Slot s is row s % block_size of block
+        s // block_size: with block_size 4, slot 9 is row 1 of block 2.
+        """
+        self.k[layer].view(-1, *k.shape[1:])[slot_mapping] = k  # into a (N * B, H_kv, D) view, no copy
+        self.v[layer].view(-1, *v.shape[1:])[slot_mapping] = v
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved, whether or not they hold tokens."""
+        return self.k.nbytes + self.v.nbytes

@@ -1,0 +1,186 @@
+"""Paged attention as a Triton kernel (from L4 on): the algorithm of ``paged_attention.py``, one program per
+(sequence, KV head, split).
+
+Each program loads its sequence's query rows for one KV head (the G query heads that share it, for
+every new token of the sequence), walks that sequence's block table over its share of the blocks,
+and keeps the online-softmax state (m, l, acc) in registers. With one split it writes the output;
+with several, each program writes its partial (m, l, acc) and a second small kernel merges them
+(the flash-decoding reduce).
+
+On a machine with a CUDA GPU this compiles natively. Here (CPU only) it runs under Triton's
+interpreter, ``TRITON_INTERPRET=1``, which ``import kvcourse`` turns on when no GPU is present (and
+this module says so when it loads): the same kernel source executes with NumPy, slowly, so tests use
+small shapes. Native GPU runs are NOT verified in this repository.
+
+Left out on purpose: autotuning, fp16/bf16 inputs, and the vLLM-style tricks that matter only for
+speed (persistent programs, splitting query tiles across programs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import kvcourse
+
+# Triton picks interpreter or compiler when it is first imported, and importing HF's modeling code
+# imports it too. ``import kvcourse`` (which every entry point does first) sets TRITON_INTERPRET=1 on a
+# machine without a GPU; if triton was imported before that, the switch comes too late.
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        "no GPU, and Triton is not in interpreter mode: import kvcourse (or set TRITON_INTERPRET=1) "
+        "before anything imports triton"
+    )
+if kvcourse.TRITON_INTERPRET_SET_HERE:
+    print(
+        "kvcourse: no GPU here, so Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1)",
+        file=sys.stderr,
+    )
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, cu_q_lens_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
+    scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_bt,
+    stride_ms, stride_mt,
+    stride_as, stride_at, stride_ah,
+    G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q0 = tl.load(cu_q_lens_ptr + seq)
+    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q0
+    ctx = tl.load(context_lens_ptr + seq)
+    n_blocks = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
+    per_split = (n_blocks + NUM_SPLITS - 1) // NUM_SPLITS
+    b_start = split * per_split
+    b_end = tl.minimum(b_start + per_split, n_blocks)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = offs_n < BLOCK_SIZE
+    for row0 in range(0, q_len * G, BLOCK_M):  # query rows = (new token, head of this group) pairs
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len * G
+        tok = rows // G
+        head = kv_head * G + rows % G
+        q_pos = ctx - q_len + tok  # absolute position of each query row
+        q = tl.load(
+            q_ptr + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_D)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        last_pos = ctx - q_len + tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)  # newest query here
+        for j in range(b_start, tl.minimum(b_end, last_pos // BLOCK_SIZE + 1)):  # later blocks: all masked
+            block = tl.load(block_tables_ptr + seq * stride_bt + j)  # physical block of logical block j
+            kv_off = block * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D), read in place
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
+            k_pos = j * BLOCK_SIZE + offs_n
+            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - base[:, None])
+            alpha = tl.exp(m - base)
+            l = alpha * l + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = m_new
+        row_off = (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        out_mask = row_mask[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + row_off, acc / l[:, None], mask=out_mask)
+        else:
+            ml_off = split * stride_ms + (q0 + tok) * stride_mt + head
+            tl.store(m_ptr + ml_off, m, mask=row_mask)
+            tl.store(l_ptr + ml_off, l, mask=row_mask)
+            a_off = split * stride_as + (q0 + tok)[:, None] * stride_at + head[:, None] * stride_ah
+            tl.store(acc_ptr + a_off + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    stride_ms, stride_mt, stride_as, stride_at, stride_ah, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, head): out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m = tl.load(m_ptr + offs_s * stride_ms + t * stride_mt + h)  # (NUM_SPLITS,)
+    l = tl.load(l_ptr + offs_s * stride_ms + t * stride_mt + h)
+    acc = tl.load(
+        acc_ptr + offs_s[:, None] * stride_as + t * stride_at + h * stride_ah + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )  # (NUM_SPLITS, BLOCK_D)
+    w = tl.exp(m - tl.max(m, 0))  # splits that saw no key have m = -inf -> weight 0
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out, mask=d_mask)
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    num_splits: int = 1,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention.paged_attention`` (shapes documented there).
+
+    ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel).
+    """
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    n_tok, n_heads, d = q.shape
+    block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
+    q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens, cu_q_lens = context_lens.to(torch.int32), cu_q_lens.to(torch.int32)
+    out = torch.empty_like(q)
+    m = torch.empty(num_splits, n_tok, n_heads)  # split partials (unused when num_splits == 1)
+    l = torch.empty_like(m)
+    acc = torch.empty(num_splits, n_tok, n_heads, d)
+    block_d = max(16, triton.next_power_of_2(d))
+    grid = (block_tables.shape[0], n_kv, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
+        out, m, l, acc,
+        d**-0.5 if scale is None else scale,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0),
+        m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        G=n_heads // n_kv, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
+        BLOCK_M=16, BLOCK_N=max(16, triton.next_power_of_2(block_size)), BLOCK_D=block_d,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(n_tok, n_heads)](
+            m, l, acc, out,
+            m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
