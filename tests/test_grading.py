@@ -9,7 +9,8 @@ For each ``notebooks/LN_*.ipynb`` (so later stages' notebooks are covered as soo
 - the exercise notebook with the reference solutions put back passes.
 
 Grading runs the same command as the Makefile's ``grade`` target, as a subprocess; each run executes the
-whole notebook once. The unit tests at the bottom cover the marker handling on a small hand-made notebook.
+whole notebook once. The unit tests at the bottom cover the marker handling on a small hand-made notebook
+and the harness in ``kvcourse/grading.py`` (a case's own prints are dropped; a runaway loop is cut off).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import nbformat
 import pytest
 
 from kvcourse import exercises
-from kvcourse.grading import Case, run_cases, tensor_problem
+from kvcourse.grading import CallLimit, Case, run_cases, tensor_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCES = exercises.reference_notebooks(ROOT / "notebooks")
@@ -233,6 +234,51 @@ def test_run_cases_reports_each_case(capsys):
         "case 3 (stub): raised NotImplementedError: Exercise L9.1: double it",
         "1/3 passed",
     ]
+
+
+def test_run_cases_drops_what_a_case_prints(capsys):
+    def chatty():  # a correct answer with a stray debugging print
+        print("debug: k_cache shape (16, 3, 4)")
+        return None
+
+    def chatty_and_wrong():
+        print("debug: start", 5)
+        return "expected 4, got 5"
+
+    def chatty_and_raises():
+        print("about to fail")
+        raise ValueError("bad start")
+
+    passed = run_cases(
+        [
+            Case("prints, ok", chatty),
+            Case("prints, off", chatty_and_wrong),
+            Case("prints, raises", chatty_and_raises),
+        ]
+    )
+    assert passed == (1, 3)
+    assert capsys.readouterr().out.splitlines() == [
+        "case 1 (prints, ok): ok",
+        "case 2 (prints, off): WRONG — expected 4, got 5",
+        "case 3 (prints, raises): raised ValueError: bad start",
+        "1/3 passed",
+    ]
+    print("after")  # stdout is restored once the cases have run
+    assert capsys.readouterr().out == "after\n"
+
+
+def test_call_limit_stops_a_loop_that_runs_past_its_budget():
+    class Engine:
+        name = "tiny"
+
+        def decode_step(self, token, pos):
+            return token + pos
+
+    limited = CallLimit(Engine(), "decode_step", 2, "does the loop stop at max_new_tokens?")
+    assert limited.name == "tiny"
+    assert [limited.decode_step(1, p) for p in range(2)] == [1, 2]
+    with pytest.raises(RuntimeError, match="decode_step called more than 2 times: does the loop stop"):
+        limited.decode_step(1, 2)
 
 
 def test_tensor_problem_names_the_rows():

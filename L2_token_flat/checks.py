@@ -1,0 +1,146 @@
+"""The L2 notebook's exercise checkers: the learner's bookkeeping against this stage's own code.
+
+- ``check_block_allocator``: a free-list class (``alloc_blocks``, ``free``), run side by side with
+  ``BlockAllocator`` (``allocator.py``) on fixed sequences of calls;
+- ``check_reserve``: growing a sequence's blocks, against ``reserve`` on a ``Sequence``
+  (``sequence.py``).
+
+The grading contract (see ``kvcourse/grading.py``): each checker runs fixed cases and prints one
+deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
+``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
+compares them. The references are the stage's own code, never a copy kept here.
+
+Left out on purpose: partial credit and hints; a case stops at the first call that differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvcourse.grading import Case, describe, first_line, outcome, run_cases
+
+from .allocator import BlockAllocator, OutOfBlocksError
+from .sequence import Sequence
+from .sequence import reserve as ref_reserve
+
+
+def check_block_allocator(allocator_cls: Callable) -> None:
+    """Grade a free-list class against ``BlockAllocator`` on fixed sequences of calls.
+
+    ``allocator_cls(num_blocks, block_size)`` must keep its free list in ``free_blocks`` (front = next
+    handed out) and offer ``alloc_blocks(n) -> list of ids`` and ``free(blocks)``. After every call the
+    return value (or the exception type: ``OutOfBlocksError``, ``ValueError``) and the free list must
+    match the reference's. Example: 4 blocks; alloc_blocks(3) -> [0, 1, 2]; free([1]);
+    alloc_blocks(2) -> [3, 1].
+    """
+
+    def case(num_blocks: int, ops: list[tuple[str, object]]) -> Callable[[], str | None]:
+        def run() -> str | None:
+            ref, got = BlockAllocator(num_blocks, 4), allocator_cls(num_blocks, 4)
+            for op, arg in ops:
+                call = f"{op}({arg!r})" if op == "free" else f"alloc_blocks({arg})"
+                want = outcome(getattr(ref, op), list(arg) if op == "free" else arg)
+                have = outcome(getattr(got, op), list(arg) if op == "free" else arg)
+                if want[0] == "raised":
+                    expected = OutOfBlocksError if isinstance(want[1], OutOfBlocksError) else ValueError
+                    if have[0] != "raised" or not isinstance(have[1], expected):
+                        return f"{call}: expected {expected.__name__}, {describe(have)}"
+                elif have[0] == "raised":
+                    return f"{call}: expected {want[1]!r}, raised {type(have[1]).__name__}: {have[1]}"
+                elif op == "alloc_blocks" and (not isinstance(have[1], list) or have[1] != want[1]):
+                    return f"{call}: expected {want[1]!r}, {describe(have)}"
+                if list(got.free_blocks) != list(ref.free_blocks):
+                    return (
+                        f"after {call}: free list {list(got.free_blocks)}, expected {list(ref.free_blocks)}"
+                    )
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("alloc 3 of 4 blocks", case(4, [("alloc_blocks", 3)])),
+            Case(
+                "a freed block goes to the back",
+                case(4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
+            ),
+            Case("alloc 0 blocks", case(4, [("alloc_blocks", 0), ("alloc_blocks", 1)])),
+            Case(
+                "OutOfBlocksError takes nothing",
+                case(4, [("alloc_blocks", 2), ("alloc_blocks", 3), ("alloc_blocks", 2)]),
+            ),
+            Case("double free is refused", case(4, [("alloc_blocks", 2), ("free", [0]), ("free", [0])])),
+            Case(
+                "a repeated id in one call frees nothing",
+                case(4, [("alloc_blocks", 3), ("free", [2, 1, 2]), ("free", [2])]),
+            ),
+            Case("an id outside the pool is refused", case(4, [("alloc_blocks", 4), ("free", [1, 7])])),
+            Case(
+                "interleaved allocs and frees, 6 blocks",
+                case(
+                    6,
+                    [
+                        ("alloc_blocks", 2),
+                        ("alloc_blocks", 3),
+                        ("free", [3, 0]),
+                        ("alloc_blocks", 3),
+                        ("free", [1, 4]),
+                        ("alloc_blocks", 2),
+                    ],
+                ),
+            ),
+        ]
+    )
+
+
+def check_reserve(reserve: Callable) -> None:
+    """Grade ``reserve(seq, allocator, target_len)`` against this stage's ``reserve``.
+
+    Both get a ``Sequence`` and a ``BlockAllocator`` in the same state (another sequence has taken and
+    returned blocks, so free ids are not in order); after each call ``seq.block_table``,
+    ``seq.slot_indices`` and the free list must match, and a call that needs more blocks than are free
+    must raise ``OutOfBlocksError`` leaving sequence and free list as they were. Example with
+    block_size 4, block table [0] and free list 2, 3: target_len 6 -> block table [0, 2],
+    slot_indices [0, 1, 2, 3, 8, 9, 10, 11].
+    """
+
+    def case(block_size: int, num_blocks: int, taken: int, returned: list[int], targets: list[int]):
+        def state():
+            allocator = BlockAllocator(num_blocks, block_size)
+            allocator.alloc_blocks(taken)  # another sequence's blocks ...
+            allocator.free(returned)  # ... some given back: the free list is no longer in id order
+            return Sequence(prompt_ids=[1]), allocator
+
+        def run() -> str | None:
+            (ref_seq, ref_alloc), (seq, allocator) = state(), state()
+            for target in targets:
+                want = outcome(ref_reserve, ref_seq, ref_alloc, target)
+                have = outcome(reserve, seq, allocator, target)
+                call = f"reserve(target_len={target})"
+                if want[0] == "raised":
+                    if have[0] != "raised" or not isinstance(have[1], OutOfBlocksError):
+                        return f"{call}: expected OutOfBlocksError, {describe(have)}"
+                elif have[0] == "raised":
+                    return f"{call}: raised {type(have[1]).__name__}: {first_line(str(have[1]))}"
+                for what in ("block_table", "slot_indices"):
+                    if getattr(seq, what) != getattr(ref_seq, what):
+                        return f"after {call}: {what} {getattr(seq, what)}, expected {getattr(ref_seq, what)}"
+                if list(allocator.free_blocks) != list(ref_alloc.free_blocks):
+                    return (
+                        f"after {call}: free list {list(allocator.free_blocks)}, "
+                        f"expected {list(ref_alloc.free_blocks)}"
+                    )
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("block_size 4: 4 then 6 positions", case(4, 8, 2, [0], [4, 6])),
+            Case("block_size 4: target 0 allocates nothing", case(4, 8, 0, [], [0, 1])),
+            Case("block_size 1: a block per position", case(1, 8, 5, [3, 1], [2, 3, 5])),
+            Case("block_size 7: 15, 21, 22 positions", case(7, 6, 3, [2, 0], [15, 21, 22])),
+            Case("block_size 4: a prompt of 9 in one call", case(4, 8, 4, [1, 3], [9, 10])),
+            Case("OutOfBlocksError leaves sequence and free list alone", case(4, 4, 2, [], [4, 13, 8])),
+        ]
+    )

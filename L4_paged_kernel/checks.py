@@ -1,0 +1,162 @@
+"""The L4 notebook's exercise checkers: the learner's kernel pieces against this stage's own kernel.
+
+- ``check_merge``: merging two softmax partials, against dense softmax over the union of the keys and
+  against ``merge_partials`` (``paged_attention.py``);
+- ``check_attend_blocks``: the online-softmax loop over one sequence's blocks, read in place, against
+  dense masked softmax over the gathered history and against ``attend_blocks`` (``paged_attention.py``).
+
+Dense softmax is the definition both pieces must reproduce; the stage's kernel is the code the course
+runs. Floats are compared within a tolerance (``close_problem``), since online softmax sums in another
+order than dense softmax.
+
+The grading contract (see ``kvcourse/grading.py``): each checker runs fixed, seeded cases and prints
+one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception),
+then ``k/n passed``. The reference notebook stores those lines as the check cell's output and
+``make grade`` compares them.
+
+Left out on purpose: GQA and batches of sequences (the exercises take one sequence and one KV head;
+the stage's kernel adds those axes), and timing (the check cannot tell whether the learner gathered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvcourse.grading import Case, close_problem, run_cases
+
+from .paged_attention import attend_blocks as ref_attend_blocks
+from .paged_attention import merge_partials
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
+    """Softmax partial of queries q (R, D) over keys k, v (n, D): m, l (R,) and acc (R, D).
+
+    visible: (R, n) bool. A row that sees no key gets m = -inf, l = 0, acc = 0.
+    """
+    s = (q @ k.T).masked_fill(~visible, float("-inf"))  # (R, n)
+    m = s.amax(dim=-1) if s.shape[1] else torch.full((q.shape[0],), float("-inf"))  # (R,)
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[:, None])  # (R, n), 0 where masked
+    return m, p.sum(dim=-1), p @ v
+
+
+def check_merge(merge: Callable) -> None:
+    """Grade ``merge(m1, l1, acc1, m2, l2, acc2) -> out`` on fixed, seeded cases.
+
+    Each side is a softmax partial of R query rows over its own keys: running max m (R,), denominator
+    l (R,) and un-normalised numerator acc (R, D); a row that saw no visible key on a side has m = -inf,
+    l = 0, acc = 0 there. ``out`` (R, D) must be softmax attention over the union of both sides' keys.
+    Two references: dense masked softmax over the union, computed here from the raw scores, and
+    ``merge_partials``. Example: one key per side, scores 0 and ln 3, values 1 and 5:
+    m = (0, ln 3), l = (1, 1), acc = (1, 5) -> (1 * 1 + 3 * 5) / (1 + 3) = 4.0.
+    """
+
+    def case(rows: int, n1: int, n2: int, dim: int, seed: int, hide1=None, hide2=None, size: float = 1.0):
+        """hide1 / hide2: rows that see no key on that side ("all" = every row)."""
+
+        def run() -> str | None:
+            gen = torch.Generator().manual_seed(seed)
+            q = torch.randn(rows, dim, generator=gen) * size  # (R, D); size scales the scores
+            k = torch.randn(n1 + n2, dim, generator=gen)  # (n1 + n2, D)
+            v = torch.randn(n1 + n2, dim, generator=gen)
+            visible = torch.ones(rows, n1 + n2, dtype=torch.bool)  # (R, n1 + n2)
+            for hide, cols in ((hide1, slice(0, n1)), (hide2, slice(n1, n1 + n2))):
+                if hide is not None:
+                    visible[slice(None) if hide == "all" else hide, cols] = False
+            s = (q @ k.T).masked_fill(~visible, float("-inf"))  # (R, n1 + n2) the union's scores
+            dense = s.softmax(dim=-1) @ v  # (R, D)
+            m1, l1, acc1 = _partial(q, k[:n1], v[:n1], visible[:, :n1])
+            m2, l2, acc2 = _partial(q, k[n1:], v[n1:], visible[:, n1:])
+            ref = merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
+            got = merge(m1.clone(), l1.clone(), acc1.clone(), m2.clone(), l2.clone(), acc2.clone())
+            return close_problem("out (against dense softmax)", dense, got) or close_problem(
+                "out (against merge_partials)", ref, got
+            )
+
+        return run
+
+    def docstring_example() -> str | None:
+        m1, m2 = torch.tensor([0.0]), torch.log(torch.tensor([3.0]))
+        one = torch.ones(1)
+        got = merge(m1, one.clone(), torch.tensor([[1.0]]), m2, one.clone(), torch.tensor([[5.0]]))
+        return close_problem("out", torch.tensor([[4.0]]), got)
+
+    run_cases(
+        [
+            Case("one key per side, scores 0 and ln 3, values 1 and 5: 4.0", docstring_example),
+            Case("4 rows, 5 + 7 keys, D 8", case(4, 5, 7, 8, seed=1)),
+            Case("one row, 1 + 16 keys, D 16", case(1, 1, 16, 16, seed=2)),
+            Case("side 2 saw no key (m2 = -inf, l2 = 0)", case(3, 6, 4, 8, seed=3, hide2="all")),
+            Case("side 1 saw no key (m1 = -inf, l1 = 0)", case(3, 6, 4, 8, seed=4, hide1="all")),
+            Case(
+                "rows 0 and 2 see nothing on side 2, row 1 nothing on side 1",
+                case(4, 5, 5, 8, seed=5, hide1=[1], hide2=[0, 2]),
+            ),
+            Case(
+                "large scores (maxima 157 to 234): exp must not overflow",
+                case(4, 6, 6, 16, seed=6, size=30.0),
+            ),
+        ]
+    )
+
+
+def check_attend_blocks(attend_blocks: Callable) -> None:
+    """Grade ``attend_blocks(q, k_pool, v_pool, blocks, q_pos, scale) -> out`` on fixed, seeded cases.
+
+    One sequence, one KV head: q (Tq, D); k_pool, v_pool (num_blocks, block_size, D) hold every
+    sequence's K/V (shuffled, so ``blocks`` is not contiguous, and a few blocks belong to nobody);
+    blocks: the sequence's physical block ids in position order, ceil(context_len / block_size) of them;
+    q_pos: (Tq,) int64 absolute positions of the queries, the last Tq of the history (query at position p
+    sees keys 0..p). ``out`` (Tq, D) must equal dense masked softmax attention over the gathered history
+    (computed here the L3 way) and this stage's ``attend_blocks`` with one KV head and one query head.
+    Rows of the last block past the history hold stale K/V and must be masked. Example: block_size 16,
+    blocks [5, 2], q_pos [20]: the query reads 16 keys of block 5, then rows 0..4 of block 2.
+    """
+
+    def case(block_size: int, context_len: int, q_len: int, dim: int, seed: int, size: float = 1.0):
+        def run() -> str | None:
+            gen = torch.Generator().manual_seed(seed)
+            n_blocks = -(-context_len // block_size)
+            num_blocks = n_blocks + 3  # a few blocks nobody owns
+            k_pool = torch.randn(num_blocks, block_size, dim, generator=gen)  # (N, B, D)
+            v_pool = torch.randn(num_blocks, block_size, dim, generator=gen)
+            blocks = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()  # shuffled ids
+            q = torch.randn(q_len, dim, generator=gen) * size  # (Tq, D)
+            q_pos = torch.arange(context_len - q_len, context_len)  # (Tq,)
+            scale = dim**-0.5
+            k = k_pool[blocks].flatten(0, 1)[:context_len]  # (ctx, D): the L3 gather
+            v = v_pool[blocks].flatten(0, 1)[:context_len]
+            s = (q @ k.T * scale).masked_fill(
+                torch.arange(context_len)[None, :] > q_pos[:, None], float("-inf")
+            )
+            dense = s.softmax(dim=-1) @ v  # (Tq, D)
+            m, l, acc = ref_attend_blocks(  # the stage's kernel, H_kv = G = 1: (1, 1, Tq[, D])
+                q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
+            )
+            kernel = acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
+            got = attend_blocks(q.clone(), k_pool.clone(), v_pool.clone(), list(blocks), q_pos.clone(), scale)
+            return close_problem("out", dense, got) or close_problem(
+                "out (against attend_blocks)", kernel, got
+            )
+
+        return run
+
+    run_cases(
+        [
+            Case("decode: 1 query at position 20, block_size 16 (2 blocks)", case(16, 21, 1, 16, seed=1)),
+            Case("decode, block_size 1: one key per block, 9 blocks", case(1, 9, 1, 8, seed=2)),
+            Case("decode, block_size 7: 23 keys, the last block partly stale", case(7, 23, 1, 8, seed=3)),
+            Case("decode, block_size 16: exactly 3 full blocks", case(16, 48, 1, 16, seed=4)),
+            Case("a whole 16-token prompt in one block (causal)", case(16, 16, 16, 8, seed=5)),
+            Case(
+                "prefill chunk: positions 17..22, block_size 7; rows 17..20 see nothing in block 3",
+                case(7, 23, 6, 8, seed=6),
+            ),
+            Case("prefill chunk: positions 30..37, block_size 16 (3 blocks)", case(16, 38, 8, 16, seed=7)),
+            Case(
+                "large scores (maxima 52 to 71): the running max must be used",
+                case(7, 30, 3, 16, seed=8, size=30.0),
+            ),
+        ]
+    )
