@@ -17,8 +17,13 @@ q_len of its kv_len tokens. Block sizes decide how much work each loop step does
 started at 1 query x 2 pages per step and was ~3x slower per round (2.3x end to end) than at 16 x 16 (its default
 since); they change only the summation order, never which keys a query sees.
 
-``pallas_attention.py`` is the same algorithm as a Pallas TPU kernel (run on CPU in TPU interpret
-mode here). Left out on purpose: sliding windows, soft-capping, quantized KV, and sharding heads across devices.
+``decode_only_paged_attention`` is the decode fast path: the same result for a batch of one query per
+sequence, with the sequences as a batch axis instead of a loop (decode rounds use it with
+``attention="reference"``); ``ragged_paged_attention`` stays the one readable reference.
+``pallas_attention.py`` is the same algorithm as a Pallas TPU kernel (run on CPU in TPU interpret mode
+here).
+
+Left out on purpose: sliding windows, soft-capping, quantized KV, and sharding heads across devices.
 """
 
 from __future__ import annotations
@@ -142,7 +147,7 @@ def ragged_paged_attention(
     return out[:n_tok]
 
 
-def decode_paged_attention(
+def decode_only_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
     kv_lens: jax.Array,
@@ -153,7 +158,9 @@ def decode_paged_attention(
     kv_pages_per_block: int = 16,
     scale: float | None = None,
 ) -> jax.Array:
-    """``ragged_paged_attention`` for a decode batch, where every sequence brings exactly one query.
+    """The decode fast path: ``ragged_paged_attention`` for a batch where every sequence brings exactly
+    one query. ``ragged_paged_attention`` stays the one readable reference; this is the same result,
+    computed faster for decode-only batches (the engine's decode rounds).
 
     Same arguments and result, with row i of q being sequence i's query (cu_q_lens = 0, 1, 2, ...;
     it is not read). With one query per sequence the loop over sequences becomes a batch axis: one
@@ -215,5 +222,5 @@ def reference_kernel(q_block: int = 16, kv_pages_per_block: int = 16):
 
 
 def reference_decode_kernel(kv_pages_per_block: int = 16):
-    """``decode_paged_attention`` with this block size, ready for ``paged_attend`` in decode rounds."""
-    return functools.partial(decode_paged_attention, kv_pages_per_block=kv_pages_per_block)
+    """``decode_only_paged_attention`` with this block size, ready for ``paged_attend`` in decode rounds."""
+    return functools.partial(decode_only_paged_attention, kv_pages_per_block=kv_pages_per_block)

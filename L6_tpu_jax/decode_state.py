@@ -2,13 +2,14 @@
 
 ``DecodeState`` is the single source of truth on the device: the ``SequenceTable`` and ``PageTable``
 (``page_table.py``), the ``TokenQueue`` of tokens waiting to run, each slot's generated tokens and
-budget, and a ``finished`` flag per slot. It is one pytree, so a whole decode round (pack the queue,
-allocate pages, forward, pick tokens, update, free what finished) runs inside ``jax.lax.while_loop``
-without the host.
+budget, a ``finished`` flag per slot, and the counters behind ``Engine.stats()`` (``count_step``:
+forward calls, tokens, live vs held positions, peaks). It is one pytree, so a whole decode round
+(pack the queue, allocate pages, forward, pick tokens, count, update, free what finished) runs inside
+``jax.lax.while_loop`` without the host, and every round is counted exactly.
 
-The host reads it back (``jax.device_get``) only between calls, for outputs, ``stats`` and
-``check_invariants``: the allocation, clone/refcount and reset invariants of the Levanter refactor
-plan, checked on plain NumPy copies.
+The host reads it back (``jax.device_get``) only between calls, for outputs, ``occupancy``, the
+counters, and ``check_invariants``: the allocation, clone/refcount and reset invariants of the
+Levanter refactor plan, checked on plain NumPy copies.
 
 Left out on purpose: sampling (greedy only: clones of one prompt therefore produce the same tokens;
 what they show is the sharing), stop strings, logprobs, and a scheduler that mixes prefill chunks
@@ -92,6 +93,18 @@ def pack_next(queue: TokenQueue, max_tokens: int) -> tuple[TokenQueue, jax.Array
     return rest, pick(queue.tokens), pick(queue.slot_ids), pick(queue.pos_ids)
 
 
+# The fields of DecodeState that count steps since the last reset (``count_step``, ``record_peaks``).
+COUNTERS = (
+    "steps",
+    "tokens_run",
+    "live_sum",
+    "held_sum",
+    "peak_live",
+    "peak_pages_in_use",
+    "peak_pages_shared",
+)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DecodeState:
@@ -106,7 +119,14 @@ class DecodeState:
     stop_tokens: jax.Array  # i32[E]: eos ids, INVALID padding
     pages_needed: jax.Array  # i32[]: > 0 once an allocation failed (the host raises)
     pages_free: jax.Array  # i32[]: free pages at that failure
-    peak_pages_in_use: jax.Array  # i32[]: most pages held at once since the last reset
+    # Counters since the last reset (``count_step``); the engine adds them to its totals before a reset.
+    steps: jax.Array  # i32[]: forward calls (prefill calls and decode rounds)
+    tokens_run: jax.Array  # i32[]: real tokens through the model (padding not counted)
+    live_sum: jax.Array  # f32[]: live positions, summed over steps
+    held_sum: jax.Array  # f32[]: held positions (pages held x page_size), summed over steps
+    peak_live: jax.Array  # i32[]: most live positions at once
+    peak_pages_in_use: jax.Array  # i32[]: most pages held at once (a shared page once)
+    peak_pages_shared: jax.Array  # i32[]: most pages held by two or more slots at once
 
     @classmethod
     def init(
@@ -124,12 +144,19 @@ class DecodeState:
             stop_tokens=jnp.asarray(stop_tokens, jnp.int32),
             pages_needed=jnp.zeros((), jnp.int32),
             pages_free=jnp.zeros((), jnp.int32),
+            steps=jnp.zeros((), jnp.int32),
+            tokens_run=jnp.zeros((), jnp.int32),
+            live_sum=jnp.zeros((), jnp.float32),
+            held_sum=jnp.zeros((), jnp.float32),
+            peak_live=jnp.zeros((), jnp.int32),
             peak_pages_in_use=jnp.zeros((), jnp.int32),
+            peak_pages_shared=jnp.zeros((), jnp.int32),
         )
 
 
 def reset_logical(state: DecodeState) -> DecodeState:
-    """Back to the baseline: no used slots, zero refcounts, empty queue, no finished flags, no outputs.
+    """Back to the baseline: no used slots, zero refcounts, empty queue, no finished flags, no outputs,
+    zero counters.
 
     Metadata only: the KV pages keep their stale contents, which is safe because attention reads only
     positions below each sequence's length, and a page is written before those positions cover it.
@@ -175,15 +202,57 @@ def update_tokens(state: DecodeState, info: PageBatchInfo, sampled: jax.Array) -
     done = in_batch & ((num_generated[row] >= state.max_new_tokens[row]) | is_stop)  # (S,)
     finished = state.finished.at[jnp.where(done, slot, n_seqs)].set(True, mode="drop")
     tqueue = enqueue(state.tqueue, sampled, info.slot_ids, info.seq_lens, in_batch & ~done)
-    peak = jnp.maximum(state.peak_pages_in_use, jnp.sum(state.page_table.page_ref_counts > 0))
+    return replace(state, tokens=tokens, num_generated=num_generated, finished=finished, tqueue=tqueue)
+
+
+def kv_usage(state: DecodeState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(live positions, pages held, pages shared) right now, as i32[] scalars.
+
+    Live: positions of used, unfinished slots whose K/V are in the pool, a shared page's rows once
+    (a finished slot that still holds pages, as with cleanup "none", holds them for nothing). Held:
+    pages with a refcount; shared: pages with a refcount above 1.
+
+    Example, page_size 4: slot 0 holds 6 tokens on pages [3, 5], its clone slot 1 holds 5 on [3, 8]
+    -> live = 4 (page 3, once) + 2 (page 5) + 1 (page 8) = 7; held 3 pages; shared 1 (page 3).
+    """
+    seqs, refs = state.sequences, state.page_table.page_ref_counts
+    ps, n_pages = seqs.page_size, refs.shape[0]
+    live_slot = seqs.used_mask & ~state.finished  # (S,)
+    j = jnp.arange(seqs.pages_per_seq)
+    rows = jnp.clip(seqs.seq_lens[:, None] - j[None, :] * ps, 0, ps)  # (S, pages_per_seq) filled rows
+    page = jnp.where(live_slot[:, None] & (seqs.page_indices >= 0), seqs.page_indices, n_pages)
+    filled = jnp.zeros(n_pages, jnp.int32).at[page].max(rows, mode="drop")  # (P,) each page once
+    return jnp.sum(filled), jnp.sum(refs > 0), jnp.sum(refs > 1)
+
+
+def record_peaks(state: DecodeState) -> DecodeState:
+    """Raise the peak counters to what ``kv_usage`` finds now."""
+    live, held, shared = kv_usage(state)
     return replace(
         state,
-        tokens=tokens,
-        num_generated=num_generated,
-        finished=finished,
-        tqueue=tqueue,
-        peak_pages_in_use=peak,
+        peak_live=jnp.maximum(state.peak_live, live),
+        peak_pages_in_use=jnp.maximum(state.peak_pages_in_use, held),
+        peak_pages_shared=jnp.maximum(state.peak_pages_shared, shared),
     )
+
+
+def count_step(state: DecodeState, info: PageBatchInfo) -> DecodeState:
+    """Count one forward call: its real tokens, and live vs held positions once its pages are allocated.
+
+    Call it between ``allocate_for_seq`` and ``update_tokens``: this step's new K/V count as live, and
+    a slot that finishes on this step's token still counts (it ran). Example: a decode round over 3
+    sequences holding 5 pages of 16 and 70 live positions adds 1 step, 3 tokens, 70 to ``live_sum``
+    and 80 to ``held_sum``.
+    """
+    live, held, _ = kv_usage(state)
+    state = replace(
+        state,
+        steps=state.steps + 1,
+        tokens_run=state.tokens_run + info.cu_q_lens[-1],  # padding tokens are in no sequence
+        live_sum=state.live_sum + live.astype(jnp.float32),
+        held_sum=state.held_sum + (held * state.sequences.page_size).astype(jnp.float32),
+    )
+    return record_peaks(state)
 
 
 def clone_sequence(state: DecodeState, kv_pages: tuple, parent, child) -> tuple[DecodeState, tuple]:
@@ -231,7 +300,7 @@ def free_finished(state: DecodeState) -> DecodeState:
     return replace(state, sequences=seqs, page_table=pages)
 
 
-def stats(state) -> dict[str, int]:
+def occupancy(state) -> dict[str, int]:
     """Active slots, pages in use, free pages and the largest refcount, from a host copy of the state.
 
     Example after prefilling one 20-token prompt with page_size 16 in a 10-page pool:
@@ -253,7 +322,8 @@ def check_invariants(state, *, after_reset: bool = False) -> None:
     an unused slot holds none. Refcounts: never negative, and equal to the number of rows that hold
     the page (so a free page is in no row). Clones: a page held by several rows is full in each of
     them. Queue: at most one queued token per slot, for a used, unfinished slot, at its next position.
-    Reset (``after_reset``): no used slots, zero refcounts, empty queue, no finished flags.
+    Reset (``after_reset``): no used slots, zero refcounts, empty queue, no finished flags, zero
+    counters.
     """
     seqs, refs, q = state.sequences, np.asarray(state.page_table.page_ref_counts), state.tqueue
     ps = seqs.page_size
@@ -281,7 +351,7 @@ def check_invariants(state, *, after_reset: bool = False) -> None:
     assert 0 <= n <= len(np.asarray(q.tokens)), f"queue holds {n} entries"
     queued = np.asarray(q.slot_ids)[:n].tolist()
     assert len(set(queued)) == n, f"a slot is queued twice: {queued}"
-    for s, pos in zip(queued, np.asarray(q.pos_ids)[:n].tolist()):
+    for s, pos in zip(queued, np.asarray(q.pos_ids)[:n].tolist(), strict=True):
         assert used[s] and not state.finished[s], f"queued token for unused or finished slot {s}"
         assert pos == lens[s], f"slot {s}: queued position {pos}, but its next position is {lens[s]}"
     if after_reset:
@@ -289,3 +359,5 @@ def check_invariants(state, *, after_reset: bool = False) -> None:
         assert not refs.any(), f"nonzero refcounts after reset: pages {np.flatnonzero(refs).tolist()}"
         assert n == 0, f"{n} queued tokens after reset"
         assert not np.asarray(state.finished).any(), "finished flags set after reset"
+        counts = {name: getattr(state, name).item() for name in COUNTERS}
+        assert not any(counts.values()), f"counters not zero after reset: {counts}"

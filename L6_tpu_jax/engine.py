@@ -21,6 +21,12 @@
 the step it finishes; ``"end"`` after each host call; ``"none"`` not until the next ``generate``
 (Levanter's original behaviour: then every prompt of a call must fit the pool at once).
 
+``stats()`` is every engine's ``EngineStats``, since the engine was built. Its step counters live in
+the device state: each forward call (a prefill call or a decode round of the ``while_loop``) counts
+its tokens and its live vs held positions inside the jit'd code, so every round is counted exactly
+without the host looking; ``reset`` adds them to the engine's totals before zeroing them.
+``occupancy()`` is the pool right now (active slots, pages in use, free pages, largest refcount).
+
 The host admits a prompt only if the pool can hold it to its full budget, next to what running
 sequences may still grow into, so decoding never runs dry. The device still checks every
 allocation: a shortage stops the loop and raises ``OutOfPagesError`` with the pages needed and free,
@@ -43,8 +49,8 @@ import numpy as np
 
 from kvcourse.jax_model import forward, load_params
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.requests import check_requests
-from kvcourse.stats import KvUsage
+from kvcourse.requests import check_requests, resolve_max_model_len
+from kvcourse.stats import EngineStats, UsageMeter
 
 from . import decode_state as ds
 from .attention import paged_attend, reference_decode_kernel, reference_kernel
@@ -119,13 +125,7 @@ class Engine:
         self.model_dir = resolve_model_dir(model_dir)
         self.cfg, self.params = load_params(self.model_dir)
         cfg = self.cfg
-        self.max_model_len = (
-            min(2048, cfg.max_position_embeddings) if max_model_len is None else max_model_len
-        )
-        if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len must be in [1, {cfg.max_position_embeddings}], got {self.max_model_len}"
-            )
+        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         self.page_size, self.max_seqs, self.max_rounds = page_size, max_seqs, max_rounds
         self.pages_per_seq = cdiv(self.max_model_len, page_size)
         self.num_pages = self.pages_per_seq if num_pages is None else num_pages
@@ -156,12 +156,16 @@ class Engine:
         self._reset_logical = jax.jit(ds.reset_logical)
         self._zero = jax.jit(lambda pools: jax.tree.map(jnp.zeros_like, pools))
         self.reset_seconds = 0.0
+        # Totals of the device counters (DecodeState.COUNTERS) up to the last reset, and clones made.
+        self.meter = UsageMeter()  # live vs held positions, and peaks
+        self.num_steps = self.num_tokens_run = self.num_forks = 0
 
     # ---- device functions (traced once per shape) ----
 
     def _step(self, params, state, kv_pages, tokens, slot_ids, pos_ids, kernel):
         """Allocate pages for a flat batch, run the model, pick each sequence's next token, update."""
         seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
+        state = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)
         n_out = min(tokens.shape[0], self.max_seqs)  # a batch of T tokens holds at most T sequences
         logits_at = jnp.maximum(info.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
         logits, kv_pages = forward(
@@ -175,8 +179,7 @@ class Engine:
         )  # (n_out, vocab)
         sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy
         sampled = jnp.pad(sampled, (0, self.max_seqs - n_out))  # (S,) rows past the batch are ignored
-        new = ds.update_tokens(replace(state, sequences=seqs, page_table=pages), info, sampled)
-        return new, kv_pages, info
+        return ds.update_tokens(state, info, sampled), kv_pages, info
 
     def _prefill_fn(self, params, state, kv_pages, work):
         self.traces["prefill"] += 1
@@ -190,6 +193,7 @@ class Engine:
             return ds.clone_sequence(*carry, work["parents"][i], work["children"][i])
 
         state, kv_pages = jax.lax.fori_loop(0, self.max_seqs, clone_one, (state, kv_pages))
+        state = ds.record_peaks(state)  # the clones' pages, before anything frees them
         if self.cleanup == "incremental":
             state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)
         return state, kv_pages
@@ -218,7 +222,11 @@ class Engine:
     # ---- host side ----
 
     def reset(self) -> None:
-        """Back to the baseline state. Always runs (never skipped, on any host); physical also zeroes KV."""
+        """Back to the baseline state. Always runs (never skipped, on any host); physical also zeroes KV.
+
+        The device counters go back to zero too, after their values are added to the engine's totals.
+        """
+        self.meter, self.num_steps, self.num_tokens_run = self._totals()
         t0 = time.perf_counter()
         self.state = self._reset_logical(self.state)
         if self.reset_mode == "physical":
@@ -231,34 +239,55 @@ class Engine:
 
     @property
     def peak_pages_in_use(self) -> int:
-        """Most pages held at once during the last ``generate`` (clones' shared pages count once)."""
+        """Most pages held at once since the last reset (clones' shared pages count once)."""
         return int(self.state.peak_pages_in_use)
 
-    @property
-    def usage(self) -> KvUsage:
-        """The pool's bytes versus the bytes of the most pages held at once in the last ``generate``.
+    def _totals(self) -> tuple[UsageMeter, int, int]:
+        """(meter, steps, tokens run) since the engine was built: the totals folded in at earlier
+        resets plus the device counters now."""
+        now = jax.device_get({name: getattr(self.state, name) for name in ds.COUNTERS})
+        m = self.meter
+        meter = UsageMeter(
+            live_sum=m.live_sum + int(now["live_sum"]),  # whole numbers, exact in f32 below 2**24
+            held_sum=m.held_sum + int(now["held_sum"]),
+            live_peak=max(m.live_peak, int(now["peak_live"])),
+            blocks_held_peak=max(m.blocks_held_peak, int(now["peak_pages_in_use"])),
+            blocks_shared_peak=max(m.blocks_shared_peak, int(now["peak_pages_shared"])),
+        )
+        return meter, self.num_steps + int(now["steps"]), self.num_tokens_run + int(now["tokens_run"])
 
-        The device counts pages, not positions, so "live" here includes the unused tail of each
-        sequence's last page (at most page_size - 1 positions per sequence).
-        """
-        page_bytes = self.page_size * self.cfg.kv_bytes_per_token()
-        return KvUsage(self.num_pages * page_bytes, self.peak_pages_in_use * page_bytes)
+    def stats(self) -> EngineStats:
+        """KV reserved vs live, pages held and shared, steps, tokens, clones and compiles, since the
+        engine was built. Live and held positions are counted on the device, every step (prefill
+        call or decode round) exactly."""
+        meter, steps, tokens = self._totals()
+        return EngineStats(
+            kv_bytes_reserved=sum(pool.nbytes for pool in self.kv_pages),
+            kv_bytes_live=meter.live_peak * self.cfg.kv_bytes_per_token(),
+            kv_utilization=meter.utilization,
+            block_size=self.page_size,
+            num_blocks=self.num_pages,
+            blocks_held=meter.blocks_held_peak,
+            blocks_shared=meter.blocks_shared_peak,
+            steps=steps,
+            tokens_run=tokens,
+            forks=self.num_forks,
+            compiles=dict(self.traces),
+        )
 
-    def stats(self) -> dict[str, int]:
+    def occupancy(self) -> dict[str, int]:
         """Active slots, pages in use, free pages and the largest refcount right now."""
-        return ds.stats(self.host_state())
+        return ds.occupancy(self.host_state())
 
     def check_invariants(self, *, after_reset: bool = False) -> None:
         ds.check_invariants(self.host_state(), after_reset=after_reset)
 
-    def check_fits(self, prompt: list[int], budget: int, n: int, label: str) -> None:
-        """Refuse a request that could never run: too long, more clones than slots, or more than the pool."""
-        total = len(prompt) + budget
-        if total > self.max_model_len:
-            raise ValueError(
-                f"{label}: {len(prompt)} prompt tokens + max_new_tokens {budget} = {total} exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
+    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
+        """Refuse a request that could never run (bad ids, longer than max_model_len, more clones than
+        slots, more pages than the pool). Returns its budget."""
+        [budget] = check_requests([prompt], max_new_tokens, self.cfg.vocab_size, self.max_model_len)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{label}: n must be an integer >= 1, got {n!r}")
         if n > self.max_seqs:
             raise ValueError(f"{label}: n={n} sequences exceed max_seqs={self.max_seqs}")
         need = pages_for(len(prompt), budget, n, self.page_size)
@@ -266,6 +295,7 @@ class Engine:
             raise ValueError(
                 f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only {self.num_pages}"
             )
+        return budget
 
     def raise_if_short(self, host: ds.DecodeState) -> None:
         """Raise OutOfPagesError if the device recorded a failed allocation."""
@@ -293,11 +323,11 @@ class Engine:
 
         Greedy, so the clones agree; what differs is memory: they share the prompt's full pages.
         """
-        budgets = check_requests(prompts, max_new_tokens, self.cfg.vocab_size)
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            self.check_fits(prompt, budget, n, f"prompt {i}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        budgets = check_requests(prompts, max_new_tokens, self.cfg.vocab_size, self.max_model_len)
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            self.check_fits(prompt, budget, f"prompt {i}", n)
         self.reset()
         waiting = deque(range(len(prompts)))
         running: dict[int, list[int]] = {}  # prompt index -> its slots (parent first)
@@ -322,7 +352,7 @@ class Engine:
                 continue
             if not running:
                 raise RuntimeError(
-                    f"prompt {waiting[0]} cannot be admitted: {ds.stats(host)['free_pages']} pages free with "
+                    f"prompt {waiting[0]} cannot be admitted: {ds.occupancy(host)['free_pages']} pages free with "
                     f"cleanup={self.cleanup!r}"
                     + (
                         " (finished sequences keep their pages until the next generate())"
@@ -368,6 +398,7 @@ class Engine:
             pos += range(len(prompts[i]))
             new[mine[0]], seq_budgets[mine[0]] = True, budgets[i]
             pairs += [(mine[0], child) for child in mine[1:]]
+            self.num_forks += n > 1  # one request split into its n sequences
         if not tokens:
             return None
         pad = bucket(len(tokens)) - len(tokens)

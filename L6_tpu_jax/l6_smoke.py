@@ -2,28 +2,29 @@
 
     python L6_tpu_jax/l6_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
 
-With no --model it runs the course model and a seeded random tiny Qwen3, against L5 and HF. Checked:
+With no --model it runs the course model and a seeded random tiny Qwen3, against L5 and HF, each run
+printing its engine's stats. Checked row by row:
 
 (a) L6 with the JAX reference attention (16 x 16 blocks), every prompt at once, incremental cleanup;
 (a') L6 with the Pallas kernel (``pallas_attention.py``) in TPU interpret mode on CPU: slow, so only the
-    first PALLAS_PROMPTS prompts, PALLAS_TOKENS tokens each, 2 slots and a 64-token model length;
-(b) (extra) 4 greedy clones of each prompt (prefilled once, full pages shared): every clone == HF,
-    up to CLONE_TOKENS tokens;
-(c) (extra) two consecutive ``generate`` calls with logical reset == the same two with physical
-    reset, and both == HF.
+    PALLAS_PROMPTS shortest prompts, PALLAS_TOKENS tokens each (compared with the first PALLAS_TOKENS
+    tokens of L5 and HF, exact for greedy decoding), 2 slots, a model length just holding them.
+
+Then, counted in the summary line through the smoke's ``extra`` hook:
+
+(b) CLONES greedy clones of each prompt (prefilled once, full pages shared): every clone == HF,
+    up to CLONE_TOKENS tokens (the row shows the clone that differs first, if any);
+(c) two consecutive ``generate`` calls with logical reset == the same two with physical reset, and
+    both == HF.
 
 Not run here: the Pallas kernel compiled for a real TPU (this checks it interpreted, on CPU only).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvcourse.compare import Row, compare, format_rows
-from kvcourse.prompts import budgets, encode, load_tokenizer, read_prompts
-from kvcourse.reference import hf_greedy
-from kvcourse.smoke import StageRun, parse_args, run_smoke
-from kvcourse.stages import engine_class
+from kvcourse.smoke import SmokeContext, StageRun, run_smoke
+from L5_clones.engine import Engine as L5Engine
 from L6_tpu_jax.engine import Engine
 
 CLONES = 4
@@ -31,79 +32,82 @@ CLONE_TOKENS = 24
 PALLAS_PROMPTS, PALLAS_TOKENS = 2, 4
 
 
-def main_runs() -> list[StageRun]:
-    """The configuration compared row by row with the previous stage and HF."""
-    pallas = StageRun(
-        f"L6 Pallas kernel (TPU interpret mode), first {PALLAS_PROMPTS} prompts, {PALLAS_TOKENS} tokens",
-        lambda d: Engine(d, attention="pallas", max_seqs=2, max_model_len=64, kv_pages_per_block=4),
-        cap=PALLAS_TOKENS,
-        first=PALLAS_PROMPTS,
-    )
-    return [StageRun("L6 JAX reference attention 16x16, incremental cleanup", lambda d: Engine(d)), pallas]
+def runs(ctx: SmokeContext) -> list[StageRun]:
+    """The configurations compared row by row with L5 and HF."""
+    chosen = ctx.shortest(PALLAS_PROMPTS)
+    pallas_len = max(len(ctx.ids[i]) + min(ctx.budgets[i], PALLAS_TOKENS) for i in chosen)
+    return [
+        StageRun(
+            "L6 JAX reference attention 16x16, incremental cleanup",
+            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+        ),
+        StageRun(
+            f"L6 Pallas kernel (TPU interpret mode), {PALLAS_PROMPTS} shortest prompts, {PALLAS_TOKENS} tokens each",
+            lambda ctx: Engine(
+                ctx.model_dir, attention="pallas", max_seqs=2, max_model_len=pallas_len, kv_pages_per_block=4
+            ),
+            cap=PALLAS_TOKENS,
+            only=chosen,
+        ),
+    ]
 
 
-def previous() -> StageRun:
+def previous(ctx: SmokeContext) -> StageRun:
     """The stage L6 is compared with."""
-    return StageRun("L5 clones", lambda model_dir: engine_class("L5")(model_dir))
+    return StageRun("L5 clones", lambda ctx: L5Engine(ctx.model_dir, max_model_len=ctx.max_model_len))
 
 
-def clone_rows(model_dir: Path, tok, ids: list[list[int]], budget: list[int]) -> tuple[int, int]:
+def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
     """(b): CLONES greedy clones of each prompt, each compared with HF up to CLONE_TOKENS."""
-    refs = hf_greedy(model_dir, ids, budget)
-    capped = [min(b, CLONE_TOKENS) for b in budget]
-    engine = Engine(model_dir, max_seqs=CLONES * len(ids))
-    samples = engine.generate_samples(ids, capped, n=CLONES)
+    capped = [min(b, CLONE_TOKENS) for b in ctx.budgets]
+    engine = Engine(ctx.model_dir, max_seqs=CLONES * len(ctx.ids), max_model_len=ctx.max_model_len)
+    samples = engine.generate_samples(ctx.ids, capped, n=CLONES)
     rows = []
-    for ref, clones in zip(refs, samples):
+    for prompt, ref, clones in zip(ctx.prompts, ctx.refs, samples, strict=True):
         expected = ref.tokens[:CLONE_TOKENS]
-        checks = [compare(expected, c, ref.gaps) for c in clones]
-        worst = min(range(CLONES), key=lambda j: (checks[j].ok, -(checks[j].first_diff or 0)))
-        rows.append(Row("", checks[worst], None, tok.decode(clones[worst]), tok.decode(expected)))
-    print(f"-- L6 {CLONES} greedy clones per prompt, first {CLONE_TOKENS} tokens")
-    print(f"  peak pages in use {engine.peak_pages_in_use} of {engine.num_pages}")
+        checks = [compare(expected, c, ref) for c in clones]
+        worst = min(range(CLONES), key=lambda j: (checks[j].ok, checks[j].first_diff is None))
+        text = ctx.tokenizer.decode(clones[worst])
+        rows.append(Row(prompt.label, checks[worst], None, text, ctx.tokenizer.decode(expected)))
+    print(
+        f"-- L6 {CLONES} greedy clones per prompt (prefilled once, full pages shared), first {CLONE_TOKENS} tokens"
+    )
+    print(f"  {engine.stats()}")
     print(format_rows(rows, None))
     return sum(r.ok for r in rows), len(rows)
 
 
-def reset_rows(model_dir: Path, tok, ids: list[list[int]], budget: list[int]) -> tuple[int, int]:
+def two_calls(ctx: SmokeContext) -> tuple[int, int]:
     """(c): two consecutive calls per reset mode; logical == physical == HF."""
-    refs = hf_greedy(model_dir, ids, budget)
-    half = len(ids) // 2
-    runs = {}
+    half = len(ctx.ids) // 2
+    outputs = {}
     for mode in ("logical", "physical"):
-        engine = Engine(model_dir, reset=mode)
-        runs[mode] = engine.generate(ids[:half], budget[:half]) + engine.generate(ids[half:], budget[half:])
+        engine = Engine(ctx.model_dir, reset=mode, max_model_len=ctx.max_model_len)
+        first = engine.generate(ctx.ids[:half], ctx.budgets[:half])
+        outputs[mode] = first + engine.generate(ctx.ids[half:], ctx.budgets[half:])
         print(f"  {mode} reset: last reset took {1000 * engine.reset_seconds:.1f} ms")
     rows = [
         Row(
-            "",
-            compare(ref.tokens, got, ref.gaps),
-            compare(phys, got, ref.gaps),
-            tok.decode(got),
-            tok.decode(ref.tokens),
+            prompt.label,
+            compare(ref.tokens, got, ref),
+            compare(phys, got, ref),
+            ctx.tokenizer.decode(got),
+            ctx.tokenizer.decode(ref.tokens),
         )
-        for ref, got, phys in zip(refs, runs["logical"], runs["physical"])
+        for prompt, ref, got, phys in zip(
+            ctx.prompts, ctx.refs, outputs["logical"], outputs["physical"], strict=True
+        )
     ]
     print("-- L6 two generate() calls, logical reset (compared with physical reset and HF)")
     print(format_rows(rows, "physical"))
     return sum(r.ok for r in rows), len(rows)
 
 
-def extra_checks(argv: list[str] | None = None):
-    """The smoke's ``extra`` hook: clones and reset modes on the same prompts."""
-    args = parse_args("L6", argv)
-    prompts = read_prompts(args.prompts)
-
-    def extra(model_dir: Path) -> tuple[int, int]:
-        tok = load_tokenizer(model_dir)
-        ids = [encode(tok, p) for p in prompts]
-        budget = budgets(prompts, args.max_new_tokens)
-        p1, t1 = clone_rows(model_dir, tok, ids, budget)
-        p2, t2 = reset_rows(model_dir, tok, ids, budget)
-        return p1 + p2, t1 + t2
-
-    return extra
+def extra(ctx: SmokeContext) -> tuple[int, int]:
+    """(b) and (c), counted in the summary line."""
+    results = [greedy_clones(ctx), two_calls(ctx)]
+    return sum(p for p, _ in results), sum(t for _, t in results)
 
 
 if __name__ == "__main__":
-    run_smoke("L6", main_runs(), prev=previous(), extra=extra_checks())
+    run_smoke("L6", runs, previous, extra=extra)

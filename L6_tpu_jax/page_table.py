@@ -6,9 +6,9 @@ through ``jit``, ``while_loop`` and ``device_get`` like any array):
 - ``PageTable``: the allocator. Only ``page_ref_counts`` i32[P]; a page is free when its count is 0,
   and a count above 1 means clones share it.
 - ``SequenceTable``: one row per local sequence slot: ``seq_lens``, ``page_indices`` (INVALID = -1
-  where a sequence has no page yet), ``used_mask`` and ``clone_sources``. ``page_indices`` is the one
-  copy of the mapping (Levanter also kept a ``kv_pages`` mirror of it; two copies of one truth can
-  only drift apart).
+  where a sequence has no page yet) and ``used_mask``. ``page_indices`` is the one copy of the
+  mapping (Levanter also kept a ``kv_pages`` mirror of it; two copies of one truth can only drift
+  apart).
 - ``PageBatchInfo``: what a forward call needs to know about its batch (which slots, their pages and
   lengths, query offsets, and ``new_token_dests = page * page_size + slot`` for the KV writes).
 
@@ -57,7 +57,6 @@ class SequenceTable:
     seq_lens: jax.Array  # i32[S]: tokens whose K/V are (or are being) stored, per slot
     page_indices: jax.Array  # i32[S, pages_per_seq]: physical page of each logical page, INVALID after
     used_mask: jax.Array  # bool[S]: slot holds a live sequence
-    clone_sources: jax.Array  # i32[S]: the slot this one was cloned from, or INVALID
     page_size: int = field(metadata=dict(static=True))
 
     @classmethod
@@ -66,7 +65,6 @@ class SequenceTable:
             seq_lens=jnp.zeros(max_seqs, jnp.int32),
             page_indices=jnp.full((max_seqs, pages_per_seq), INVALID, jnp.int32),
             used_mask=jnp.zeros(max_seqs, bool),
-            clone_sources=jnp.full(max_seqs, INVALID, jnp.int32),
             page_size=page_size,
         )
 
@@ -107,13 +105,12 @@ class PageBatchInfo:
 
 
 def reserve_slots(seq_table: SequenceTable, mask: jax.Array) -> SequenceTable:
-    """Mark the slots in ``mask`` (bool[S]) used, empty and not cloned: a new sequence starts there."""
+    """Mark the slots in ``mask`` (bool[S]) used and empty: a new sequence starts there."""
     return replace(
         seq_table,
         seq_lens=jnp.where(mask, 0, seq_table.seq_lens),
         page_indices=jnp.where(mask[:, None], INVALID, seq_table.page_indices),
         used_mask=seq_table.used_mask | mask,
-        clone_sources=jnp.where(mask, INVALID, seq_table.clone_sources),
     )
 
 
@@ -208,7 +205,6 @@ def free_pages_for_finished(
         seq_lens=jnp.where(finished_mask, 0, seq_table.seq_lens),
         page_indices=jnp.where(finished_mask[:, None], INVALID, seq_table.page_indices),
         used_mask=seq_table.used_mask & ~finished_mask,
-        clone_sources=jnp.where(finished_mask, INVALID, seq_table.clone_sources),
     )
     return seq_table, PageTable(refs)
 
@@ -248,7 +244,6 @@ def clone_pages_from(
         seq_lens=jnp.where(keep, length, seq_table.seq_lens),
         page_indices=jnp.where(keep[:, None], child_row[None, :], seq_table.page_indices),
         used_mask=seq_table.used_mask | keep,
-        clone_sources=jnp.where(keep, parent, seq_table.clone_sources),
     )
     src = jnp.where(take, row[jnp.minimum(n_full, row.shape[0] - 1)], INVALID)
     return seq_table, PageTable(refs), src, jnp.where(take, fresh, INVALID), ok

@@ -106,7 +106,7 @@ def _kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-def ragged_paged_attention(
+def pallas_ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
     kv_lens: jax.Array,
@@ -196,5 +196,7 @@ def ragged_paged_attention(
 
 
 def pallas_kernel(q_block: int = 16, kv_pages_per_block: int = 16):
-    """The Pallas ``ragged_paged_attention`` with these block sizes, ready for ``paged_attend``."""
-    return functools.partial(ragged_paged_attention, q_block=q_block, kv_pages_per_block=kv_pages_per_block)
+    """``pallas_ragged_paged_attention`` with these block sizes, ready for ``paged_attend``."""
+    return functools.partial(
+        pallas_ragged_paged_attention, q_block=q_block, kv_pages_per_block=kv_pages_per_block
+    )

@@ -179,7 +179,7 @@ def forward(
     return linear(rms_norm(x, params.final_norm, eps), params.lm_head), kv_cache  # (N, vocab)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Dense causal attention of T tokens over themselves (a whole prompt from position 0), with GQA.
 
     q: (T, H, D); k, v: (T, H_kv, D). Returns (T, H, D). The cache-free baseline every paged kernel

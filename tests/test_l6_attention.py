@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from L6_tpu_jax.attention import decode_paged_attention, ragged_paged_attention
+from L6_tpu_jax.attention import decode_only_paged_attention, ragged_paged_attention
 from L6_tpu_jax.kv_cache import copy_page, interleave_kv, update_kv
 
 H, H_KV, D, PAGE = 4, 2, 8, 4
@@ -73,12 +73,12 @@ def test_ragged_paged_attention_equals_dense(q_block, kv_pages_per_block):
 
 
 @pytest.mark.parametrize("kv_pages_per_block", [1, 2, 16])
-def test_decode_paged_attention_equals_dense(kv_pages_per_block):
+def test_decode_only_paged_attention_equals_dense(kv_pages_per_block):
     """The decode path (one query per sequence, sequences as a batch axis) against dense attention."""
     rng = np.random.default_rng(kv_pages_per_block)
     kv_lens = [1, 9, 17, 24, 4]  # one key, mid-page, across pages, the longest, a full page
     q, kv_pages, page_indices, cu, dense = random_batch(rng, kv_lens, [1] * len(kv_lens))  # 3 padding rows
-    got = decode_paged_attention(
+    got = decode_only_paged_attention(
         jnp.asarray(q),
         jnp.asarray(kv_pages),
         jnp.asarray(kv_lens + [24] * 3, jnp.int32),  # padding rows' lengths must not be used

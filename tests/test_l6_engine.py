@@ -1,13 +1,16 @@
-"""L6 engine: equal to HF on a tiny Qwen3 in every cleanup/reset mode, clones, compile counts, errors."""
+"""L6 engine: equal to HF on a tiny Qwen3 in every cleanup/reset mode, clones, the reset at the start of
+every generate(), stats counted on the device, compile counts, errors."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from kvcourse.reference import hf_greedy
+from L6_tpu_jax import decode_state as ds
 from L6_tpu_jax.engine import Engine, OutOfPagesError, bucket, pages_for
 
 PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
@@ -42,7 +45,7 @@ def small_engine(tiny_qwen3_dir):
 def test_equals_hf_without_recompiling(engine, expected):
     assert engine.generate(PROMPTS, BUDGET) == expected
     engine.check_invariants()
-    assert engine.stats() == {
+    assert engine.occupancy() == {
         "active_slots": 0,
         "pages_in_use": 0,
         "free_pages": engine.num_pages,
@@ -61,26 +64,43 @@ def test_equals_hf_without_recompiling(engine, expected):
 def test_waiting_prompts_end_cleanup_physical_reset(small_engine, expected):
     assert small_engine.generate(PROMPTS, BUDGET) == expected
     small_engine.check_invariants()
-    assert small_engine.stats()["pages_in_use"] == 0
+    assert small_engine.occupancy()["pages_in_use"] == 0
     # one compile per decode width: 2 rows, then 1 for the last prompt alone
     assert small_engine.traces["decode"] == 2
 
 
-def test_cleanup_none_keeps_pages_until_reset(tiny_qwen3_dir, expected):
-    engine = Engine(tiny_qwen3_dir, max_seqs=4, cleanup="none", max_rounds=64)
+def test_cleanup_none_keeps_pages_until_the_next_generate(tiny_qwen3_dir, expected):
+    """With cleanup="none" every finished sequence keeps its slot and pages, and there are only as many
+    slots as prompts: the second call (no reset by hand in between) runs, and equals HF, only because
+    generate() starts with a reset. Every call's first prefill starts from the baseline state."""
+    engine = Engine(tiny_qwen3_dir, max_seqs=len(PROMPTS), cleanup="none", max_rounds=64)
+    entering = []  # the state each prefill call starts from
+    prefill = engine._prefill
+
+    def spy(params, state, kv_pages, work):
+        entering.append(jax.device_get(state))
+        return prefill(params, state, kv_pages, work)
+
+    engine._prefill = spy
     assert engine.generate(PROMPTS, BUDGET) == expected
     engine.check_invariants()
+    with pytest.raises(AssertionError, match="used slots after reset"):
+        engine.check_invariants(after_reset=True)
     held = sum(pages_for(len(p), BUDGET, 1, 16) for p in PROMPTS)
-    assert engine.stats() == {
+    assert engine.occupancy() == {
         "active_slots": 3,
         "pages_in_use": held,
         "free_pages": engine.num_pages - held,
         "max_refcount": 1,
     }
+    first_calls = len(entering)
+    assert engine.generate(PROMPTS[::-1], BUDGET) == expected[::-1]
+    for state in (entering[0], entering[first_calls]):
+        ds.check_invariants(state, after_reset=True)
+    with pytest.raises(RuntimeError, match="cannot be admitted: .* cleanup='none'"):
+        engine.generate([[5]] * 4, 2)  # 4 prompts, 3 slots, nothing ever freed
     engine.reset()
     engine.check_invariants(after_reset=True)
-    with pytest.raises(RuntimeError, match="cannot be admitted: .* cleanup='none'"):
-        engine.generate([[5]] * 5, 2)  # 5 prompts, 4 slots, nothing ever freed
 
 
 def test_logical_reset_equals_physical_reset(engine, small_engine):
@@ -96,7 +116,7 @@ def test_clones_share_full_pages(engine, expected):
     engine.check_invariants()
     independent = sum(pages_for(len(p), BUDGET, 1, 16) for p in PROMPTS) * 3
     assert engine.peak_pages_in_use < independent
-    assert engine.stats()["pages_in_use"] == 0
+    assert engine.occupancy()["pages_in_use"] == 0
 
 
 def test_out_of_pages_is_an_error_naming_the_counts(engine):
@@ -126,6 +146,11 @@ def test_bad_requests_are_named(small_engine):
         small_engine.generate_samples([[5]], 2, n=3)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         small_engine.generate([[]], 2)
+    assert small_engine.check_fits([5, 6], 3) == 3
+    with pytest.raises(ValueError, match="request: n=3 sequences exceed max_seqs=2"):
+        small_engine.check_fits([5], 2, n=3)
+    with pytest.raises(ValueError, match="prompt 4: needs 3 pages of 4 tokens, but the pool has only 2"):
+        Engine(small_engine.model_dir, page_size=4, num_pages=2).check_fits([5] * 9, 1, "prompt 4")
 
 
 def test_bucket_and_pages_for_examples():
@@ -135,10 +160,37 @@ def test_bucket_and_pages_for_examples():
 
 def test_incremental_cleanup_frees_sequences_that_finish_at_prefill(tiny_llama_dir):
     """Budget 1: every sequence finishes on its prefill token, so no decode round ever frees it."""
-    from L6_tpu_jax import decode_state as ds
-
     engine = Engine(tiny_llama_dir, max_seqs=2, cleanup="incremental")
     expected = [r.tokens for r in hf_greedy(tiny_llama_dir, [[5], [6], [7]], [1, 1, 1])]
     assert engine.generate([[5], [6], [7]], 1) == expected
-    stats = ds.stats(engine.host_state())
-    assert stats["active_slots"] == 0 and stats["pages_in_use"] == 0
+    occupancy = engine.occupancy()
+    assert occupancy["active_slots"] == 0 and occupancy["pages_in_use"] == 0
+
+
+def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_llama_dir):
+    """One 10-token prompt, 6 new tokens, pages of 4: a prefill call and 5 decode rounds (one host
+    call: the device counts each round). Live = the sequence's length; held = its pages x 4."""
+    engine = Engine(tiny_llama_dir, page_size=4, max_seqs=4, max_model_len=64, max_rounds=64)
+    prompt, per_token = list(range(30, 40)), engine.cfg.kv_bytes_per_token()
+    for _ in range(2):  # the second call resets the device counters; stats() keeps counting
+        engine.generate([prompt], 6, ignore_eos=True)
+    live, held = [10, 11, 12, 13, 14, 15], [12, 12, 12, 16, 16, 16]
+    stats = engine.stats()
+    assert stats.kv_utilization == pytest.approx(sum(live) / sum(held))
+    assert (stats.steps, stats.tokens_run) == (2 * 6, 2 * (10 + 5))
+    assert (stats.blocks_held, stats.blocks_shared, stats.forks, stats.preemptions) == (4, 0, 0, 0)
+    assert stats.kv_bytes_live == 15 * per_token
+    assert stats.kv_bytes_reserved == 16 * 4 * per_token  # 16 pages: one 64-token sequence
+    assert (stats.block_size, stats.num_blocks) == (4, 16)
+    assert stats.compiles == {"prefill": 1, "decode": 1}
+
+    # 3 clones: 2 full pages shared, each clone's private rows 2 + k after decode round k.
+    engine = Engine(tiny_llama_dir, page_size=4, max_seqs=4, max_model_len=64, max_rounds=64)
+    engine.generate_samples([prompt], 6, n=3, ignore_eos=True)
+    live = [10] + [8 + 3 * (2 + k) for k in range(1, 6)]  # 10, 17, 20, 23, 26, 29
+    held = [12] + [4 * (2 + 3 * -(-(2 + k) // 4)) for k in range(1, 6)]  # 12, 20, 20, 32, 32, 32
+    stats = engine.stats()
+    assert stats.kv_utilization == pytest.approx(sum(live) / sum(held))
+    assert (stats.steps, stats.tokens_run) == (6, 10 + 5 * 3)
+    assert (stats.blocks_held, stats.blocks_shared, stats.forks) == (8, 2, 1)
+    assert stats.kv_bytes_live == 29 * per_token

@@ -69,7 +69,7 @@ def test_pallas_equals_dense_and_reference(g, page, q_block, kv_pages_per_block)
     args, dense = random_batch(rng, g, page)
     blocks = dict(q_block=q_block, kv_pages_per_block=kv_pages_per_block)
     with pltpu.force_tpu_interpret_mode():
-        got = np.asarray(pallas_attention.ragged_paged_attention(*args, **blocks, interpret=False))
+        got = np.asarray(pallas_attention.pallas_ragged_paged_attention(*args, **blocks, interpret=False))
     q, cu = np.asarray(args[0]), np.asarray(args[4])
     for s, (k, v) in enumerate(dense):
         expected = dense_attention(q[cu[s] : cu[s + 1]], k, v, KV_LENS[s])
@@ -80,7 +80,7 @@ def test_pallas_equals_dense_and_reference(g, page, q_block, kv_pages_per_block)
 
 def test_block_sizes_are_validated():
     with pytest.raises(ValueError, match="block sizes must be >= 1, got q_block=1, kv_pages_per_block=0"):
-        pallas_attention.ragged_paged_attention(
+        pallas_attention.pallas_ragged_paged_attention(
             jnp.zeros((1, 2, D)), jnp.zeros((2, 4, 2, D)), *[None] * 4, q_block=1, kv_pages_per_block=0
         )
 
@@ -102,7 +102,9 @@ def test_cross_check_with_upstream_kernel():
         except Exception as e:  # noqa: BLE001 - any failure of the interpreter is a reason to skip
             last = [line for line in str(e).splitlines() if line.strip()][-1:] or [repr(e)]
             pytest.skip(f"upstream kernel fails in TPU interpret mode here ({type(e).__name__}: {last[0]})")
-        ours = np.asarray(pallas_attention.ragged_paged_attention(*args, q_block=8, kv_pages_per_block=8))
+        ours = np.asarray(
+            pallas_attention.pallas_ragged_paged_attention(*args, q_block=8, kv_pages_per_block=8)
+        )
     n = sum(q_lens)
     np.testing.assert_allclose(ours[:n], theirs[:n], atol=1e-5)
 
