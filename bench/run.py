@@ -15,12 +15,12 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
   on a 32-sequence decode batch and a 512-token prefill; and the time of a logical reset (metadata)
   against a physical one (also zeroes every page of the pool).
 
-KV utilization on (b): live positions / positions of the blocks held, averaged over steps (L3-L5
-step on the host; L1 and L2 run one request at a time and are computed from their allocation rules;
-L6 decodes on the device, so it is sampled at every host round).
+KV utilization on (b) and the blocks held on (c) come from each engine's ``stats()`` after the
+workload runs on a fresh engine: live positions / positions held, summed over every step (L6 counts
+them on the device, inside its decode loop).
 
-L6 compiles on first use, so it runs (a), (b) and (c) twice and the second run is timed; the first
-run's time is kept as ``first_run_seconds``. The torch stages and HF have nothing to compile.
+An engine whose stats report compiles (L6) runs (a), (b) and (c) twice and the second run is timed;
+the first run's time is kept as ``first_run_seconds``. The torch stages and HF have nothing to compile.
 
 Ceilings (``bench/ceilings.py``) are measured in the same run, and every speed is also reported as a
 ratio to HF and to the ceilings, because this machine is shared and noisy: only ratios measured side
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import platform
 import random
@@ -51,6 +52,7 @@ from bench.systems import System, hf_batch1, hf_batched, present_stages, stage
 from kvcourse.model import Transformer
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.prompts import Prompt, encode, load_tokenizer
+from kvcourse.stages import engine_class
 
 FULL = {"a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), "b_new": (16, 128), "c_n": 8,
         "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 16,
@@ -88,78 +90,22 @@ def timed_samples(system: System, prompt, budget: int, n: int) -> dict:
     return {"seconds": seconds, "new_tokens": n * budget, "tok_s": n * budget / seconds}
 
 
-def sharing(name: str, engine, prompt, budget: int, n: int) -> dict:
-    """(c) on a fresh engine: the most KV blocks held at once, against n private copies of the sequence.
+def kv_stats(engine, run) -> dict:
+    """Run a workload on a fresh engine and keep what its ``stats()`` says about the KV memory.
 
-    L5 counts blocks held and blocks held by two or more samples; L6 counts pages held (shared once).
+    Every engine reports the same ``EngineStats``: utilization (live / held positions, summed over
+    its steps), the most blocks held and shared at once, preemptions. L1 has no blocks (0).
     """
-    engine.generate_samples([prompt], budget, n=n, ignore_eos=True)
-    if name == "L6":
-        held, shared, size = engine.peak_pages_in_use, None, engine.page_size
-    else:
-        held, shared, size = engine.peak_blocks_used, engine.peak_blocks_shared, engine.manager.block_size
-    private = n * -(-(len(prompt) + budget) // size)
-    return {"blocks_held": held, "blocks_shared": shared, "private_copies_blocks": private}
-
-
-def paged_utilization(engine, prompts, budgets) -> dict:
-    """Step an L3-style engine through a workload; average live tokens / tokens of blocks held.
-
-    Live = positions whose K/V are in the pool; held = blocks owned by requests x block_size. The
-    pool's spare capacity is not counted: it is free for the next request, not wasted by this one.
-    (With L5's sharing a block can hold live positions of several requests; the workload's random
-    prompts share nothing, so each live position is counted once.)
-    """
-    for ids, budget in zip(prompts, budgets):
-        engine.add_request(ids, budget, ignore_eos=True)
-    live = held = 0
-    allocator = engine.manager if hasattr(engine, "manager") else engine.allocator  # L5 names it manager
-    while engine.has_unfinished():
-        engine.step()
-        live += sum(r.num_computed_tokens for r in engine.scheduler.running)
-        held += (allocator.num_blocks - allocator.num_free) * allocator.block_size
-    return {"utilization": live / held if held else 0.0, "preemptions": engine.num_preemptions}
-
-
-def sequential_utilization(prompts, budgets, held_positions) -> dict:
-    """L1/L2 run one request at a time: average live positions / positions held, step by step.
-
-    ``held_positions(n)`` is what the engine holds while a request has n positions cached: L1 always
-    holds max_seq_len, L2 holds whole blocks (n rounded up to the block size). The engines' allocation
-    rules are this simple, so the average is computed exactly rather than sampled.
-    """
-    live = held = 0
-    for ids, budget in zip(prompts, budgets):
-        for step in range(budget):  # the prefill, then budget - 1 decode steps
-            n = len(ids) + step
-            live += n
-            held += held_positions(n)
-    return {"utilization": live / held, "preemptions": 0}
-
-
-def sampled_utilization(engine, prompts, budgets) -> dict:
-    """L6 decodes on the device, up to ``max_rounds`` steps per host call, so its pool is sampled at
-    every host round instead of every step: live positions (sequence lengths) / positions of pages held.
-    """
-    samples = []
-    host_state = engine.host_state
-
-    def recording():
-        state = host_state()
-        used = state.sequences.used_mask & ~state.finished  # finished slots may still hold pages
-        live = int(state.sequences.seq_lens[used].sum())
-        held = int((state.page_table.page_ref_counts > 0).sum()) * engine.page_size
-        if held:
-            samples.append((live, held))
-        return state
-
-    engine.host_state = recording
-    try:
-        engine.generate(prompts, budgets, ignore_eos=True)
-    finally:
-        del engine.host_state
-    live, held = (sum(x) for x in zip(*samples))
-    return {"utilization": live / held, "preemptions": 0, "samples": len(samples)}
+    run(engine)
+    s = engine.stats()
+    return {
+        "utilization": s.kv_utilization,
+        "preemptions": s.preemptions,
+        "block_size": s.block_size,
+        "blocks_held": s.blocks_held,
+        "blocks_shared": s.blocks_shared,
+        "steps": s.steps,
+    }
 
 
 def block_size_sweep(cfg, sizes: dict) -> dict:
@@ -172,7 +118,7 @@ def block_size_sweep(cfg, sizes: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from L6_tpu_jax.attention import decode_paged_attention, ragged_paged_attention
+    from L6_tpu_jax.attention import decode_only_paged_attention, ragged_paged_attention
 
     rng = np.random.default_rng(0)
     n_heads, n_kv, d, ps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
@@ -201,7 +147,7 @@ def block_size_sweep(cfg, sizes: dict) -> dict:
             )
             if work == "decode" and qb == 1:
                 rows[f"decode batched kv{kb}"] = ms(
-                    functools.partial(decode_paged_attention, kv_pages_per_block=kb), args
+                    functools.partial(decode_only_paged_attention, kv_pages_per_block=kb), args
                 )
     return rows
 
@@ -240,20 +186,25 @@ def cpu_name() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def stage_options(name: str, sizes: dict, max_len: int) -> dict:
+def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
     """Pool and batch sizes large enough that (b), (c) and (d) run without preemption in every stage,
     and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens).
+
+    Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
+    L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``.
     """
-    if name in ("L1", "L2"):
-        return {"max_seq_len": max_len}
+    params = inspect.signature(engine_cls).parameters
+    size = params["block_size"].default if "block_size" in params else 16
+    size = params["page_size"].default if "page_size" in params else size
     blocks = max(
-        sizes["b_requests"] * -(-(sizes["b_prompt"][1] + sizes["b_new"][1]) // 16),  # (b), all at once
-        sizes["c_n"] * -(-(sizes["c_prompt"] + sizes["c_new"]) // 16),  # (c) without sharing
-        -(-max_len // 16),  # (d), one long sequence
+        sizes["b_requests"] * -(-(sizes["b_prompt"][1] + sizes["b_new"][1]) // size),  # (b), all at once
+        sizes["c_n"] * -(-(sizes["c_prompt"] + sizes["c_new"]) // size),  # (c) without sharing
+        -(-max_len // size),  # (d), one long sequence
     )
-    if name == "L6":  # Levanter's names: pages and sequence slots
-        return {"max_model_len": max_len, "num_pages": blocks, "max_seqs": sizes["b_requests"]}
-    return {"max_model_len": max_len, "num_blocks": blocks, "max_num_seqs": sizes["b_requests"]}
+    options = {"max_model_len": max_len}
+    options |= {name: blocks for name in ("num_blocks", "num_pages") if name in params}
+    options |= {name: sizes["b_requests"] for name in ("max_num_seqs", "max_seqs") if name in params}
+    return options
 
 
 def main(argv=None) -> int:
@@ -295,7 +246,8 @@ def main(argv=None) -> int:
 
     # One system at a time, built when its turn comes and dropped after: engines allocate their pools.
     makers = [("HF batch 1", lambda: hf_batch1(model_dir)), ("HF batched", lambda: hf_batched(model_dir))]
-    makers += [(n, lambda n=n: stage(n, model_dir, **stage_options(n, sizes, max_len))) for n in stages]
+    options = {n: stage_options(engine_class(n), sizes, max_len) for n in stages}
+    makers += [(n, lambda n=n: stage(n, model_dir, **options[n])) for n in stages]
     works = {name: ("a", "b", "c", "d") if name != "HF batched" else ("a", "b", "c") for name, _ in makers}
     rows: dict[str, dict] = {name: {} for name, _ in makers}
     with tqdm(total=sum(map(len, works.values())), desc="bench", unit="run") as progress:
@@ -308,11 +260,10 @@ def main(argv=None) -> int:
                     "b": lambda system=system: timed(system, b_prompts, b_budgets),
                     "c": lambda system=system: timed_samples(system, c_prompt, sizes["c_new"], sizes["c_n"]),
                 }
-                if work in runs and hasattr(system.engine, "traces"):  # JAX: compile on a first run
-                    first = runs[work]()["seconds"]
-                    row[work] = runs[work]() | {"first_run_seconds": first}
-                elif work in runs:
+                if work in runs:
                     row[work] = runs[work]()
+                    if system.engine is not None and system.engine.stats().compiles:  # timed again, warm
+                        row[work] = runs[work]() | {"first_run_seconds": row[work]["seconds"]}
                 else:
                     row["d"] = {
                         str(c): decode_latency(system, vocab, c, sizes["d_steps"])
@@ -320,27 +271,23 @@ def main(argv=None) -> int:
                     }
                 progress.update()
             del system
-    for name in stages:
-        fresh = stage(name, model_dir, **stage_options(name, sizes, max_len)).engine
-        if hasattr(fresh, "generate_samples"):
-            rows[name]["c_kv"] = sharing(name, fresh, c_prompt, sizes["c_new"], sizes["c_n"])
-            fresh = stage(name, model_dir, **stage_options(name, sizes, max_len)).engine
-        if name == "L6":
-            rows[name]["b_kv"] = sampled_utilization(fresh, b_prompts, b_budgets)
-        elif hasattr(fresh, "add_request"):
-            rows[name]["b_kv"] = paged_utilization(fresh, b_prompts, b_budgets)
-        elif hasattr(fresh, "allocator"):  # L2: whole blocks
-            bs = fresh.allocator.block_size
-            rows[name]["b_kv"] = sequential_utilization(
-                b_prompts, b_budgets, lambda n, bs=bs: -(-n // bs) * bs
+    for name in stages:  # KV memory on fresh engines, from the stats every engine reports
+        fresh = lambda name=name: stage(name, model_dir, **options[name]).engine  # noqa: E731
+        rows[name]["b_kv"] = kv_stats(fresh(), lambda e: e.generate(b_prompts, b_budgets, ignore_eos=True))
+        if hasattr(engine_class(name), "generate_samples"):
+            rows[name]["c_kv"] = kv_stats(
+                fresh(),
+                lambda e: e.generate_samples([c_prompt], sizes["c_new"], n=sizes["c_n"], ignore_eos=True),
             )
-        else:  # L1: max_seq_len per request
-            rows[name]["b_kv"] = sequential_utilization(b_prompts, b_budgets, lambda n: max_len)
+            size = rows[name]["c_kv"]["block_size"]
+            rows[name]["c_kv"]["private_copies_blocks"] = sizes["c_n"] * -(
+                -(sizes["c_prompt"] + sizes["c_new"]) // size
+            )
     results["systems"] = rows
     if "L6" in stages:
         results["e"] = {
             "block_sizes_ms": block_size_sweep(model.cfg, sizes),
-            "reset_ms": reset_times(model_dir, stage_options("L6", sizes, max_len)),
+            "reset_ms": reset_times(model_dir, options["L6"]),
         }
     add_ratios(results)
     (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")

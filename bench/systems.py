@@ -42,7 +42,7 @@ def hf_batch1(model_dir) -> System:
 
     def run(prompts, budgets):
         outs = []
-        for ids, budget in zip(prompts, budgets):
+        for ids, budget in zip(prompts, budgets, strict=True):
             inp = torch.tensor([ids])
             with torch.inference_mode():
                 seq = model.generate(
