@@ -1,1 +1,1 @@
-"""L5: blocks shared by reference count: parallel sampling with copy-on-write forks, and a prefix cache."""
+"""L5: blocks shared by reference count: parallel sampling with forks (the partial last block copied at fork time), and a prefix cache."""
