@@ -1,7 +1,8 @@
 """The L2 notebook's exercise checkers: the learner's bookkeeping against this stage's own code.
 
-- ``check_block_allocator``: a free-list class (``alloc_blocks``, ``free``), run side by side with
-  ``BlockAllocator`` (``allocator.py``) on fixed sequences of calls;
+- ``check_alloc_blocks`` and ``check_free``: the free list's two methods, each put into
+  ``BlockAllocator`` (``allocator.py``) in place of its own and run side by side with it on fixed
+  sequences of calls;
 - ``check_reserve``: growing a sequence's blocks, against ``reserve`` on a ``Sequence``
   (``sequence.py``).
 
@@ -24,14 +25,11 @@ from .sequence import Sequence
 from .sequence import reserve as ref_reserve
 
 
-def check_block_allocator(allocator_cls: Callable) -> None:
-    """Grade a free-list class against ``BlockAllocator`` on fixed sequences of calls.
+def run_free_list_cases(allocator_cls: Callable, cases: list[tuple[str, int, list]]) -> None:
+    """Run ``allocator_cls`` and ``BlockAllocator`` side by side on each (name, num_blocks, calls).
 
-    ``allocator_cls(num_blocks, block_size)`` must keep its free list in ``free_blocks`` (front = next
-    handed out) and offer ``alloc_blocks(n) -> list of ids`` and ``free(blocks)``. After every call the
-    return value (or the exception type: ``OutOfBlocksError``, ``ValueError``) and the free list must
-    match the reference's. Example: 4 blocks; alloc_blocks(3) -> [0, 1, 2]; free([1]);
-    alloc_blocks(2) -> [3, 1].
+    After every call the return value (or the exception type: ``OutOfBlocksError``, ``ValueError``)
+    and the free list must match the reference's.
     """
 
     def case(num_blocks: int, ops: list[tuple[str, object]]) -> Callable[[], str | None]:
@@ -57,39 +55,63 @@ def check_block_allocator(allocator_cls: Callable) -> None:
 
         return run
 
-    run_cases(
+    run_cases([Case(name, case(num_blocks, ops)) for name, num_blocks, ops in cases])
+
+
+def check_alloc_blocks(alloc_blocks: Callable) -> None:
+    """Grade ``alloc_blocks(self, n)``: ``BlockAllocator`` with this method in place of its own.
+
+    Example: 4 blocks; alloc_blocks(3) -> [0, 1, 2], free list [3]; alloc_blocks(2) then raises
+    OutOfBlocksError and the free list is still [3].
+    """
+    yours = type("YourAllocBlocks", (BlockAllocator,), {"alloc_blocks": alloc_blocks})
+    run_free_list_cases(
+        yours,
         [
-            Case("alloc 3 of 4 blocks", case(4, [("alloc_blocks", 3)])),
-            Case(
-                "a freed block goes to the back",
-                case(4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
-            ),
-            Case("alloc 0 blocks", case(4, [("alloc_blocks", 0), ("alloc_blocks", 1)])),
-            Case(
+            ("alloc 3 of 4 blocks", 4, [("alloc_blocks", 3)]),
+            ("alloc 0 blocks", 4, [("alloc_blocks", 0), ("alloc_blocks", 1)]),
+            ("all 4 blocks, in id order", 4, [("alloc_blocks", 4)]),
+            (
                 "OutOfBlocksError takes nothing",
-                case(4, [("alloc_blocks", 2), ("alloc_blocks", 3), ("alloc_blocks", 2)]),
+                4,
+                [("alloc_blocks", 2), ("alloc_blocks", 3), ("alloc_blocks", 2)],
             ),
-            Case("double free is refused", case(4, [("alloc_blocks", 2), ("free", [0]), ("free", [0])])),
-            Case(
+            ("a freed block comes back last", 4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
+        ],
+    )
+
+
+def check_free(free: Callable) -> None:
+    """Grade ``free(self, blocks)``: ``BlockAllocator`` with this method in place of its own.
+
+    Example: 4 blocks; alloc_blocks(3); free([1]) -> free list [3, 1]; free([1]) again raises
+    ValueError (a double free) and changes nothing.
+    """
+    yours = type("YourFree", (BlockAllocator,), {"free": free})
+    run_free_list_cases(
+        yours,
+        [
+            ("a freed block goes to the back", 4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
+            ("double free is refused", 4, [("alloc_blocks", 2), ("free", [0]), ("free", [0])]),
+            (
                 "a repeated id in one call frees nothing",
-                case(4, [("alloc_blocks", 3), ("free", [2, 1, 2]), ("free", [2])]),
+                4,
+                [("alloc_blocks", 3), ("free", [2, 1, 2]), ("free", [2])],
             ),
-            Case("an id outside the pool is refused", case(4, [("alloc_blocks", 4), ("free", [1, 7])])),
-            Case(
+            ("an id outside the pool is refused", 4, [("alloc_blocks", 4), ("free", [1, 7])]),
+            (
                 "interleaved allocs and frees, 6 blocks",
-                case(
-                    6,
-                    [
-                        ("alloc_blocks", 2),
-                        ("alloc_blocks", 3),
-                        ("free", [3, 0]),
-                        ("alloc_blocks", 3),
-                        ("free", [1, 4]),
-                        ("alloc_blocks", 2),
-                    ],
-                ),
+                6,
+                [
+                    ("alloc_blocks", 2),
+                    ("alloc_blocks", 3),
+                    ("free", [3, 0]),
+                    ("alloc_blocks", 3),
+                    ("free", [1, 4]),
+                    ("alloc_blocks", 2),
+                ],
             ),
-        ]
+        ],
     )
 
 

@@ -68,8 +68,11 @@ class SmokeContext:
 
     def tight_pool(self, block_size: int) -> int:
         """A pool under pressure: the longest request fits alone, and every prompt (with its first new
-        token) fits at once, but nothing more. All prompts are admitted in the first step, the pool
-        is then full, and as soon as the sequences grow into new blocks the scheduler must preempt.
+        token) fits at once, but nothing more. All prompts are admitted in the first step and the
+        pool is then full: when a sequence grows into a new block before another one has finished
+        and freed its blocks, the scheduler must preempt. That happens whenever two or more
+        sequences run past their prompt's last block, which budgets above ``block_size`` guarantee;
+        with budgets too small to grow any sequence by a block there is nothing to preempt.
 
         Example, block_size 16, prompts of 365, 32 and 34 tokens with budgets 12, 8, 5: the longest
         needs 24 blocks; the prompts need 23 + 3 + 3 = 29; the pool gets 29 and the three sequences,

@@ -15,6 +15,9 @@ from kvcourse.smoke import smoke_main
 from L1_contiguous.cache import KvCache
 from L1_contiguous.engine import Engine
 
+# make test runs each smoke with 16 new tokens per prompt (make smoke runs the full 64).
+SMOKE_ARGV = ["--max-new-tokens", "16"]
+
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
@@ -97,7 +100,7 @@ def test_l1_smoke_default(capsys):
     """The smoke check itself: course model and tiny Qwen3, every prompt equal to HF greedy."""
     from L1_contiguous.l1_smoke import runs
 
-    status = smoke_main("L1", runs, argv=[])
+    status = smoke_main("L1", runs, argv=SMOKE_ARGV)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L1 smoke: 20/20 prompts match HF")

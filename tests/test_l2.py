@@ -18,6 +18,9 @@ from L2_token_flat.sequence import Sequence, reserve
 PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 137)), [9], [4093, 198] * 8]
 BUDGETS = [20, 9, 30, 17]
 
+# make test runs each smoke with 16 new tokens per prompt (make smoke runs the full 64).
+SMOKE_ARGV = ["--max-new-tokens", "16"]
+
 
 def books(alloc: BlockAllocator) -> tuple[list[int], set[int]]:
     """Everything an allocator knows, to check that a failed call changed none of it."""
@@ -282,7 +285,7 @@ def test_l2_smoke_default(capsys):
     """The smoke check itself: course model and tiny Qwen3, block sizes 16, 1, 7, equal to L1 and HF."""
     from L2_token_flat.l2_smoke import previous, runs
 
-    status = smoke_main("L2", runs, previous, argv=[])
+    status = smoke_main("L2", runs, previous, argv=SMOKE_ARGV)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L2 smoke: 60/60 prompts match L1 and HF"), last

@@ -32,6 +32,9 @@ _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 12, 16, 17, 29, 40, 3)]
 BUDGETS = [24, 1, 17, 9, 24, 13, 20, 5]
 
+# make test runs each smoke with 16 new tokens per prompt (make smoke runs the full 64).
+SMOKE_ARGV = ["--max-new-tokens", "16"]
+
 
 # ---------------------------------------------------------------- storage
 
@@ -444,7 +447,7 @@ def test_l3_smoke_default(capsys):
     HF, and the small-pool run really preempts on both models."""
     from L3_block_tensor.l3_smoke import previous, runs
 
-    status = smoke_main("L3", runs, previous, argv=[])
+    status = smoke_main("L3", runs, previous, argv=SMOKE_ARGV)
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     assert status == 0, last

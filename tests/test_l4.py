@@ -10,6 +10,9 @@ from L4_paged_kernel.engine import Engine
 
 PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
 
+# make test runs each smoke with 16 new tokens per prompt (make smoke runs the full 64).
+SMOKE_ARGV = ["--max-new-tokens", "16"]
+
 
 @pytest.mark.parametrize(
     "options",
@@ -51,7 +54,7 @@ def test_l4_smoke_default(capsys):
     from kvcourse.smoke import smoke_main
     from L4_paged_kernel.l4_smoke import previous, runs
 
-    status = smoke_main("L4", runs, previous, argv=[])
+    status = smoke_main("L4", runs, previous, argv=SMOKE_ARGV)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L4 smoke: ") and "prompts match L3 and HF" in last
