@@ -8,8 +8,8 @@ forward calls, tokens, live vs held positions, peaks). It is one pytree, so a wh
 ``jax.lax.while_loop`` without the host, and every round is counted exactly.
 
 The host reads it back (``jax.device_get``) only between calls, for outputs, ``occupancy``, the
-counters, and ``check_invariants``: the allocation, clone/refcount and reset invariants of the
-Levanter refactor plan, checked on plain NumPy copies.
+counters, and ``check_invariants``: the allocation, clone/refcount and reset invariants Levanter's
+engine relies on, checked on plain NumPy copies.
 
 Left out on purpose: sampling (greedy only: clones of one prompt therefore produce the same tokens;
 what they show is the sharing), stop strings, logprobs, and a scheduler that mixes prefill chunks

@@ -8,7 +8,7 @@
                                       max_prefill_tokens (repeated until nothing more fits) allocates their
                                       pages, runs the prompts (lengths bucketed to powers of two, so a
                                       new prompt length rarely means a new compile), picks each first
-                                      token, and clones n_generations - 1 copies sharing full pages
+                                      token, and clones n - 1 copies sharing full pages
                    decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the token
                                       queue, allocate_for_seq, forward (KV write + ragged paged
                                       attention), greedy pick, update_tokens, and with
