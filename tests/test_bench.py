@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 
-from bench import run
+from bench import run, workloads
 
 
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert run.main(["--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
     systems, sizes = results["systems"], results["sizes"]
-    budgets = run.mixed_workload(49152, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])[1]
+    budgets = workloads.mixed_workload(49152, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])[1]
     assert {"HF batch 1", "HF batched", "L1"} <= set(systems)
     for name, row in systems.items():
         assert {"a", "b", "c"} <= set(row), name
@@ -33,7 +33,7 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
 
 
 def test_mixed_workload_is_seeded_and_in_range():
-    prompts, budgets = run.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
-    assert (prompts, budgets) == run.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
+    prompts, budgets = workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
+    assert (prompts, budgets) == workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
     assert all(10 <= len(p) <= 20 and all(3 <= t < 100 for t in p) for p in prompts)
     assert all(3 <= b <= 4 for b in budgets)
