@@ -19,7 +19,7 @@ import time
 from kvcourse.config import ModelConfig
 from kvcourse.model_store import MODEL_ENV, prepare_default_model, resolve_model_dir
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
-from kvcourse.requests import DEFAULT_MAX_MODEL_LEN
+from kvcourse.requests import DEFAULT_MAX_MODEL_LEN, check_context
 from kvcourse.stages import STAGES, engine_class
 
 
@@ -55,15 +55,12 @@ def generate(args: argparse.Namespace) -> None:
     for text in args.prompt:
         prompts.append(Prompt(text=text) if args.raw else Prompt(messages=(("user", text),)))
     model_dir = resolve_model_dir(args.model)
-    limit = ModelConfig.from_dir(model_dir).max_position_embeddings
+    cfg = ModelConfig.from_dir(model_dir)
+    limit = cfg.max_position_embeddings
     tok = load_tokenizer(model_dir)
     ids = [encode(tok, p) for p in prompts]
     budget = budgets(prompts, args.max_new_tokens)
-    longest = max(len(p) + b for p, b in zip(ids, budget, strict=True))
-    if longest > limit:
-        raise ValueError(
-            f"a prompt plus its budget is {longest} tokens, over the model's context limit {limit}"
-        )
+    longest = check_context(ids, budget, cfg)
     engine = engine_class(args.stage)(
         model_dir, max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest)
     )

@@ -1,7 +1,8 @@
 """Checks and stopping rules every engine applies the same way (not lesson material).
 
 ``resolve_max_model_len`` picks an engine's length limit; ``check_requests`` validates what a caller
-hands ``Engine.generate`` (prompts, budgets, the length limit); ``check_blocks`` refuses a request a
+hands ``Engine.generate`` (prompts, budgets, the length limit); ``check_context`` what a script reads
+from a prompt file (the model's context limit); ``check_blocks`` refuses a request a
 pool could never hold; ``finished`` is HF's stopping rule: the eos token is kept in the output, then
 generation stops; otherwise stop at the budget. Every message names the value and the limit.
 """
@@ -57,6 +58,26 @@ def check_requests(
                 f"exceeds max_model_len={max_model_len}"
             )
     return budgets
+
+
+def check_context(ids: list[list[int]], budgets: list[int], cfg: ModelConfig) -> int:
+    """For the scripts (smokes, CLI): refuse a prompt file the model cannot run; return the longest
+    request (prompt + budget), which sizes the engines' ``max_model_len``.
+
+    Prompts are numbered from 1, like the lines of their file. Example with max_position_embeddings
+    2048: a 2,100-token prompt and budget 64 raises ``prompt 1: 2100 prompt tokens + max_new_tokens
+    64 = 2164 exceeds the model's context limit (max_position_embeddings=2048)``.
+    """
+    limit = cfg.max_position_embeddings
+    for i, (p, b) in enumerate(zip(ids, budgets, strict=True), start=1):
+        if not p:
+            raise ValueError(f"prompt {i}: it encodes to no tokens")
+        if len(p) + b > limit:
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {b} = {len(p) + b} exceeds the "
+                f"model's context limit (max_position_embeddings={limit})"
+            )
+    return max(len(p) + b for p, b in zip(ids, budgets, strict=True))
 
 
 def check_blocks(label: str, num_tokens: int, needed: int, block_size: int, num_blocks: int) -> None:

@@ -40,7 +40,7 @@ from kvcourse.config import ModelConfig
 from kvcourse.model_store import MODEL_ENV, resolve_model_dir
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
 from kvcourse.reference import Reference, hf_greedy
-from kvcourse.requests import DEFAULT_MAX_MODEL_LEN
+from kvcourse.requests import DEFAULT_MAX_MODEL_LEN, check_context
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -143,14 +143,7 @@ def prepare(model_dir: Path, prompts: list[Prompt], default_budget: int) -> Smok
     tok = load_tokenizer(model_dir)
     ids = [encode(tok, p) for p in prompts]
     budget = budgets(prompts, default_budget)
-    for i, (p, b) in enumerate(zip(ids, budget, strict=True)):
-        if not p:
-            raise ValueError(f"prompt {i + 1}: it encodes to no tokens")
-        if len(p) + b > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {i + 1}: {len(p)} prompt tokens + max_new_tokens {b} = {len(p) + b} exceeds the "
-                f"model's context limit (max_position_embeddings={cfg.max_position_embeddings})"
-            )
+    check_context(ids, budget, cfg)
     refs = hf_greedy(model_dir, ids, budget)
     return SmokeContext(model_dir, tok, prompts, ids, budget, refs, cfg.max_position_embeddings)
 

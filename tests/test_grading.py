@@ -40,33 +40,25 @@ WRONG_ANSWERS = {
 GENERIC_WRONG = (1, "return None  # wrong on purpose: does nothing\n")
 
 
-def grade(notebook: Path) -> subprocess.CompletedProcess:
-    """``make grade NB=notebook``, without make: the same pytest + nbval command line."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "--nbval-lax",
-        "--nbval-current-env",
-        "--nbval-sanitize-with",
-        str(ROOT / "notebooks" / "sanitize.cfg"),
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "addopts=",
-        str(notebook),
-    ]
+def grade(*args: str) -> subprocess.CompletedProcess:
+    """``make grade NB=...`` without make: ``python -m kvcourse.grade`` with the Makefile's environment."""
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         MPLBACKEND="Agg",
         TOKENIZERS_PARALLELISM="false",
+        # Spinning OpenMP threads make torch ~40x slower when another process holds a core (a decode
+        # step took 1.9 s instead of 45 ms on the shared 2-core machine); make grade sets this too.
+        OMP_WAIT_POLICY="PASSIVE",
     )
-    # Spinning OpenMP threads make torch ~40x slower when another process holds a core (measured on the
-    # shared 2-core machine: a decode step took 1.9 s instead of 45 ms); passive waiting avoids that.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    cmd = [sys.executable, "-m", "kvcourse.grade", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    lines = result.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def report(result: subprocess.CompletedProcess) -> str:
@@ -112,8 +104,10 @@ def test_reference_has_exercises_and_checks(reference):
 @needs_notebooks
 @per_notebook
 def test_reference_notebook_passes(reference):
-    result = grade(reference)
+    n = len(exercises.solutions(exercises.read(reference)))
+    result = grade(str(reference))
     assert result.returncode == 0, report(result)
+    assert last_line(result) == f"graded {reference}: {n}/{n} exercises pass", report(result)
 
 
 @pytest.mark.slow
@@ -124,11 +118,14 @@ def test_wrong_and_untouched_answers_fail(reference, tmp_path):
     Both must show: the wrong answer as WRONG, the untouched stubs as NotImplementedError."""
     number, wrong = WRONG_ANSWERS.get(reference.stem, GENERIC_WRONG)
     exercise = exercises.read(exercises.exercise_path(reference))
-    result = grade(write(exercises.put_back(exercise, {number: wrong}), tmp_path / reference.name))
+    path = write(exercises.put_back(exercise, {number: wrong}), tmp_path / reference.name)
+    result = grade(str(path))
+    n = len(exercises.solutions(exercises.read(reference)))
     assert result.returncode == 1, report(result)
-    assert "WRONG" in result.stdout, report(result)
-    if len(exercises.solutions(exercises.read(reference))) > 1:
-        assert "NotImplementedError" in result.stdout, report(result)
+    assert last_line(result) == f"graded {path}: 0/{n} exercises pass", report(result)
+    assert f"L{reference.stem[1]}.{number} " in result.stdout and "WRONG" in result.stdout, report(result)
+    if n > 1:
+        assert "not done yet (it raises NotImplementedError)" in result.stdout, report(result)
 
 
 @needs_notebooks
@@ -148,6 +145,28 @@ def test_solutions_put_back_give_the_reference_code(reference):
     assert [c.source for c in restored.cells if c.cell_type == "code"] == [
         code(c.source) for c in ref.cells if c.cell_type == "code"
     ]
+
+
+@pytest.mark.slow
+def test_gradebook_grades_a_folder_and_ignores_what_learners_print(tmp_path):
+    """``make grade DIR=...``: an untouched notebook and a solved one whose answers also print (a
+    learner's debugging line must not cost the grade), one CSV row each."""
+    reference = ROOT / "notebooks" / "L1_contiguous.ipynb"
+    exercise = exercises.read(exercises.exercise_path(reference))
+    chatty = {
+        k: f'print("my debugging line")\n{code}'
+        for k, code in exercises.solutions(exercises.read(reference)).items()
+    }
+    write(exercise, tmp_path / "ada_L1_contiguous.ipynb")
+    write(exercises.put_back(exercise, chatty), tmp_path / "bob_L1_contiguous.ipynb")
+    result = grade("--dir", str(tmp_path))
+    assert result.returncode == 0, report(result)
+    rows = (tmp_path / "gradebook.csv").read_text().splitlines()
+    assert rows == [
+        "notebook,L1.1,L1.2,L1.3,passed,total,note",
+        "ada_L1_contiguous.ipynb,fail,fail,fail,0,3,",
+        "bob_L1_contiguous.ipynb,pass,pass,pass,3,3,",
+    ], report(result)
 
 
 # --- the pieces, on a hand-made notebook ---------------------------------------------------------------

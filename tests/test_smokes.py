@@ -187,3 +187,17 @@ def test_smoke_fails_an_engine_that_is_wrong(fault, tiny_llama_dir, tmp_path, ca
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 1, last
     assert re.match(r"LX smoke: [01]/2 prompts match HF", last), last
+
+
+def test_the_cli_answers_bad_input_the_same_way(tmp_path, tiny_llama_dir, capsys):
+    """``python -m kvcourse generate`` with the smoke's bad-input cases: exit 2, one error line."""
+    from kvcourse.__main__ import main
+
+    for what, argv, pattern in bad_cases(tmp_path, tiny_llama_dir):
+        if "--model" not in argv:
+            argv = ["--model", str(tiny_llama_dir), *argv]
+        status = main(["generate", "--stage", "L1", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2, what
+        assert len(err) == 1 and err[0].startswith("error: "), (what, err)
+        assert re.search(pattern, err[0]), (what, err[0])
