@@ -1,0 +1,332 @@
+"""The L5 exercise checkers fail wrong answers and pass the stage's own code.
+
+Every exercise of ``notebooks/L5_clones.ipynb`` (L5.1 fork, L5.2 refcounted free, L5.3 block keys,
+L5.4 match_prefix) gets plausible wrong solutions: the partial block shared by a fork, a count raised
+by 1 instead of n, a shared block freed at once, a missing decrement, a table freed head first or
+into the front of the free list, a freed block that forgets its key, keys that do not chain, a key
+for the partial tail, the block of the prompt's last token matched, a match that goes on past a miss,
+a hash hit taken without comparing tokens, a match that takes references. Each runs in process on its
+checker, with the printed lines captured: the summary must not read ``n/n passed``, and the case that
+should catch the mistake must say ``WRONG`` or ``raised``. Example::
+
+    case 3 (exactly its first 8 tokens: block 2 holds the last token, only [6]): WRONG — matched blocks [6, 2], expected [6]
+    ...
+    6/9 passed
+
+The other half: each checker gets the stage's own code (``BlockAllocator.fork``,
+``BlockAllocator.free``, ``register_full_blocks``, ``prefix_cache.match_prefix``), adapted to the
+exercise's signature where they differ, and the reference notebook's solution cells; every case must
+print ``ok``. Everything runs on small allocators, well under a second per checker.
+
+Left out on purpose: running the notebook (``tests/test_grading.py`` grades it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from kvcourse.exercises import read
+from L5_clones import checks, prefix_cache
+from L5_clones.allocator import BlockAllocator
+from L5_clones.prefix_cache import block_hash, register_full_blocks
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipynb"
+
+
+def graded_lines(capsys) -> list[str]:
+    """What a checker printed: one line per case, then ``k/n passed``."""
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def assert_fails(lines: list[str], case_name: str) -> None:
+    """The summary is not n/n, and the case whose name contains ``case_name`` says WRONG or raised."""
+    passed, total = lines[-1].removesuffix(" passed").split("/")
+    assert passed != total, lines
+    named = [line for line in lines if line.startswith("case ") and case_name in line]
+    assert named, f"no case named {case_name!r} in {lines}"
+    assert any("WRONG" in line or "raised" in line for line in named), named
+
+
+def assert_passes(lines: list[str]) -> None:
+    """Every case ok and the summary n/n."""
+    cases = [line for line in lines if line.startswith("case ")]
+    assert cases and all(line.endswith(": ok") for line in cases), lines
+    assert lines[-1] == f"{len(cases)}/{len(cases)} passed", lines
+
+
+# ---- L5.1: fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) ----
+
+
+def fork_by_stage(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """L5.1 by ``BlockAllocator.fork``: an allocator holding the same counts, whose fresh blocks come
+    from ``alloc()``; the counts of the parent's blocks are copied back into ``ref_counts``."""
+    allocator = BlockAllocator(max(ref_counts) + 1, block_size)
+    for block, count in ref_counts.items():
+        allocator.blocks[block].ref_count = count
+    allocator.free_blocks = deque(range(n))  # fork only reads its length: fresh blocks come from alloc()
+    allocator._take_free = alloc
+    tables, _ = allocator.fork(list(parent_table), num_tokens, n)
+    for block in parent_table:
+        ref_counts[block] = allocator.blocks[block].ref_count
+    return tables
+
+
+def fork_shares_partial(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """Shares every block, the partial last one too: the children would write into the parent's block."""
+    for block in parent_table:
+        ref_counts[block] += n
+    return [list(parent_table) for _ in range(n)]
+
+
+def fork_counts_one(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """Raises each shared block's count by 1, not by n: n children are n more holders."""
+    full = num_tokens // block_size
+    for block in parent_table[:full]:
+        ref_counts[block] += 1
+    return [parent_table[:full] + [alloc() for _ in parent_table[full:]] for _ in range(n)]
+
+
+def fork_always_copies_last(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """Treats the last block as partial even when the sequence ends on a block boundary."""
+    for block in parent_table[:-1]:
+        ref_counts[block] += n
+    return [parent_table[:-1] + [alloc()] for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "wrong, case_name",
+    [
+        (fork_shares_partial, "10 tokens (partial last block), n = 2"),
+        (fork_counts_one, "every block is full, n = 4"),
+        (fork_always_copies_last, "last block exactly full"),
+    ],
+    ids=lambda x: getattr(x, "__name__", "case"),
+)
+def test_fork_table_fails_wrong_answers(capsys, wrong, case_name):
+    checks.check_fork_table(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_fork_table_passes_the_stage(capsys):
+    checks.check_fork_table(fork_by_stage)
+    assert_passes(graded_lines(capsys))
+
+
+# ---- L5.2: free(self, blocks), a BlockAllocator method ----
+
+
+def free_at_once(self, blocks):
+    """Frees every block of the table, shared or not: the other tables keep blocks on the free list."""
+    for b in reversed(blocks):
+        self.blocks[b].ref_count = 0
+        self.free_blocks.append(b)
+
+
+def free_no_decrement(self, blocks):
+    """Frees a block when this is its last holder, but never lowers a count."""
+    for b in reversed(blocks):
+        if self.blocks[b].ref_count == 1:
+            self.free_blocks.append(b)
+
+
+def free_head_first(self, blocks):
+    """Walks the table from its first block: the prefix is reused before its tail."""
+    for b in blocks:
+        self.blocks[b].ref_count -= 1
+        if self.blocks[b].ref_count == 0:
+            self.free_blocks.append(b)
+
+
+def free_to_front(self, blocks):
+    """Puts freed blocks at the front of the free list: the newest freed is reused first."""
+    for b in reversed(blocks):
+        self.blocks[b].ref_count -= 1
+        if self.blocks[b].ref_count == 0:
+            self.free_blocks.appendleft(b)
+
+
+def free_forgets_keys(self, blocks):
+    """Clears a freed block's hash and tokens: a later identical prefix can no longer hit it."""
+    for b in reversed(blocks):
+        block = self.blocks[b]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            block.hash, block.token_ids = None, ()
+            self.free_blocks.append(b)
+
+
+@pytest.mark.parametrize(
+    "wrong, case_name",
+    [
+        (free_at_once, "a fork: blocks 3 and 5 are in three tables"),
+        (free_at_once, "the shared prefix outlives the request that filled it"),
+        (free_no_decrement, "one holder per block"),
+        (free_head_first, "[4, 7, 9] goes back tail first"),
+        (free_to_front, "behind block 0"),
+        (free_forgets_keys, "freed blocks keep their keys"),
+    ],
+    ids=lambda x: getattr(x, "__name__", "case"),
+)
+def test_free_fails_wrong_answers(capsys, wrong, case_name):
+    checks.check_free(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_free_passes_the_stage(capsys):
+    checks.check_free(BlockAllocator.free)
+    assert_passes(graded_lines(capsys))
+
+
+# ---- L5.3: block_hashes(token_ids, block_size) ----
+
+
+def hashes_by_stage(token_ids, block_size):
+    """L5.3 by ``register_full_blocks``: the keys it gives the full blocks of one table."""
+    full = len(token_ids) // block_size
+    allocator = BlockAllocator(max(full, 1), block_size)
+    table = allocator.alloc_blocks(full)
+    register_full_blocks(allocator, table, list(token_ids), 0, len(token_ids))
+    return [allocator.blocks[b].hash for b in table]
+
+
+def hashes_unchained(token_ids, block_size):
+    """Keys each block by its own tokens only: the same tokens after another prefix get the same key."""
+    full = len(token_ids) // block_size
+    return [block_hash(None, token_ids[i * block_size : (i + 1) * block_size]) for i in range(full)]
+
+
+def hashes_with_tail(token_ids, block_size):
+    """Keys the partial last block too, though more tokens will land in it."""
+    keys, prev = [], None
+    for i in range(0, len(token_ids), block_size):
+        prev = block_hash(prev, token_ids[i : i + block_size])
+        keys.append(prev)
+    return keys
+
+
+@pytest.mark.parametrize(
+    "wrong, case_name",
+    [
+        (hashes_unchained, "the second key is chained"),
+        (hashes_with_tail, "the tail [5] has no key"),
+        (hashes_with_tail, "no full block, no key"),
+    ],
+    ids=lambda x: getattr(x, "__name__", "case"),
+)
+def test_block_hashes_fails_wrong_answers(capsys, wrong, case_name):
+    checks.check_block_hashes(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_block_hashes_passes_the_stage(capsys):
+    checks.check_block_hashes(hashes_by_stage)
+    assert_passes(graded_lines(capsys))
+
+
+# ---- L5.4: match_prefix(token_ids, allocator) ----
+
+
+def match_with_last_block(token_ids, allocator):
+    """Looks at every full block, the one holding the last token too: that token would not run."""
+    bs, hits, key = allocator.block_size, [], None
+    for i in range(len(token_ids) // bs):
+        tokens = token_ids[i * bs : (i + 1) * bs]
+        key = block_hash(key, tokens)
+        block = allocator.lookup(key, tokens)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
+
+
+def match_past_a_miss(token_ids, allocator):
+    """Skips a missing block and goes on: the hits no longer are the prompt's leading blocks."""
+    bs, hits, key = allocator.block_size, [], None
+    for i in range((len(token_ids) - 1) // bs):
+        tokens = token_ids[i * bs : (i + 1) * bs]
+        key = block_hash(key, tokens)
+        block = allocator.lookup(key, tokens)
+        if block is not None:
+            hits.append(block)
+    return hits
+
+
+def match_unchained(token_ids, allocator):
+    """Keys each block by its own tokens only, so a block can hit after another prefix."""
+    bs, hits = allocator.block_size, []
+    for i in range((len(token_ids) - 1) // bs):
+        tokens = token_ids[i * bs : (i + 1) * bs]
+        block = allocator.lookup(block_hash(None, tokens), tokens)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
+
+
+def match_trusts_the_key(token_ids, allocator):
+    """Reads the index directly: a key collision with other tokens counts as a hit."""
+    bs, hits, key = allocator.block_size, [], None
+    for i in range((len(token_ids) - 1) // bs):
+        key = block_hash(key, token_ids[i * bs : (i + 1) * bs])
+        block = allocator.hash_to_block.get(key)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
+
+
+def match_and_take(token_ids, allocator):
+    """Takes a reference on each hit itself: the caller would take a second one."""
+    return allocator.alloc_blocks(0, cached=prefix_cache.match_prefix(token_ids, allocator))
+
+
+@pytest.mark.parametrize(
+    "wrong, case_name",
+    [
+        (match_with_last_block, "block 2 holds the last token"),
+        (match_with_last_block, "its only block holds the last token"),
+        (match_past_a_miss, "stop at the first miss"),
+        (match_unchained, "the repeat follows another prefix"),
+        (match_trusts_the_key, "a collision"),
+        (match_and_take, "the cached 9 tokens again"),
+    ],
+    ids=lambda x: getattr(x, "__name__", "case"),
+)
+def test_match_prefix_fails_wrong_answers(capsys, wrong, case_name):
+    checks.check_match_prefix(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_match_prefix_passes_the_stage(capsys):
+    checks.check_match_prefix(prefix_cache.match_prefix)
+    assert_passes(graded_lines(capsys))
+
+
+# ---- the reference notebook's own solutions ----
+
+
+def notebook_solutions() -> dict:
+    """The functions the reference notebook's solution cells define, run with what its setup imports."""
+    namespace = {"block_hash": block_hash}
+    for cell in read(NOTEBOOK).cells:
+        if cell.cell_type == "code" and "# BEGIN SOLUTION" in cell.source:
+            exec(cell.source, namespace)  # the course's own notebook: defines the solved functions
+    return namespace
+
+
+@pytest.mark.parametrize(
+    "checker, name",
+    [
+        (checks.check_fork_table, "fork_table"),
+        (checks.check_free, "free"),
+        (checks.check_block_hashes, "block_hashes"),
+        (checks.check_match_prefix, "match_prefix"),
+    ],
+    ids=["L5.1", "L5.2", "L5.3", "L5.4"],
+)
+def test_notebook_solutions_pass(capsys, checker, name):
+    checker(notebook_solutions()[name])
+    assert_passes(graded_lines(capsys))
