@@ -2,7 +2,10 @@
 
 - ``check_slots``: pool slots from a block table, against ``slots`` (``sequence.py``);
 - ``check_plan_step``: how many tokens each sequence runs in one step, against what
-  ``Scheduler.schedule`` (``scheduler.py``) plans for the same queues.
+  ``Scheduler.schedule`` (``scheduler.py``) plans for the same queues;
+- ``check_preempt``: sending a running sequence back to waiting when the pool runs dry, against the
+  first preemption ``Scheduler`` itself makes in the same state (which sequence, its blocks on the free
+  list, both queues, what it keeps and what it forgets).
 
 The grading contract (see ``kvcourse/grading.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
@@ -10,7 +13,8 @@ deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` a
 compares them. The references are the stage's own code, never a copy kept here.
 
 Left out on purpose: partial credit and hints; ``plan_step`` is graded with plenty of free blocks,
-so preemption is not part of it.
+so preemption is not part of it (``check_preempt`` grades it alone, one preemption at a time, not the
+retry loop around it).
 """
 
 from __future__ import annotations
@@ -108,5 +112,149 @@ def check_plan_step(plan_step: Callable) -> None:
             Case("a running prefill continues by chunks", case([7, 1], [5], 6, 4, 4)),
             Case("max_num_seqs stops admission", case([1, 1, 1], [2, 2], 16, 8, 4)),
             Case("the budget runs out among running requests", case([5, 5, 1], [3], 6, 5, 8)),
+        ]
+    )
+
+
+class _FirstPreemption(Exception):
+    """Raised by the reference scheduler right after its first ``_preempt``, to stop it there."""
+
+
+def _preempt_state(block_size: int, num_blocks: int, running: list, waiting: list, retired: int):
+    """The queues and allocator of one ``check_preempt`` case, built with this stage's classes.
+
+    running: (request_id, prompt_len, generated, computed, priority) per sequence; waiting:
+    (request_id, prompt_len, generated, priority) per sequence (a waiting one that has generated tokens
+    was preempted before). Running sequences grow a position at a time, in turn, so their block tables
+    interleave; ``retired`` blocks, taken first and freed at the end, leave the free list out of id order.
+    Returns (allocator, running, waiting), both queues in scheduling order.
+    """
+    allocator = BlockAllocator(num_blocks, block_size)
+    gone = allocator.alloc_blocks(retired)  # a finished request's blocks, given back below
+
+    def make(request_id: int, prompt_len: int, generated: int, priority: int) -> Sequence:
+        seq = Sequence(request_id, [100 * request_id + i for i in range(prompt_len)], 64, priority=priority)
+        seq.output_ids = [5000 + 100 * request_id + i for i in range(generated)]
+        return seq
+
+    run = [make(rid, n, gen, prio) for rid, n, gen, _, prio in running]
+    for t in range(max((c for *_, c, _ in running), default=0)):  # one position of each, in turn
+        for seq, (*_, computed, _) in zip(run, running, strict=True):
+            if t < computed:
+                reserve(seq, allocator, t + 1)
+    for seq, (*_, computed, _) in zip(run, running, strict=True):
+        seq.num_computed_tokens = computed
+        seq.status = Status.RUNNING
+    allocator.free(gone)
+    wait = [make(*spec) for spec in waiting]
+    return allocator, sorted(run, key=Sequence.sort_key), sorted(wait, key=Sequence.sort_key)
+
+
+def check_preempt(preempt: Callable) -> None:
+    """Grade ``preempt(running, waiting, allocator) -> victim`` against ``Scheduler``'s own preemption.
+
+    ``running`` and ``waiting`` are lists of ``Sequence`` in scheduling order (``Sequence.sort_key``:
+    higher priority first, then lower request id), as ``Scheduler`` keeps them; ``allocator`` is the
+    ``BlockAllocator`` whose blocks the running sequences hold. ``preempt`` must change them in place
+    exactly as the scheduler does when ``reserve`` finds the free list too short: the same victim, taken
+    out of ``running`` and put into ``waiting`` at its place in scheduling order, all its blocks back on
+    the free list, its block table empty, ``num_computed_tokens`` 0 and status ``WAITING``, its prompt
+    and generated tokens kept (they are what it recomputes). The reference is a real ``Scheduler`` given
+    the same queues, stopped right after its first ``_preempt``.
+
+    Example, block_size 4: running requests 0 (blocks [0, 2], 7 computed) and 1 (blocks [1, 3, 4], 9
+    computed, 2 tokens generated), free list [5]; waiting [2] -> victim request 1; running [0]; free list
+    [5, 1, 3, 4]; waiting [1, 2]; request 1 keeps its 2 generated tokens and recomputes all 10 tokens.
+    """
+
+    def reference(allocator, running, waiting) -> Sequence:
+        sched = Scheduler(allocator, max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=4096)
+        sched.running, sched.waiting = running, waiting  # the same lists: they change in place
+
+        def first_preemption(seq: Sequence) -> None:
+            Scheduler._preempt(sched, seq)
+            raise _FirstPreemption(seq)
+
+        sched._preempt = first_preemption
+        grower = running[0]  # wants one block more than the free list holds
+        target = (len(grower.block_table) + allocator.num_free + 1) * allocator.block_size
+        try:
+            sched._reserve_or_preempt(grower, target)
+        except _FirstPreemption as stop:
+            return stop.args[0]
+        raise AssertionError("the reference scheduler preempted nobody")  # a broken case, not the learner
+
+    def case(block_size: int, num_blocks: int, running: list, waiting: list, retired: int = 0):
+        def run() -> str | None:
+            ref_alloc, ref_running, ref_waiting = _preempt_state(
+                block_size, num_blocks, running, waiting, retired
+            )
+            allocator, mine, queue = _preempt_state(block_size, num_blocks, running, waiting, retired)
+            by_id = {seq.request_id: seq for seq in mine + queue}
+            want = reference(ref_alloc, ref_running, ref_waiting)
+            got = preempt(mine, queue, allocator)
+            if got is not by_id.get(getattr(got, "request_id", None)):
+                return f"returned {got!r}, expected the preempted Sequence (request {want.request_id})"
+            if got.request_id != want.request_id:
+                return f"preempted request {got.request_id}, expected request {want.request_id}"
+            ids = [[s.request_id for s in q] for q in (mine, queue, ref_running, ref_waiting)]
+            for what, have, expected in (("running", ids[0], ids[2]), ("waiting", ids[1], ids[3])):
+                if have != expected:
+                    return f"{what} is {have} afterwards, expected {expected}"
+            free, ref_free = list(allocator.free_blocks), list(ref_alloc.free_blocks)
+            if free != ref_free:
+                return f"free list {free} afterwards, expected {ref_free}"
+            if allocator.owned != ref_alloc.owned:
+                return (
+                    f"the allocator counts blocks {sorted(allocator.owned)} as handed out, expected "
+                    f"{sorted(ref_alloc.owned)} (give blocks back with allocator.free)"
+                )
+            for what in ("block_table", "num_computed_tokens", "status", "prompt_ids", "output_ids"):
+                if getattr(got, what) != getattr(want, what):
+                    return f"the victim's {what} is {getattr(got, what)!r}, expected {getattr(want, what)!r}"
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case(
+                "the worked example: two running, free list [5]",
+                case(4, 6, [(0, 6, 2, 7, 0), (1, 8, 2, 9, 0)], [(2, 5, 0, 0)]),
+            ),
+            Case(
+                "three decoding, equal priority: the newest goes",
+                case(4, 12, [(0, 6, 3, 8, 0), (1, 7, 2, 8, 0), (2, 5, 4, 8, 0)], [], retired=2),
+            ),
+            Case(
+                "its blocks join the back of the free list, in block-table order",
+                case(4, 14, [(0, 9, 2, 10, 0), (1, 10, 3, 12, 0)], [], retired=3),
+            ),
+            Case(
+                "an older request goes back in front of newer waiting ones",
+                case(4, 12, [(1, 6, 2, 7, 0), (3, 9, 1, 9, 0)], [(4, 6, 0, 0), (5, 3, 0, 0)], retired=1),
+            ),
+            Case(
+                "priorities: the lowest priority goes, though it is the oldest",
+                case(
+                    4, 12, [(0, 5, 1, 5, 0), (1, 6, 3, 8, 2), (2, 4, 2, 5, 1)], [(3, 4, 0, 1), (4, 7, 0, 0)]
+                ),
+            ),
+            Case(
+                "generated tokens are kept: all 14 are recomputed",
+                case(4, 10, [(0, 4, 5, 8, 0), (1, 8, 6, 13, 0)], [(2, 3, 0, 0)]),
+            ),
+            Case(
+                "in the middle of a chunked prefill: 8 of 20 prompt tokens computed",
+                case(4, 10, [(0, 5, 3, 7, 0), (1, 20, 0, 8, 0)], []),
+            ),
+            Case(
+                "the only running request preempts itself",
+                case(4, 8, [(2, 8, 4, 11, 0)], [(0, 4, 2, 0), (3, 5, 0, 0)], retired=2),
+            ),
+            Case(
+                "block_size 1: a block per position",
+                case(1, 10, [(0, 3, 1, 3, 0), (1, 2, 2, 3, 0)], [], retired=1),
+            ),
         ]
     )

@@ -3,11 +3,13 @@
 - ``check_merge``: merging two softmax partials, against dense softmax over the union of the keys and
   against ``merge_partials`` (``paged_attention.py``);
 - ``check_attend_blocks``: the online-softmax loop over one sequence's blocks, read in place, against
-  dense masked softmax over the gathered history and against ``attend_blocks`` (``paged_attention.py``).
+  dense masked softmax over the gathered history and against ``attend_blocks`` (``paged_attention.py``);
+- ``check_kv_splits``: how the split-KV path cuts one decode query's blocks into ranges, against the
+  calls ``paged_attention`` itself makes to ``attend_decode_batch`` on the same block table.
 
-Dense softmax is the definition both pieces must reproduce; the stage's kernel is the code the course
-runs. Floats are compared within a tolerance (``close_problem``), since online softmax sums in another
-order than dense softmax.
+Dense softmax is the definition the first two pieces must reproduce; the stage's kernel is the code
+the course runs, and for the split ranges it is the only reference. Floats are compared within a
+tolerance (``close_problem``), since online softmax sums in another order than dense softmax.
 
 The grading contract (see ``kvcourse/grading.py``): each checker runs fixed, seeded cases and prints
 one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception),
@@ -15,17 +17,21 @@ then ``k/n passed``. The reference notebook stores those lines as the check cell
 ``make grade`` compares them.
 
 Left out on purpose: GQA and batches of sequences (the exercises take one sequence and one KV head;
-the stage's kernel adds those axes), and timing (the check cannot tell whether the learner gathered).
+the stage's kernel adds those axes), timing (the check cannot tell whether the learner gathered), and
+the splits of a prefill chunk (``kv_splits`` is graded on decode queries; ``paged_attention`` cuts a
+chunk's blocks the same way).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 from kvcourse.grading import Case, close_problem, run_cases
 
+from . import paged_attention as kernel
 from .paged_attention import attend_blocks as ref_attend_blocks
 from .paged_attention import merge_partials
 
@@ -158,5 +164,89 @@ def check_attend_blocks(attend_blocks: Callable) -> None:
                 "large scores (maxima 52 to 71): the running max must be used",
                 case(7, 30, 3, 16, seed=8, size=30.0),
             ),
+        ]
+    )
+
+
+def _kernel_splits(block_table: list[int], context_len: int, block_size: int, num_splits: int) -> list:
+    """The splits ``paged_attention`` runs for one decode query: (first_block, block ids, keys) each.
+
+    The kernel runs on a pool whose keys are all zero, so every visible score is 0 and each split's
+    denominator ``l`` is the number of keys it attends; a wrapper around ``attend_decode_batch`` records
+    the logical block range of each call, the physical ids it reads from the table, and that count.
+    """
+    num_blocks = max(block_table) + 1
+    k_pool = torch.zeros(num_blocks, block_size, 1, 2)  # (num_blocks, block_size, H_kv, D): scores all 0
+    v_pool = torch.ones(num_blocks, block_size, 1, 2)
+    original = kernel.attend_decode_batch
+    calls = []
+
+    def recording(q, k_pool, v_pool, tables, context_lens, first, last, scale, blocks_per_tile):
+        m, l, acc = original(q, k_pool, v_pool, tables, context_lens, first, last, scale, blocks_per_tile)
+        calls.append((first, tables[0, first:last].tolist(), round(float(l[0, 0, 0]))))  # l: (1, 1, 1)
+        return m, l, acc
+
+    with mock.patch.object(kernel, "attend_decode_batch", recording):
+        kernel.paged_attention(
+            torch.ones(1, 1, 2),  # q (T = 1, H = 1, D = 2): one decode token
+            k_pool,
+            v_pool,
+            torch.tensor([block_table]),  # (1, len(block_table))
+            torch.tensor([context_len]),
+            torch.tensor([0, 1]),  # cu_q_lens: one query
+            num_splits=num_splits,
+        )
+    return calls
+
+
+def _shuffled(table_len: int, seed: int) -> list[int]:
+    """A block table of ``table_len`` distinct ids, drawn in a seeded order from 0 .. table_len + 2."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(table_len + 3, generator=gen)[:table_len].tolist()
+
+
+def check_kv_splits(kv_splits: Callable) -> None:
+    """Grade ``kv_splits(block_table, context_len, block_size, num_splits) -> list of splits``.
+
+    One sequence's decode query with ``context_len`` tokens of history in the blocks of
+    ``block_table`` (a list of physical ids, maybe longer than the history needs). Each split is a tuple
+    ``(first_block, blocks, num_keys)``: the logical index of its first block, the physical ids it reads
+    in order, and how many keys it attends (rows at or past ``context_len`` are masked). The answer must
+    be the splits ``paged_attention(..., num_splits=num_splits)`` runs, in order, recorded from its calls
+    to ``attend_decode_batch`` on a pool of all-zero keys (where each split's denominator counts its
+    keys). Example: block table [7, 2, 9, 4, 0], context_len 18, block_size 4, num_splits 2: 5 blocks,
+    ceil(5 / 2) = 3 per split -> [(0, [7, 2, 9], 12), (3, [4, 0], 6)].
+    """
+
+    def case(block_table: list[int], context_len: int, block_size: int, num_splits: int):
+        def run() -> str | None:
+            want = _kernel_splits(block_table, context_len, block_size, num_splits)
+            got = kv_splits(list(block_table), context_len, block_size, num_splits)
+            try:
+                got = [(int(first), [int(b) for b in blocks], int(keys)) for first, blocks, keys in got]
+            except (TypeError, ValueError):
+                return f"returned {got!r}, expected a list of (first_block, blocks, num_keys) tuples"
+            if len(got) != len(want):
+                return f"{len(got)} splits {got}, expected {len(want)}: {want}"
+            for i, (have, expected) in enumerate(zip(got, want, strict=True)):
+                if have != expected:
+                    return f"split {i} is {have}, expected {expected}"
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("table [7, 2, 9, 4, 0], 18 keys, block_size 4, 2 splits", case([7, 2, 9, 4, 0], 18, 4, 2)),
+            Case("10 blocks, 2 splits: 5 + 5 blocks, the last holds 1 key", case(_shuffled(10, 1), 37, 4, 2)),
+            Case(
+                "7 blocks, 3 splits: ceil(7 / 3) = 3 blocks each, the last gets 1",
+                case(_shuffled(7, 2), 100, 16, 3),
+            ),
+            Case("5 full blocks, 4 splits: only 3 splits (2 + 2 + 1)", case(_shuffled(5, 3), 40, 8, 4)),
+            Case("1 split: every block, 13 keys", case(_shuffled(4, 4), 13, 4, 1)),
+            Case("more splits than blocks: one block each", case(_shuffled(2, 5), 20, 16, 4)),
+            Case("block_size 1: 6 keys, 4 splits", case(_shuffled(6, 6), 6, 1, 4)),
+            Case("a table longer than the history: its tail is never read", case(_shuffled(6, 7), 17, 8, 2)),
         ]
     )

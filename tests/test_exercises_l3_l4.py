@@ -1,0 +1,425 @@
+"""The L3 and L4 exercise checkers can fail and can pass, in process, without running a notebook.
+
+For every exercise (L3.1 slots, L3.2 plan_step, L3.3 preempt, L4.1 merge, L4.2 attend_blocks, L4.3
+kv_splits):
+
+- plausible wrong answers (an off-by-one, the wrong victim, a missing reset, a forgotten rescale, the
+  wrong block index, ...) fail: the summary line is not ``n/n passed`` and the case built to catch the
+  mistake is reported ``WRONG`` or ``raised``;
+- the reference solution of the reference notebook (the code between its solution markers, run as the
+  notebook runs it) passes every case, and so does the stage's own code wherever it has the same
+  function (``slots``, ``merge_partials``, ``attend_blocks``, ``Scheduler._preempt``).
+
+Every checker here runs on tiny tensors and hand-built queues: no model is loaded. The grader's
+end-to-end runs over whole notebooks are in ``test_grading.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import insort
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from L3_block_tensor import checks as l3_checks
+from L3_block_tensor.scheduler import Scheduler
+from L3_block_tensor.sequence import Sequence, Status
+from L3_block_tensor.sequence import slots as stage_slots
+from L4_paged_kernel import checks as l4_checks
+from L4_paged_kernel.paged_attention import attend_blocks as stage_attend_blocks
+from L4_paged_kernel.paged_attention import merge_partials
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+SUMMARY_RE = re.compile(r"^(\d+)/(\d+) passed$")
+
+
+def graded(capsys, checker, fn) -> tuple[list[str], int, int]:
+    """Run one checker on ``fn``; its printed lines, and the passed and total counts of its summary."""
+    checker(fn)
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = SUMMARY_RE.match(lines[-1])
+    assert summary, f"no 'k/n passed' summary line:\n{lines}"
+    return lines, int(summary[1]), int(summary[2])
+
+
+def reference_solution(notebook: str, name: str):
+    """The function ``name`` as the reference notebook defines it: its whole cell, markers and all, run
+    with what the setup cell would have imported (torch)."""
+    nb = nbformat.read(str(NOTEBOOKS / notebook), as_version=4)
+    sources = [
+        c.source
+        for c in nb.cells
+        if c.cell_type == "code" and f"def {name}(" in c.source and "# BEGIN SOLUTION" in c.source
+    ]
+    assert len(sources) == 1, f"{notebook}: {len(sources)} solution cells define {name}"
+    namespace = {"torch": torch}
+    exec(compile(sources[0], f"{notebook}:{name}", "exec"), namespace)
+    return namespace[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# L3.1 slots
+
+
+def slots_off_by_one(block_table, start, end, block_size):
+    return [block_table[(t + 1) // block_size] * block_size + (t + 1) % block_size for t in range(start, end)]
+
+
+def slots_logical_block(block_table, start, end, block_size):
+    return [(t // block_size) * block_size + t % block_size for t in range(start, end)]  # ignores the table
+
+
+def slots_end_inclusive(block_table, start, end, block_size):
+    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end + 1)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# L3.2 plan_step
+
+
+def cut(todo, budget, prefill_chunk_size):
+    """The right per-request cut (chunk and budget; all or nothing without chunking)."""
+    if prefill_chunk_size is None:
+        return todo if todo <= budget else 0
+    return min(todo, prefill_chunk_size, budget)
+
+
+def plan_ignores_max_num_seqs(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs):
+    budget, run_n, wait_n = max_num_batched_tokens, [], [0] * len(waiting)
+    for todo in running:
+        run_n.append(cut(todo, budget, prefill_chunk_size) if budget > 0 else 0)
+        budget -= run_n[-1]
+    for i, todo in enumerate(waiting):  # wrong: admits past max_num_seqs
+        n = cut(todo, budget, prefill_chunk_size)
+        if n == 0:
+            break
+        wait_n[i], budget = n, budget - n
+    return run_n, wait_n
+
+
+def plan_jumps_the_queue(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs):
+    budget, run_n, wait_n = max_num_batched_tokens, [], [0] * len(waiting)
+    for todo in running:
+        run_n.append(cut(todo, budget, prefill_chunk_size) if budget > 0 else 0)
+        budget -= run_n[-1]
+    num_running = len(running)
+    for i, todo in enumerate(waiting):
+        n = cut(todo, budget, prefill_chunk_size)
+        if num_running >= max_num_seqs:
+            break
+        if n == 0:
+            continue  # wrong: a later, shorter prompt is admitted past the one that did not fit
+        wait_n[i], budget, num_running = n, budget - n, num_running + 1
+    return run_n, wait_n
+
+
+# ---------------------------------------------------------------------------------------------------
+# L3.3 preempt
+
+
+def preempt_oldest(running, waiting, allocator):
+    victim = running.pop(0)  # wrong victim: the front of the scheduling order
+    allocator.free(victim.block_table)
+    victim.block_table, victim.num_computed_tokens, victim.status = [], 0, Status.WAITING
+    insort(waiting, victim, key=Sequence.sort_key)
+    return victim
+
+
+def preempt_newest_id(running, waiting, allocator):
+    victim = max(running, key=lambda s: s.request_id)  # wrong: ignores priority
+    running.remove(victim)
+    allocator.free(victim.block_table)
+    victim.block_table, victim.num_computed_tokens, victim.status = [], 0, Status.WAITING
+    insort(waiting, victim, key=Sequence.sort_key)
+    return victim
+
+
+def preempt_appends_to_waiting(running, waiting, allocator):
+    victim = running.pop()
+    allocator.free(victim.block_table)
+    victim.block_table, victim.num_computed_tokens, victim.status = [], 0, Status.WAITING
+    waiting.append(victim)  # wrong: behind requests that arrived after it
+    return victim
+
+
+def preempt_keeps_computed(running, waiting, allocator):
+    victim = running.pop()
+    allocator.free(victim.block_table)
+    victim.block_table, victim.status = [], Status.WAITING  # missing: num_computed_tokens = 0
+    insort(waiting, victim, key=Sequence.sort_key)
+    return victim
+
+
+def preempt_drops_output(running, waiting, allocator):
+    victim = running.pop()
+    allocator.free(victim.block_table)
+    victim.block_table, victim.num_computed_tokens, victim.status = [], 0, Status.WAITING
+    victim.output_ids = []  # wrong: the generated tokens are the request's, not a cache
+    insort(waiting, victim, key=Sequence.sort_key)
+    return victim
+
+
+def preempt_frees_reversed(running, waiting, allocator):
+    victim = running.pop()
+    allocator.free(victim.block_table[::-1])  # wrong order on the free list
+    victim.block_table, victim.num_computed_tokens, victim.status = [], 0, Status.WAITING
+    insort(waiting, victim, key=Sequence.sort_key)
+    return victim
+
+
+def preempt_bypasses_allocator(running, waiting, allocator):
+    victim = running.pop()
+    allocator.free_blocks.extend(victim.block_table)  # wrong: the allocator still counts them as owned
+    victim.block_table, victim.num_computed_tokens, victim.status = [], 0, Status.WAITING
+    insort(waiting, victim, key=Sequence.sort_key)
+    return victim
+
+
+def preempt_by_stage_scheduler(running, waiting, allocator):
+    """The stage's own ``Scheduler._preempt`` on the checker's queues, victim ``running[-1]`` as its
+    ``_reserve_or_preempt`` picks it."""
+    sched = Scheduler(allocator, max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=1)
+    sched.running, sched.waiting = running, waiting
+    victim = sched.running[-1]
+    sched._preempt(victim)
+    return victim
+
+
+# ---------------------------------------------------------------------------------------------------
+# L4.1 merge
+
+
+def merge_without_rescale(m1, l1, acc1, m2, l2, acc2):
+    return (acc1 + acc2) / (l1 + l2)[:, None]  # forgotten rescale to the common max
+
+
+def merge_exp_of_max(m1, l1, acc1, m2, l2, acc2):
+    w1, w2 = torch.exp(m1), torch.exp(m2)  # overflows for large scores
+    return (w1[:, None] * acc1 + w2[:, None] * acc2) / (w1 * l1 + w2 * l2)[:, None]
+
+
+def merge_by_stage(m1, l1, acc1, m2, l2, acc2):
+    return merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# L4.2 attend_blocks
+
+
+def block_loop(q, k_pool, v_pool, blocks, q_pos, scale, *, rescale_acc=True, offset=True, mask=True):
+    """The block loop with one mistake switched on: no rescale of acc, block index not in the key
+    positions, or no mask at all."""
+    n_q, d = q.shape
+    block_size = k_pool.shape[1]
+    m, l, acc = torch.full((n_q,), float("-inf")), torch.zeros(n_q), torch.zeros(n_q, d)
+    for j, block in enumerate(blocks):
+        s = (q @ k_pool[block].T) * scale  # (Tq, block_size)
+        k_pos = (j * block_size if offset else 0) + torch.arange(block_size)
+        if mask:
+            s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)
+        l = alpha * l + p.sum(dim=-1)
+        acc = (alpha[:, None] * acc if rescale_acc else acc) + p @ v_pool[block]
+        m = m_new
+    return acc / l[:, None]
+
+
+def attend_without_acc_rescale(q, k_pool, v_pool, blocks, q_pos, scale):
+    return block_loop(q, k_pool, v_pool, blocks, q_pos, scale, rescale_acc=False)
+
+
+def attend_positions_without_block_index(q, k_pool, v_pool, blocks, q_pos, scale):
+    return block_loop(q, k_pool, v_pool, blocks, q_pos, scale, offset=False)
+
+
+def attend_unmasked(q, k_pool, v_pool, blocks, q_pos, scale):
+    return block_loop(q, k_pool, v_pool, blocks, q_pos, scale, mask=False)
+
+
+def attend_by_stage(q, k_pool, v_pool, blocks, q_pos, scale):
+    m, l, acc = stage_attend_blocks(
+        q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
+    )
+    return acc[0, 0] / l[0, 0][:, None]
+
+
+# ---------------------------------------------------------------------------------------------------
+# L4.3 kv_splits
+
+
+def splits_floor(block_table, context_len, block_size, num_splits):
+    n_blocks = -(-context_len // block_size)
+    per_split = max(n_blocks // num_splits, 1)  # wrong: floor leaves a remainder for an extra split
+    splits = []
+    for f in range(0, n_blocks, per_split):
+        last = min(f + per_split, n_blocks)
+        splits.append((f, block_table[f:last], min(last * block_size, context_len) - f * block_size))
+    return splits
+
+
+def splits_unmasked_last_block(block_table, context_len, block_size, num_splits):
+    n_blocks = -(-context_len // block_size)
+    per_split = -(-n_blocks // num_splits)
+    return [
+        (f, block_table[f : min(f + per_split, n_blocks)], (min(f + per_split, n_blocks) - f) * block_size)
+        for f in range(0, n_blocks, per_split)
+    ]  # every row counted, the stale rows of the last block too
+
+
+def splits_balanced(block_table, context_len, block_size, num_splits):
+    n_blocks = -(-context_len // block_size)
+    sizes = [n_blocks // num_splits + (i < n_blocks % num_splits) for i in range(num_splits)]
+    splits, first = [], 0
+    for size in sizes:  # wrong: np.array_split's cut, not the kernel's
+        if size:
+            last = first + size
+            splits.append(
+                (first, block_table[first:last], min(last * block_size, context_len) - first * block_size)
+            )
+            first = last
+    return splits
+
+
+def splits_first_block_zero(block_table, context_len, block_size, num_splits):
+    n_blocks = -(-context_len // block_size)
+    per_split = -(-n_blocks // num_splits)
+    splits = []
+    for f in range(0, n_blocks, per_split):
+        last = min(f + per_split, n_blocks)
+        splits.append((0, block_table[f:last], min(last * block_size, context_len) - f * block_size))
+    return splits  # wrong: every split's first logical block given as 0
+
+
+def splits_logical_ids(block_table, context_len, block_size, num_splits):
+    n_blocks = -(-context_len // block_size)
+    per_split = -(-n_blocks // num_splits)
+    splits = []
+    for f in range(0, n_blocks, per_split):
+        last = min(f + per_split, n_blocks)
+        splits.append((f, list(range(f, last)), min(last * block_size, context_len) - f * block_size))
+    return splits  # wrong: logical block indices, not the table's physical ids
+
+
+WRONG = [
+    # (checker, wrong answer, the name of a case that must catch it)
+    (l3_checks.check_slots, slots_off_by_one, "block table [7, 2], block_size 4, positions 2..5"),
+    (l3_checks.check_slots, slots_logical_block, "a whole prefill: [3, 0, 5], block_size 4, positions 0..9"),
+    (l3_checks.check_slots, slots_end_inclusive, "no positions (start == end)"),
+    (l3_checks.check_plan_step, plan_ignores_max_num_seqs, "max_num_seqs stops admission"),
+    (l3_checks.check_plan_step, plan_jumps_the_queue, "no chunking: nobody jumps the queue"),
+    (l3_checks.check_preempt, preempt_oldest, "three decoding, equal priority: the newest goes"),
+    (
+        l3_checks.check_preempt,
+        preempt_newest_id,
+        "priorities: the lowest priority goes, though it is the oldest",
+    ),
+    (
+        l3_checks.check_preempt,
+        preempt_appends_to_waiting,
+        "an older request goes back in front of newer waiting ones",
+    ),
+    (l3_checks.check_preempt, preempt_keeps_computed, "the worked example: two running, free list [5]"),
+    (l3_checks.check_preempt, preempt_drops_output, "generated tokens are kept: all 14 are recomputed"),
+    (
+        l3_checks.check_preempt,
+        preempt_frees_reversed,
+        "its blocks join the back of the free list, in block-table order",
+    ),
+    (l3_checks.check_preempt, preempt_bypasses_allocator, "three decoding, equal priority: the newest goes"),
+    (l4_checks.check_merge, merge_without_rescale, "4 rows, 5 + 7 keys, D 8"),
+    (l4_checks.check_merge, merge_exp_of_max, "large scores (maxima 157 to 234): exp must not overflow"),
+    (
+        l4_checks.check_attend_blocks,
+        attend_without_acc_rescale,
+        "large scores (maxima 52 to 71): the running max must be used",
+    ),
+    (
+        l4_checks.check_attend_blocks,
+        attend_positions_without_block_index,
+        "decode, block_size 7: 23 keys, the last block partly stale",
+    ),
+    (l4_checks.check_attend_blocks, attend_unmasked, "a whole 16-token prompt in one block (causal)"),
+    (
+        l4_checks.check_kv_splits,
+        splits_floor,
+        "7 blocks, 3 splits: ceil(7 / 3) = 3 blocks each, the last gets 1",
+    ),
+    (
+        l4_checks.check_kv_splits,
+        splits_unmasked_last_block,
+        "10 blocks, 2 splits: 5 + 5 blocks, the last holds 1 key",
+    ),
+    (l4_checks.check_kv_splits, splits_balanced, "5 full blocks, 4 splits: only 3 splits (2 + 2 + 1)"),
+    (
+        l4_checks.check_kv_splits,
+        splits_first_block_zero,
+        "table [7, 2, 9, 4, 0], 18 keys, block_size 4, 2 splits",
+    ),
+    (
+        l4_checks.check_kv_splits,
+        splits_logical_ids,
+        "a table longer than the history: its tail is never read",
+    ),
+]
+
+
+@pytest.mark.parametrize(("checker", "wrong", "case_name"), WRONG, ids=[w.__name__ for _, w, _ in WRONG])
+def test_wrong_answer_fails(capsys, checker, wrong, case_name):
+    lines, passed, total = graded(capsys, checker, wrong)
+    assert passed < total, "\n".join(lines)
+    assert lines[-1] != f"{total}/{total} passed"
+    caught = [
+        line
+        for line in lines[:-1]
+        if f" ({case_name}): " in line and re.search(r"\): (WRONG — |raised )", line)
+    ]
+    assert caught, f"case {case_name!r} did not catch {wrong.__name__}:\n" + "\n".join(lines)
+
+
+REFERENCES = [
+    # (checker, the reference notebook, the function its solution cell defines)
+    (l3_checks.check_slots, "L3_block_tensor.ipynb", "slots"),
+    (l3_checks.check_plan_step, "L3_block_tensor.ipynb", "plan_step"),
+    (l3_checks.check_preempt, "L3_block_tensor.ipynb", "preempt"),
+    (l4_checks.check_merge, "L4_paged_kernel.ipynb", "merge"),
+    (l4_checks.check_attend_blocks, "L4_paged_kernel.ipynb", "attend_blocks"),
+    (l4_checks.check_kv_splits, "L4_paged_kernel.ipynb", "kv_splits"),
+]
+
+
+@pytest.mark.parametrize(("checker", "notebook", "name"), REFERENCES, ids=[n for _, _, n in REFERENCES])
+def test_reference_notebook_solution_passes(capsys, checker, notebook, name):
+    lines, passed, total = graded(capsys, checker, reference_solution(notebook, name))
+    assert passed == total > 0, "\n".join(lines)
+    assert lines[-1] == f"{total}/{total} passed"
+    assert not any("WRONG" in line or "raised" in line for line in lines)
+
+
+STAGE_CODE = [
+    (l3_checks.check_slots, stage_slots),
+    (l3_checks.check_preempt, preempt_by_stage_scheduler),
+    (l4_checks.check_merge, merge_by_stage),
+    (l4_checks.check_attend_blocks, attend_by_stage),
+]
+
+
+@pytest.mark.parametrize(("checker", "stage_fn"), STAGE_CODE, ids=[c.__name__ for c, _ in STAGE_CODE])
+def test_stage_code_passes(capsys, checker, stage_fn):
+    lines, passed, total = graded(capsys, checker, stage_fn)
+    assert passed == total > 0, "\n".join(lines)
+    assert lines[-1] == f"{total}/{total} passed"
+
+
+def test_a_stub_fails_every_case(capsys):
+    """What an untouched exercise notebook hands the checker: every case raises NotImplementedError."""
+
+    def stub(*args):
+        raise NotImplementedError("Exercise L3.3: preempt a running request")
+
+    lines, passed, total = graded(capsys, l3_checks.check_preempt, stub)
+    assert passed == 0 and total > 0
+    assert all("raised NotImplementedError: Exercise L3.3" in line for line in lines[:-1])
