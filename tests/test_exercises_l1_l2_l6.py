@@ -1,0 +1,487 @@
+"""The exercise checkers of L1, L2 and L6 fail wrong answers and pass the stages' own code.
+
+Every exercise of these notebooks gets at least one plausible wrong solution (an off-by-one write
+position, a loop that ignores eos, bytes without the factor 2 for K and V, a free list taken from the
+wrong end, a double free accepted, a block missing in reserve, a Python branch on a traced value, ...).
+Each runs in process on its checker, with the printed lines captured: the summary must not read
+``n/n passed``, and the case that should catch the mistake must say ``WRONG`` or ``raised``. Example::
+
+    case 2 (decode: 1 token at start 5 after a 5-token prefill): WRONG — K differs at positions [5, 6] ...
+    ...
+    0/5 passed
+
+The other half: each checker gets the stage's own implementation (``KvCache.write``,
+``Engine.generate``, ``BlockAllocator.free``, ``allocate_for_seq``, ``update_kv``, ...), adapted to
+the exercise's signature where they differ, and every case must print ``ok``.
+
+L1's decode-loop checker needs an engine whose model ends case 1 with eos: the course model, built once
+for this module with a short ``max_model_len``. Everything else runs on small arrays in well under a
+second per checker.
+
+Left out on purpose: the notebooks themselves (``tests/test_grading.py`` grades them) and L3 to L5.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvcourse.config import ModelConfig
+from L1_contiguous import checks as l1
+from L1_contiguous.cache import KvCache
+from L1_contiguous.engine import Engine as L1Engine
+from L2_token_flat import checks as l2
+from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
+from L2_token_flat.sequence import reserve as l2_reserve
+from L6_tpu_jax import checks as l6
+from L6_tpu_jax.kv_cache import update_kv
+from L6_tpu_jax.page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
+
+
+def graded_lines(capsys) -> list[str]:
+    """What a checker printed: one line per case, then ``k/n passed``."""
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def assert_fails(lines: list[str], case_name: str) -> None:
+    """The summary is not n/n, and the case whose name contains ``case_name`` says WRONG or raised."""
+    passed, total = lines[-1].removesuffix(" passed").split("/")
+    assert passed != total, lines
+    named = [line for line in lines if line.startswith("case ") and case_name in line]
+    assert named, f"no case named {case_name!r} in {lines}"
+    assert any("WRONG" in line or "raised" in line for line in named), named
+
+
+def assert_passes(lines: list[str]) -> None:
+    """Every case ok and the summary n/n."""
+    cases = [line for line in lines if line.startswith("case ")]
+    assert cases and all(line.endswith(": ok") for line in cases), lines
+    assert lines[-1] == f"{len(cases)}/{len(cases)} passed", lines
+
+
+# ---- L1: write_kv, the decode loop, KV bytes per token ----
+
+
+def kvcache_write(k_cache, v_cache, start, k, v):
+    """L1.1 by the stage's own code: a one-layer ``KvCache`` whose storage is the given tensors."""
+    cache = KvCache(1, k_cache.shape[0], *k_cache.shape[1:])
+    cache.k, cache.v = k_cache[None], v_cache[None]  # views: the write lands in the caller's tensors
+    cache.write(0, start, k, v)
+
+
+def write_kv_one_too_far(k_cache, v_cache, start, k, v):
+    """Every write lands one position after ``start``."""
+    end = start + k.shape[0]
+    if end > k_cache.shape[0]:
+        raise ValueError("overflow")
+    k_cache[start + 1 : end + 1] = k
+    v_cache[start + 1 : end + 1] = v
+
+
+def write_kv_no_overflow_check(k_cache, v_cache, start, k, v):
+    """Right positions, but writing past max_model_len is not refused: torch clips the slice."""
+    n = min(k.shape[0], k_cache.shape[0] - start)
+    k_cache[start : start + n] = k[:n]
+    v_cache[start : start + n] = v[:n]
+
+
+def write_kv_k_only(k_cache, v_cache, start, k, v):
+    """K is stored twice, V never."""
+    end = start + k.shape[0]
+    if end > k_cache.shape[0]:
+        raise ValueError("overflow")
+    k_cache[start:end] = k
+    v_cache[start:end] = k
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [
+        (write_kv_one_too_far, "decode: 1 token at start 5"),
+        (write_kv_no_overflow_check, "overflow: 2 tokens at start 15"),
+        (write_kv_k_only, "prefill: 5 tokens at start 0"),
+    ],
+)
+def test_l1_write_kv_fails_wrong_answers(capsys, wrong, case_name):
+    l1.check_write_kv(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l1_write_kv_passes_kvcache_write(capsys):
+    l1.check_write_kv(kvcache_write)
+    assert_passes(graded_lines(capsys))
+
+
+@pytest.fixture(scope="module")
+def l1_engine(model_dir):
+    """The course model (case 1 of the decode-loop check ends with its eos), a short cache."""
+    return L1Engine(model_dir, max_model_len=256)
+
+
+def decode_ignoring_eos(engine, prompt, max_new_tokens):
+    """Greedy, but runs to the budget even after eos."""
+    out = [int(engine.prefill(prompt).argmax())]
+    pos = len(prompt)
+    while len(out) < max_new_tokens:
+        out.append(int(engine.decode_step(out[-1], pos).argmax()))
+        pos += 1
+    return out
+
+
+def decode_one_step_too_many(engine, prompt, max_new_tokens):
+    """Stops at eos, but the budget test is off by one: it never stops at the budget in time."""
+    eos = engine.model.cfg.eos_token_ids
+    out = [int(engine.prefill(prompt).argmax())]
+    pos = len(prompt)
+    while len(out) <= max_new_tokens and out[-1] not in eos:
+        out.append(int(engine.decode_step(out[-1], pos).argmax()))
+        pos += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [
+        (decode_ignoring_eos, "chat prompt, budget 12: stops after eos"),
+        (decode_one_step_too_many, "raw text prompt, budget 4: stops at the budget"),
+    ],
+)
+def test_l1_decode_loop_fails_wrong_answers(capsys, l1_engine, wrong, case_name):
+    l1.check_decode_loop(wrong, l1_engine)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l1_decode_loop_passes_engine_generate(capsys, l1_engine):
+    l1.check_decode_loop(lambda engine, prompt, n: engine.generate([prompt], n)[0], l1_engine)
+    assert_passes(graded_lines(capsys))
+
+
+@pytest.fixture(scope="module")
+def course_cfg(model_dir):
+    return ModelConfig.from_dir(model_dir)
+
+
+def bytes_without_v(cfg, dtype_bytes=4):
+    """K only: the factor 2 for K and V is missing."""
+    return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def bytes_with_query_heads(cfg, dtype_bytes=4):
+    """Counts query heads instead of KV heads (wrong under GQA)."""
+    return 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * dtype_bytes
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [(bytes_without_v, "the course model, fp32"), (bytes_with_query_heads, "Llama-3-8B shape")],
+)
+def test_l1_kv_bytes_fails_wrong_answers(capsys, course_cfg, wrong, case_name):
+    l1.check_kv_bytes_per_token(wrong, course_cfg)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l1_kv_bytes_passes_model_config(capsys, course_cfg):
+    l1.check_kv_bytes_per_token(lambda cfg, dtype_bytes=4: cfg.kv_bytes_per_token(dtype_bytes), course_cfg)
+    assert_passes(graded_lines(capsys))
+
+
+# ---- L2: alloc_blocks, free, reserve ----
+
+
+def alloc_from_the_back(self, n):
+    """Hands out the free list's last blocks: the wrong end."""
+    if n > len(self.free_blocks):
+        raise OutOfBlocksError(needed=n, free=len(self.free_blocks))
+    blocks = [self.free_blocks.pop() for _ in range(n)]
+    self.owned.update(blocks)
+    return blocks
+
+
+def alloc_then_check(self, n):
+    """Takes blocks first and finds out it is short afterwards: a failed call has taken some."""
+    blocks = []
+    for _ in range(n):
+        if not self.free_blocks:
+            raise OutOfBlocksError(needed=n, free=0)
+        blocks.append(self.free_blocks.popleft())
+    self.owned.update(blocks)
+    return blocks
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [(alloc_from_the_back, "alloc 3 of 4 blocks"), (alloc_then_check, "OutOfBlocksError takes nothing")],
+)
+def test_l2_alloc_blocks_fails_wrong_answers(capsys, wrong, case_name):
+    l2.check_alloc_blocks(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l2_alloc_blocks_passes_block_allocator(capsys):
+    l2.check_alloc_blocks(BlockAllocator.alloc_blocks)
+    assert_passes(graded_lines(capsys))
+
+
+def free_to_the_front(self, blocks):
+    """Checks ids, but puts freed blocks at the front: they are handed out again first."""
+    for b in blocks:
+        if b not in range(self.num_blocks) or b not in self.owned:
+            raise ValueError(f"bad block {b}")
+    self.owned.difference_update(blocks)
+    self.free_blocks.extendleft(blocks)
+
+
+def free_trusting(self, blocks):
+    """No checks at all: a double free puts a block on the list twice."""
+    self.owned.difference_update(blocks)
+    self.free_blocks.extend(blocks)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [(free_to_the_front, "a freed block goes to the back"), (free_trusting, "double free is refused")],
+)
+def test_l2_free_fails_wrong_answers(capsys, wrong, case_name):
+    l2.check_free(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l2_free_passes_block_allocator(capsys):
+    l2.check_free(BlockAllocator.free)
+    assert_passes(graded_lines(capsys))
+
+
+def reserve_floor(seq, allocator, target_len):
+    """Rounds the block count down: the last, partly filled block is missing."""
+    missing = target_len // allocator.block_size - len(seq.block_table)
+    if missing > 0:
+        new = allocator.alloc_blocks(missing)
+        seq.block_table.extend(new)
+        for b in new:
+            seq.slot_indices.extend(range(b * allocator.block_size, (b + 1) * allocator.block_size))
+
+
+def reserve_block_ids_as_slots(seq, allocator, target_len):
+    """Right blocks, but the slots of block b are taken as b .. b + block_size - 1."""
+    missing = -(-target_len // allocator.block_size) - len(seq.block_table)
+    if missing > 0:
+        new = allocator.alloc_blocks(missing)
+        seq.block_table.extend(new)
+        for b in new:
+            seq.slot_indices.extend(range(b, b + allocator.block_size))
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [(reserve_floor, "block_size 4: 4 then 6 positions"), (reserve_block_ids_as_slots, "block_size 7")],
+)
+def test_l2_reserve_fails_wrong_answers(capsys, wrong, case_name):
+    l2.check_reserve(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l2_reserve_passes_stage_reserve(capsys):
+    l2.check_reserve(l2_reserve)
+    assert_passes(graded_lines(capsys))
+
+
+# ---- L6: allocate, free finished, the jit'd KV write ----
+
+
+def tables(refs, page_indices, seq_lens, page_size, used=None):
+    """A ``SequenceTable`` and ``PageTable`` holding these NumPy arrays (used: slots with tokens)."""
+    used = np.asarray(seq_lens) > 0 if used is None else used
+    seqs = SequenceTable(
+        seq_lens=jnp.asarray(seq_lens, jnp.int32),
+        page_indices=jnp.asarray(page_indices, jnp.int32),
+        used_mask=jnp.asarray(used, bool),
+        page_size=page_size,
+    )
+    return seqs, PageTable(jnp.asarray(refs, jnp.int32))
+
+
+def allocate_by_stage(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
+    """L6.1 by ``allocate_for_seq``."""
+    seqs, pages = tables(page_ref_counts, page_indices, seq_lens, page_size)
+    seqs, pages, info = allocate_for_seq(seqs, pages, jnp.asarray(slot_ids), jnp.asarray(positions))
+    return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, info.new_token_dests
+
+
+def allocate_highest_free_first(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
+    """Takes the highest free page id instead of the lowest."""
+    refs, table, lens = page_ref_counts.copy(), page_indices.copy(), seq_lens.copy()
+    for s, p in zip(slot_ids, positions, strict=True):
+        lens[s] = max(lens[s], p + 1)
+    for s in range(len(lens)):
+        for j in range(-(-lens[s] // page_size)):
+            if table[s, j] < 0:
+                page = np.flatnonzero(refs == 0)[-1]
+                refs[page] += 1
+                table[s, j] = page
+    dests = [
+        table[s, p // page_size] * page_size + p % page_size for s, p in zip(slot_ids, positions, strict=True)
+    ]
+    return refs, table, lens, np.array(dests)
+
+
+def allocate_length_off_by_one(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
+    """A slot grows to its largest position, not position + 1: a token on a new page gets no page."""
+    refs, table, lens = page_ref_counts.copy(), page_indices.copy(), seq_lens.copy()
+    for s, p in zip(slot_ids, positions, strict=True):
+        lens[s] = max(lens[s], p)
+    for s in range(len(lens)):
+        for j in range(-(-lens[s] // page_size)):
+            if table[s, j] < 0:
+                page = np.flatnonzero(refs == 0)[0]
+                refs[page] += 1
+                table[s, j] = page
+    dests = [
+        table[s, p // page_size] * page_size + p % page_size for s, p in zip(slot_ids, positions, strict=True)
+    ]
+    return refs, table, lens, np.array(dests)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [
+        (allocate_highest_free_first, "prefill of 9 tokens: 3 pages from a scattered free list"),
+        (allocate_length_off_by_one, "page_size 4, first page: empty slot 0 prefills 3 tokens"),
+    ],
+)
+def test_l6_allocate_fails_wrong_answers(capsys, wrong, case_name):
+    l6.check_allocate(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l6_allocate_passes_allocate_for_seq(capsys):
+    l6.check_allocate(allocate_by_stage)
+    assert_passes(graded_lines(capsys))
+
+
+def free_by_stage(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
+    """L6.2 by ``free_pages_for_finished``."""
+    seqs, pages = tables(page_ref_counts, page_indices, seq_lens, 4, used=used_mask)
+    seqs, pages = free_pages_for_finished(seqs, pages, jnp.asarray(finished_mask))
+    return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, seqs.used_mask
+
+
+def free_zeroing_shared_pages(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
+    """Sets each page of a finished slot to refcount 0, though a live clone still reads it."""
+    refs, table, lens = page_ref_counts.copy(), page_indices.copy(), seq_lens.copy()
+    for s in np.flatnonzero(finished_mask):
+        refs[table[s][table[s] >= 0]] = 0
+    table[finished_mask] = -1
+    lens[finished_mask] = 0
+    return refs, table, lens, used_mask & ~finished_mask
+
+
+def free_keeping_used(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
+    """Gives the pages back but leaves the finished slots marked used."""
+    refs, table, lens = page_ref_counts.copy(), page_indices.copy(), seq_lens.copy()
+    for s in np.flatnonzero(finished_mask):
+        for page in table[s][table[s] >= 0]:
+            refs[page] -= 1
+    table[finished_mask] = -1
+    lens[finished_mask] = 0
+    return refs, table, lens, used_mask
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name"),
+    [
+        (free_zeroing_shared_pages, "its clone slot 1 [3, 6] lives"),
+        (free_keeping_used, "one sequence on pages [1, 3] finishes"),
+    ],
+)
+def test_l6_free_finished_fails_wrong_answers(capsys, wrong, case_name):
+    l6.check_free_finished(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+
+
+def test_l6_free_finished_passes_free_pages_for_finished(capsys):
+    l6.check_free_finished(free_by_stage)
+    assert_passes(graded_lines(capsys))
+
+
+def interleaved(k, v):
+    """(T, H_kv, D) K and V -> (T, 2 * H_kv, D) rows k0, v0, k1, v1, ..."""
+    return jnp.stack([k, v], axis=2).reshape(k.shape[0], 2 * k.shape[1], k.shape[2])
+
+
+def write_branching_on_dests(kv_pages, dests, k, v):
+    """Skips padding with a Python ``if`` on a traced value: TracerBoolConversionError under jit."""
+    n_pages, ps = kv_pages.shape[:2]
+    flat, rows = kv_pages.reshape(n_pages * ps, *kv_pages.shape[2:]), interleaved(k, v)
+    for t in range(dests.shape[0]):
+        if dests[t] >= 0:
+            flat = flat.at[dests[t]].set(rows[t])
+    return flat.reshape(kv_pages.shape)
+
+
+def write_padding_too(kv_pages, dests, k, v):
+    """Scatters every token, padding included: ``.at[-1]`` is the pool's last row, not out of range."""
+    n_pages, ps = kv_pages.shape[:2]
+    flat = kv_pages.reshape(n_pages * ps, *kv_pages.shape[2:])
+    return flat.at[dests].set(interleaved(k, v), mode="drop").reshape(kv_pages.shape)
+
+
+def write_k_then_v(kv_pages, dests, k, v):
+    """Rows k0, k1, ..., v0, v1, ... instead of Levanter's interleaved k0, v0, k1, v1, ..."""
+    n_pages, ps = kv_pages.shape[:2]
+    flat = kv_pages.reshape(n_pages * ps, *kv_pages.shape[2:])
+    where = jnp.where(dests >= 0, dests, n_pages * ps)
+    return flat.at[where].set(jnp.concatenate([k, v], axis=1), mode="drop").reshape(kv_pages.shape)
+
+
+def write_only_real_tokens(kv_pages, dests, k, v):
+    """Drops padding by boolean indexing: a shape that depends on values, refused by jit."""
+    n_pages, ps = kv_pages.shape[:2]
+    flat, keep = kv_pages.reshape(n_pages * ps, *kv_pages.shape[2:]), dests >= 0
+    return flat.at[dests[keep]].set(interleaved(k, v)[keep]).reshape(kv_pages.shape)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name", "says"),
+    [
+        (write_branching_on_dests, "3 decode tokens to 3 different pages", "TracerBoolConversionError"),
+        (write_padding_too, "all 4 tokens are padding", "dest -1 is padding"),
+        (write_k_then_v, "5 prefill tokens cross from page 2 to page 5", "wrong order"),
+        (write_only_real_tokens, "one trace: 3 batches of one shape", "NonConcreteBooleanIndexError"),
+    ],
+)
+def test_l6_write_kv_pages_fails_wrong_answers(capsys, wrong, case_name, says):
+    l6.check_write_kv_pages(wrong)
+    lines = graded_lines(capsys)
+    assert_fails(lines, case_name)
+    assert any(case_name in line and says in line for line in lines), lines
+
+
+def test_l6_write_kv_pages_counts_traces(capsys):
+    """A function that makes jit trace again for inputs of one shape fails the one-trace case."""
+
+    def write_and_forget_the_compile(kv_pages, dests, k, v):
+        jax.clear_caches()  # the next call of the same shape traces again
+        return update_kv(kv_pages, dests, k, v)
+
+    l6.check_write_kv_pages(write_and_forget_the_compile)
+    lines = graded_lines(capsys)
+    assert_fails(lines, "one trace: 3 batches of one shape")
+    assert "WRONG — traced 3 times for one shape" in lines[-2], lines
+    assert lines[-1] == "5/6 passed", lines
+
+
+def test_l6_write_kv_pages_passes_update_kv(capsys):
+    l6.check_write_kv_pages(update_kv)
+    assert_passes(graded_lines(capsys))
+
+
+def test_l6_format_rows_docstring():
+    assert l6.format_rows([5, 23], 4) == "[(1, 1), (5, 3)]"
+    assert l6.format_rows(range(9, 15), 4) == "[(2, 1), (2, 2), ..., (3, 2)] (6 rows)"
+
+
+def test_course_config_matches_the_kv_bytes_docstring(course_cfg):
+    """The L1 fixture is the course model: its own answer is the checker docstring's 46,080 bytes."""
+    assert course_cfg.kv_bytes_per_token(4) == 46_080
