@@ -136,8 +136,21 @@ def test_l1_smoke_with_model_and_prompt_file(tiny_llama_dir, tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "L1 smoke: 2/2 prompts match HF (14 new tokens)"
 
 
+CLI_ARGS = ["--max-new-tokens", "6", "--ignore-eos", "Hello there"]
+
+
 @pytest.mark.parametrize("stage", ["L1", "L2", "L3", "L4", "L5", "L6"])
-def test_cli_generate(tiny_llama_dir, stage):
+def test_cli_generate(tiny_llama_dir, stage, capsys):
+    """``python -m kvcourse generate`` for every stage (in process; the entry point is run once below)."""
+    from kvcourse.__main__ import main
+
+    assert main(["generate", "--stage", stage, "--model", str(tiny_llama_dir), *CLI_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "> chat: Hello there" in out
+    assert f"{stage}: 6 new tokens in" in out and "KV reserved" in out and "% utilized" in out
+
+
+def test_cli_entry_point(tiny_llama_dir):
     res = subprocess.run(
         [
             sys.executable,
@@ -145,13 +158,10 @@ def test_cli_generate(tiny_llama_dir, stage):
             "kvcourse",
             "generate",
             "--stage",
-            stage,
+            "L1",
             "--model",
             str(tiny_llama_dir),
-            "--max-new-tokens",
-            "6",
-            "--ignore-eos",
-            "Hello there",
+            *CLI_ARGS,
         ],
         cwd=REPO_ROOT,
         capture_output=True,
@@ -159,12 +169,7 @@ def test_cli_generate(tiny_llama_dir, stage):
         timeout=300,
     )
     assert res.returncode == 0, res.stderr
-    assert "> chat: Hello there" in res.stdout
-    assert (
-        f"{stage}: 6 new tokens in" in res.stdout
-        and "KV reserved" in res.stdout
-        and "% utilized" in res.stdout
-    )
+    assert "> chat: Hello there" in res.stdout and "L1: 6 new tokens in" in res.stdout
 
 
 def test_cli_refuses_unknown_stage():

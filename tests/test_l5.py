@@ -35,8 +35,8 @@ BUDGETS = [24, 1, 17, 9, 24, 13, 20, 5]
 SYSTEM = [_rng.randrange(3, 49152) for _ in range(37)]  # a shared "system prompt"
 SAMPLED = SamplingParams(temperature=5.0, top_k=40, top_p=0.95, seed=11)  # hot: the tiny model is peaked
 
-# make test runs each smoke on the course model alone, 8 new tokens per prompt (make smoke runs both
-# models and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
+# make test runs this smoke on the course model alone, on 4 of its prompts, 8 new tokens each (make
+# smoke runs both models, every prompt and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
 SMOKE_ARGV = ["--max-new-tokens", "8"]
 
 
@@ -618,13 +618,19 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 
 
 @pytest.mark.slow
-def test_l5_smoke_on_the_course_model(model_dir, capsys):
+def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     """The smoke itself on the course model: L5 == L4 == HF, clones, sampled clones
     and the prefix-cache workload all agree."""
     from L5_clones.l5_smoke import extra, previous, runs
 
-    status = smoke_main("L5", runs, previous, argv=["--model", str(model_dir), *SMOKE_ARGV], extra=extra)
+    status = smoke_main(
+        "L5",
+        runs,
+        previous,
+        argv=["--model", str(model_dir), "--prompts", str(course_prompts_subset), *SMOKE_ARGV],
+        extra=extra,
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert status == 0, last
-    # 2 runs x 10 prompts + 10 greedy-clone rows + 3 sampled-clone rows = 33
-    assert last.startswith("L5 smoke: 33/33 prompts match L4 and HF"), last
+    # 2 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows = 15
+    assert last.startswith("L5 smoke: 15/15 prompts match L4 and HF"), last
