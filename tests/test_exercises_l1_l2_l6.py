@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checker_asserts import assert_fails, assert_passes, graded_lines
 
 from kvcourse.config import ModelConfig
 from L1_contiguous import checks as l1
@@ -38,28 +39,6 @@ from L2_token_flat.sequence import reserve as l2_reserve
 from L6_tpu_jax import checks as l6
 from L6_tpu_jax.kv_cache import update_kv
 from L6_tpu_jax.page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
-
-
-def graded_lines(capsys) -> list[str]:
-    """What a checker printed: one line per case, then ``k/n passed``."""
-    return capsys.readouterr().out.strip().splitlines()
-
-
-def assert_fails(lines: list[str], case_name: str) -> None:
-    """The summary is not n/n, and the case whose name contains ``case_name`` says WRONG or raised."""
-    passed, total = lines[-1].removesuffix(" passed").split("/")
-    assert passed != total, lines
-    named = [line for line in lines if line.startswith("case ") and case_name in line]
-    assert named, f"no case named {case_name!r} in {lines}"
-    assert any("WRONG" in line or "raised" in line for line in named), named
-
-
-def assert_passes(lines: list[str]) -> None:
-    """Every case ok and the summary n/n."""
-    cases = [line for line in lines if line.startswith("case ")]
-    assert cases and all(line.endswith(": ok") for line in cases), lines
-    assert lines[-1] == f"{len(cases)}/{len(cases)} passed", lines
-
 
 # ---- L1: write_kv, the decode loop, KV bytes per token ----
 

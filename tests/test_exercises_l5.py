@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from checker_asserts import assert_fails, assert_passes, graded_lines
 
 from kvcourse.exercises import read
 from L5_clones import checks, prefix_cache
@@ -34,27 +35,6 @@ from L5_clones.allocator import BlockAllocator
 from L5_clones.prefix_cache import block_hash, register_full_blocks
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipynb"
-
-
-def graded_lines(capsys) -> list[str]:
-    """What a checker printed: one line per case, then ``k/n passed``."""
-    return capsys.readouterr().out.strip().splitlines()
-
-
-def assert_fails(lines: list[str], case_name: str) -> None:
-    """The summary is not n/n, and the case whose name contains ``case_name`` says WRONG or raised."""
-    passed, total = lines[-1].removesuffix(" passed").split("/")
-    assert passed != total, lines
-    named = [line for line in lines if line.startswith("case ") and case_name in line]
-    assert named, f"no case named {case_name!r} in {lines}"
-    assert any("WRONG" in line or "raised" in line for line in named), named
-
-
-def assert_passes(lines: list[str]) -> None:
-    """Every case ok and the summary n/n."""
-    cases = [line for line in lines if line.startswith("case ")]
-    assert cases and all(line.endswith(": ok") for line in cases), lines
-    assert lines[-1] == f"{len(cases)}/{len(cases)} passed", lines
 
 
 # ---- L5.1: fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) ----
