@@ -24,6 +24,8 @@ import difflib
 import sys
 from pathlib import Path
 
+from kvcourse.generated import sync
+
 ROOT = Path(__file__).resolve().parent.parent
 DIFFED = ("L1_contiguous", "L2_token_flat", "L3_block_tensor", "L4_paged_kernel", "L5_clones")
 NOT_COMPARED = ("__init__.py", "checks.py")
@@ -81,17 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     stale = 0
     for old, new in pairs():
         path, text = diff_path(old, new), stage_diff(old, new)
-        current = path.read_text(encoding="utf-8") if path.exists() else None
-        shown = path.relative_to(ROOT)
+        differs, shown = sync(path, text, args.check), path.relative_to(ROOT)
         if args.check:
-            stale += current != text
-            print(f"{shown}: {'up to date' if current == text else 'OUT OF DATE: run make diffs'}")
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if current != text:
-            path.write_text(text, encoding="utf-8")
-        changed = text.count("\ndiff -u ")
-        print(f"{shown}: {changed} file(s) differ, {'unchanged' if current == text else 'written'}")
+            stale += differs
+            print(f"{shown}: {'OUT OF DATE: run make diffs' if differs else 'up to date'}")
+        else:
+            changed = text.count("\ndiff -u ")
+            print(f"{shown}: {changed} file(s) differ, {'written' if differs else 'unchanged'}")
     return 1 if stale else 0
 
 

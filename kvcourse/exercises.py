@@ -51,6 +51,8 @@ from pathlib import Path
 
 import nbformat
 
+from kvcourse.generated import sync
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<title>.*?))?[ \t]*$")
@@ -205,17 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     stale = 0
     for ref in reference_notebooks(args.notebooks):
         nb, exercises = split_notebook(read(ref), stage_of(ref))
-        text, target = render(nb), exercise_path(ref)
-        shown = os.path.relpath(target)
-        current = target.read_text(encoding="utf-8") if target.exists() else None
+        target = exercise_path(ref)
+        differs, shown = sync(target, render(nb), args.check), os.path.relpath(target)
         if args.check:
-            stale += current != text
-            print(f"{shown}: {'up to date' if current == text else 'OUT OF DATE'}")
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if current != text:
-            target.write_text(text, encoding="utf-8")
-        print(f"{shown}: {len(exercises)} exercise(s), {'unchanged' if current == text else 'written'}")
+            stale += differs
+            print(f"{shown}: {'OUT OF DATE' if differs else 'up to date'}")
+        else:
+            print(f"{shown}: {len(exercises)} exercise(s), {'written' if differs else 'unchanged'}")
     return 1 if stale else 0
 
 
