@@ -354,3 +354,65 @@ def check_write_kv_pages(write_kv_pages: Callable) -> None:
             ),
         ]
     )
+
+
+MESH_DEVICES = 4  # CPU devices the notebook asks XLA for, before JAX starts (its first cell)
+
+
+def check_mesh_specs(mesh_specs: Callable) -> None:
+    """Grade ``mesh_specs() -> {"params": P, "decode_state": P, "kv_pages": P}`` with sharded runs.
+
+    Each case builds the engine over a ``data`` mesh of 2 or 4 simulated CPU devices with the learner's
+    ``PartitionSpec``s, runs a tiny seeded Llama on a few prompts, and compares the tokens with the
+    single-device engine (``Engine`` without a mesh). The engine's per-device program indexes its own
+    slice of the pool with page ids local to it, so a pool that is copied whole (``P()``) or split along
+    another axis gives wrong tokens or an error, and a state split over devices cannot be built.
+    A case also fails if a device holds more than its share of the pages.
+
+    Example: ``{"params": P(), "decode_state": P(), "kv_pages": P()}`` -> on 2 devices each holds the
+    whole pool: "each device holds 16 of 16 pages per layer (its share is 8)".
+    """
+    from kvcourse.tiny import make_tiny_checkpoint
+
+    from .engine import Engine
+    from .multihost import data_mesh
+
+    if len(jax.devices()) < MESH_DEVICES:
+        raise RuntimeError(
+            f"this check needs {MESH_DEVICES} CPU devices and JAX started with {len(jax.devices())}: restart "
+            "the kernel and run the first cell first (it sets XLA_FLAGS before JAX starts)"
+        )
+    import tempfile
+
+    tiny = make_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="kvcourse-mesh-check-"))
+    prompts = [[5 + i + 3 * j for j in range(4 + 12 * i)] for i in range(3)]  # 4, 16 and 28 tokens
+    budgets = [6, 9, 5]
+
+    def case(devices: int, n: int) -> Callable[[], str | None]:
+        def run() -> str | None:
+            specs = mesh_specs()
+            if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
+                return f"returned {specs!r}, expected a dict with keys params, decode_state, kv_pages"
+            options = dict(max_seqs=8, max_model_len=48, num_pages=8 * devices)
+            expected = Engine(tiny, **options).generate_samples(prompts, budgets, n=n)
+            engine = Engine(tiny, **options, mesh=data_mesh(jax.devices()[:devices]), specs=specs)
+            held = engine.kv_pages[0].addressable_shards[0].data.shape[0]
+            share = engine.num_pages // devices
+            if held != share:
+                return (
+                    f"each device holds {held} of {engine.num_pages} pages per layer (its share is {share})"
+                )
+            got = engine.generate_samples(prompts, budgets, n=n)
+            wrong = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
+            if wrong:
+                return f"prompts {wrong} differ from one device, first: {got[wrong[0]]} instead of {expected[wrong[0]]}"
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("2 devices, 3 prompts of 4 to 28 tokens: the tokens of one device", case(2, 1)),
+            Case("4 devices, 2 clones of each prompt sharing their full pages", case(4, 2)),
+        ]
+    )

@@ -70,27 +70,44 @@ def enqueue(queue: TokenQueue, tokens, slot_ids, pos_ids, mask) -> TokenQueue:
     )
 
 
-def pack_next(queue: TokenQueue, max_tokens: int) -> tuple[TokenQueue, jax.Array, jax.Array, jax.Array]:
+def pack_next(
+    queue: TokenQueue, max_tokens: int, num_shards: int = 1
+) -> tuple[TokenQueue, jax.Array, jax.Array, jax.Array]:
     """Take up to ``max_tokens`` queued entries, sorted by slot; the rest move to the front.
 
     Returns (queue, tokens, slot_ids, pos_ids), each (max_tokens,) with INVALID slots as padding.
     Sorting by slot keeps each slot's tokens contiguous, which ``allocate_for_seq`` relies on.
+    Over shards the batch is ``num_shards`` blocks of ``max_tokens / num_shards``: block k takes up to
+    that many of the entries (oldest first) whose slot lives on shard k (slot // (Q / num_shards),
+    the queue holding one entry per slot), so each device finds its own sequences in its own block.
     Example: queued slots [3, 0, 5], max_tokens 2 -> packed slots [0, 3], queue left with [5].
+    With 2 shards of 4 slots (queue capacity 8) and max_tokens 4: blocks [0, 3, -1, -1] and
+    [5, -1, -1, -1] -> packed slots [0, 3, 5, -1], queue empty.
     """
     capacity = queue.tokens.shape[0]
-    n = jnp.minimum(queue.num_queued, max_tokens)
-    i = jnp.arange(max_tokens)
-    taken = i < n  # (max_tokens,)
-    slots = jnp.where(taken, queue.slot_ids[:max_tokens], INVALID)
-    order = jnp.argsort(jnp.where(taken, slots, jnp.iinfo(jnp.int32).max), stable=True)  # (max_tokens,)
-    left = jnp.arange(capacity) < queue.num_queued - n  # (Q,) entries that remain
+    width = max_tokens // num_shards  # tokens per shard block
+    queued = jnp.arange(capacity) < queue.num_queued  # (Q,)
+    shard = jnp.where(queued, queue.slot_ids // (capacity // num_shards), num_shards)  # (Q,)
+    member = shard[:, None] == jnp.arange(num_shards)[None, :]  # (Q, shards)
+    rank = jnp.sum((jnp.cumsum(member, axis=0) - 1) * member, axis=1)  # (Q,) place in its shard's line
+    taken = queued & (rank < width)  # (Q,)
+    at = jnp.where(taken, shard * width + rank, max_tokens)  # (Q,) entries not taken -> dropped
 
-    def shift(x):
-        return jnp.where(left, jnp.roll(x, -n), INVALID)
+    def place(x):
+        return jnp.full(max_tokens, INVALID, jnp.int32).at[at].set(x, mode="drop")  # (max_tokens,)
 
-    rest = TokenQueue(shift(queue.tokens), shift(queue.slot_ids), shift(queue.pos_ids), queue.num_queued - n)
-    pick = lambda x: jnp.where(taken, x[:max_tokens], INVALID)[order]  # noqa: E731
-    return rest, pick(queue.tokens), pick(queue.slot_ids), pick(queue.pos_ids)
+    slots = place(queue.slot_ids)
+    key = jnp.where(slots >= 0, slots, jnp.iinfo(jnp.int32).max).reshape(num_shards, width)
+    order = jnp.argsort(key, axis=1, stable=True) + width * jnp.arange(num_shards)[:, None]
+    order = order.reshape(-1)  # (max_tokens,) each block sorted by slot, padding last
+    left = queued & ~taken  # (Q,) entries that remain, moved to the front in order
+    to = jnp.where(left, jnp.cumsum(left) - 1, capacity)
+
+    def keep(x):
+        return jnp.full(capacity, INVALID, jnp.int32).at[to].set(x, mode="drop")  # (Q,)
+
+    rest = TokenQueue(keep(queue.tokens), keep(queue.slot_ids), keep(queue.pos_ids), jnp.sum(left))
+    return rest, place(queue.tokens)[order], slots[order], place(queue.pos_ids)[order]
 
 
 # The fields of DecodeState that count steps since the last reset (``count_step``, ``record_peaks``).
@@ -130,11 +147,18 @@ class DecodeState:
 
     @classmethod
     def init(
-        cls, max_seqs: int, pages_per_seq: int, num_pages: int, page_size: int, max_new: int, stop_tokens
+        cls,
+        max_seqs: int,
+        pages_per_seq: int,
+        num_pages: int,
+        page_size: int,
+        max_new: int,
+        stop_tokens,
+        num_shards: int = 1,
     ) -> DecodeState:
         return cls(
             sequences=SequenceTable.init(max_seqs, pages_per_seq, page_size),
-            page_table=PageTable.init(num_pages),
+            page_table=PageTable.init(num_pages, num_shards),
             tqueue=TokenQueue.init(max_seqs),
             tokens=jnp.full((max_seqs, max_new), INVALID, jnp.int32),
             num_generated=jnp.zeros(max_seqs, jnp.int32),
@@ -169,6 +193,7 @@ def reset_logical(state: DecodeState) -> DecodeState:
         seqs.page_size,
         state.tokens.shape[1],
         state.stop_tokens,
+        state.page_table.num_shards,
     )
 
 
@@ -255,17 +280,24 @@ def count_step(state: DecodeState, info: PageBatchInfo) -> DecodeState:
     return record_peaks(state)
 
 
-def clone_sequence(state: DecodeState, kv_pages: tuple, parent, child) -> tuple[DecodeState, tuple]:
+def clone_sequence(
+    state: DecodeState, kv_pages: tuple, parent, child, first_page=0
+) -> tuple[DecodeState, tuple]:
     """Slot ``child`` becomes a clone of slot ``parent`` (a no-op when ``child`` is INVALID).
 
     It shares the parent's full pages, gets a copy of the partial last page (K/V copied in every
     layer), the parent's outputs and budget, and, unless the parent already finished, a queued copy
     of the parent's next token. Out of pages: nothing changes and the shortage is recorded.
+    ``kv_pages`` may be one device's slice of the pool, pages ``first_page ...``: the copy happens
+    only on the device that holds the child's pages.
     """
     active = child >= 0
     child_row = jnp.maximum(child, 0)
     seqs, pages, src, dst, ok = clone_pages_from(state.sequences, state.page_table, parent, child)
-    kv_pages = copy_page(kv_pages, src, dst)
+    here = (dst >= first_page) & (dst < first_page + kv_pages[0].shape[0])  # this device holds it
+    kv_pages = copy_page(
+        kv_pages, jnp.where(here, src - first_page, INVALID), jnp.where(here, dst - first_page, INVALID)
+    )
     go = active & ok
     pick = jnp.arange(state.finished.shape[0]) == jnp.where(go, child, INVALID)  # (S,)
 

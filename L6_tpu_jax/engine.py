@@ -32,20 +32,35 @@ sequences may still grow into, so decoding never runs dry. The device still chec
 allocation: a shortage stops the loop and raises ``OutOfPagesError`` with the pages needed and free,
 never a wrong answer.
 
-Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and the
-multi-host setup itself. The multi-host rules are kept anyway: every host makes the same jit calls in
-the same order with the same shapes, and reset is never skipped.
+Over a device mesh (``mesh=``, one axis named ``data``, ``multihost.py``): every device, in one process
+or in several, holds an equal share of the slots and of every layer's KV pages, plus a replicated copy
+of the params and of the whole ``DecodeState``. Each jit'd call is one ``shard_map`` program: every
+device computes the same page allocation for the whole batch (the tables are small), then runs the
+model only on its own block of the batch (its own slots, laid out by ``_admit`` and ``pack_next``)
+against its own pages, and the devices exchange just the tokens they picked (one ``psum`` of
+``max_seqs`` int32 per forward call), so every copy of the state takes the same update. Without a mesh
+the engine is the one-device case of the same program. With ``guard=True`` every host checks, before
+each jit call, that all hosts are about to make the same call (``multihost.check_same_call``).
+
+Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and sharding
+heads over a ``model`` axis. The multi-host rules hold by construction: every host makes the same jit
+calls in the same order with the same shapes, host-only code reads local copies, and reset is never
+skipped.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections import Counter, deque
 from dataclasses import replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvcourse.jax_model import forward, load_params
 from kvcourse.model_store import resolve_model_dir
@@ -55,12 +70,20 @@ from kvcourse.stats import EngineStats, UsageMeter
 from . import decode_state as ds
 from .attention import paged_attend, reference_decode_kernel, reference_kernel
 from .kv_cache import init_kv_pages
-from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv
+from .multihost import DATA, check_same_call, local_copy
+from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv, shard_batch_info, shard_block
 from .pallas_attention import pallas_kernel
 
 CLEANUPS = ("incremental", "end", "none")
 RESETS = ("logical", "physical")
 ATTENTIONS = ("reference", "pallas")  # pallas: TPU interpret mode off-TPU (slow; tests and smoke only)
+REPLICATED = P()  # a whole copy on every device
+# How each input of a jit'd call is laid out over the mesh (``specs=`` overrides them, for the notebook).
+SPECS = {
+    "params": REPLICATED,  # every device runs the whole model on its own sequences
+    "decode_state": REPLICATED,  # the tables: small, and every device needs every slot's row
+    "kv_pages": P(DATA),  # each layer's pool (P, page_size, 2 * H_kv, D): pages split over devices
+}
 
 
 class OutOfPagesError(RuntimeError):
@@ -115,6 +138,9 @@ class Engine:
         q_block: int = 16,
         kv_pages_per_block: int = 16,
         decode_kv_pages_per_block: int = 4,
+        mesh: Mesh | None = None,
+        guard: bool = False,
+        specs: dict[str, P] | None = None,
     ):
         for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
             if value not in choices:
@@ -122,15 +148,23 @@ class Engine:
         for name, value in (("page_size", page_size), ("max_seqs", max_seqs), ("max_rounds", max_rounds)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        self.mesh = Mesh(np.asarray(jax.local_devices()[:1]), (DATA,)) if mesh is None else mesh
+        if self.mesh.axis_names != (DATA,):
+            raise ValueError(f"mesh must have one axis, {DATA!r}, got axes {self.mesh.axis_names}")
+        self.num_shards = shards = self.mesh.shape[DATA]
         self.model_dir = resolve_model_dir(model_dir)
-        self.cfg, self.params = load_params(self.model_dir)
+        self.cfg, params = load_params(self.model_dir)
         cfg = self.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         self.page_size, self.max_seqs, self.max_rounds = page_size, max_seqs, max_rounds
         self.pages_per_seq = cdiv(self.max_model_len, page_size)
-        self.num_pages = self.pages_per_seq if num_pages is None else num_pages
+        self.num_pages = self.pages_per_seq * shards if num_pages is None else num_pages
         if self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        for name, value in (("max_seqs", max_seqs), ("num_pages", self.num_pages)):
+            if value % shards:
+                raise ValueError(f"{name}={value} must be a multiple of the mesh's {shards} {DATA!r} devices")
+        self.seqs_per_shard, self.pages_per_shard = max_seqs // shards, self.num_pages // shards
         self.max_prefill_tokens = max_prefill_tokens
         self.cleanup, self.reset_mode = cleanup, reset
         # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
@@ -143,15 +177,45 @@ class Engine:
             self.kernel = reference_kernel(q_block, kv_pages_per_block)
             self.decode_kernel = reference_decode_kernel(decode_kv_pages_per_block)
         stop = list(cfg.eos_token_ids) or [INVALID]
-        self.state = ds.DecodeState.init(
-            max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop
+        self.specs = spec = {**SPECS, **(specs or {})}
+        self.params = jax.device_put(params, NamedSharding(self.mesh, spec["params"]))
+        self.state = jax.device_put(
+            ds.DecodeState.init(
+                max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop, shards
+            ),
+            NamedSharding(self.mesh, spec["decode_state"]),
         )
-        self.kv_pages = init_kv_pages(
-            cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim
-        )
+        kv_sharding = NamedSharding(self.mesh, spec["kv_pages"])
+        self.kv_pages = jax.jit(
+            partial(init_kv_pages, cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
+            out_shardings=kv_sharding,
+        )()  # each device allocates only its own pages
         self.traces: Counter[str] = Counter()  # how often each jit'd function was traced (= compiled)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,), static_argnums=(3,))
+        self.guard, self.num_calls = guard, 0  # jit calls made, the guard's running index
+        per_device = partial(
+            jax.shard_map,
+            mesh=self.mesh,
+            out_specs=(spec["decode_state"], spec["kv_pages"]),
+            # The state comes out REPLICATED because every device computes the same update from the
+            # same inputs and the psum'd picks. check_vma would prove that by typing every value
+            # (varying per device or not); its proof would need casts inside the attention loops.
+            check_vma=False,
+        )
+        self._prefill = jax.jit(
+            per_device(
+                self._prefill_fn,
+                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"], REPLICATED),
+            ),
+            donate_argnums=(2,),
+        )
+        self._decode = jax.jit(
+            lambda params, state, kv_pages, width: per_device(
+                partial(self._decode_fn, width=width),
+                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"]),
+            )(params, state, kv_pages),
+            donate_argnums=(2,),
+            static_argnums=(3,),
+        )
         self._free = jax.jit(ds.free_finished)
         self._reset_logical = jax.jit(ds.reset_logical)
         self._zero = jax.jit(lambda pools: jax.tree.map(jnp.zeros_like, pools))
@@ -163,22 +227,33 @@ class Engine:
     # ---- device functions (traced once per shape) ----
 
     def _step(self, params, state, kv_pages, tokens, slot_ids, pos_ids, kernel):
-        """Allocate pages for a flat batch, run the model, pick each sequence's next token, update."""
+        """Allocate pages for a flat batch, run the model, pick each sequence's next token, update.
+
+        Runs on every device (inside ``shard_map``): ``kv_pages`` is this device's slice of the
+        pool, everything else is a whole copy. The batch (T,) is one block per device.
+        """
         seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
-        state = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)
-        n_out = min(tokens.shape[0], self.max_seqs)  # a batch of T tokens holds at most T sequences
-        logits_at = jnp.maximum(info.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
+        state = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)  # whole batch, alike
+        shard = jax.lax.axis_index(DATA)
+        mine = shard_batch_info(seqs, info, slot_ids, pos_ids, shard, pages)  # my block, my page ids
+        my_tokens = shard_block(tokens, shard, self.num_shards)  # (T / devices,)
+        my_pos = shard_block(pos_ids, shard, self.num_shards)
+        n_out = min(my_tokens.shape[0], self.seqs_per_shard)  # a block holds at most that many sequences
+        logits_at = jnp.maximum(mine.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
         logits, kv_pages = forward(
             self.cfg,
             params,
-            jnp.maximum(tokens, 0),
-            jnp.maximum(pos_ids, 0),
-            paged_attend(info, kernel),
+            jnp.maximum(my_tokens, 0),
+            jnp.maximum(my_pos, 0),
+            paged_attend(mine, kernel),
             kv_pages,
             logits_at,
         )  # (n_out, vocab)
-        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy
-        sampled = jnp.pad(sampled, (0, self.max_seqs - n_out))  # (S,) rows past the batch are ignored
+        picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, my sequences
+        my_slots = mine.slot_ids[:n_out]
+        by_slot = jnp.zeros(self.max_seqs, jnp.int32).at[jnp.where(my_slots >= 0, my_slots, self.max_seqs)]
+        by_slot = jax.lax.psum(by_slot.set(picked, mode="drop"), DATA)  # (S,) every device's picks
+        sampled = by_slot[jnp.maximum(info.slot_ids, 0)]  # (S,) in batch order; padding rows ignored
         return ds.update_tokens(state, info, sampled), kv_pages, info
 
     def _prefill_fn(self, params, state, kv_pages, work):
@@ -189,8 +264,10 @@ class Engine:
         )
         state = record_shortage(keep_if(~info.out_of_pages, new, state), info)
 
+        first_page = jax.lax.axis_index(DATA) * self.pages_per_shard  # my slice of the pool starts here
+
         def clone_one(i, carry):
-            return ds.clone_sequence(*carry, work["parents"][i], work["children"][i])
+            return ds.clone_sequence(*carry, work["parents"][i], work["children"][i], first_page)
 
         state, kv_pages = jax.lax.fori_loop(0, self.max_seqs, clone_one, (state, kv_pages))
         state = ds.record_peaks(state)  # the clones' pages, before anything frees them
@@ -207,7 +284,7 @@ class Engine:
 
         def one_round(carry):
             state, kv_pages, i = carry
-            queue, tokens, slots, pos = ds.pack_next(state.tqueue, width)  # (width,) each
+            queue, tokens, slots, pos = ds.pack_next(state.tqueue, width, self.num_shards)  # (width,) each
             new, kv_pages, info = self._step(
                 params, replace(state, tqueue=queue), kv_pages, tokens, slots, pos, self.decode_kernel
             )
@@ -221,21 +298,30 @@ class Engine:
 
     # ---- host side ----
 
+    def _call(self, name: str, fn, *args, shapes: str = ""):
+        """Make jit call ``fn(*args)``; with the guard on, first check every host makes the same one."""
+        if self.guard:
+            check_same_call(self.num_calls, f"{name}({shapes})")
+        self.num_calls += 1
+        return fn(*args)
+
     def reset(self) -> None:
         """Back to the baseline state. Always runs (never skipped, on any host); physical also zeroes KV.
 
         The device counters go back to zero too, after their values are added to the engine's totals.
         """
-        self.meter, self.num_steps, self.num_tokens_run = self._totals()
+        totals = self._totals()
         t0 = time.perf_counter()
-        self.state = self._reset_logical(self.state)
+        self.state = self._call("reset_logical", self._reset_logical, self.state)
         if self.reset_mode == "physical":
-            self.kv_pages = self._zero(self.kv_pages)
+            self.kv_pages = self._call("zero_kv_pages", self._zero, self.kv_pages)
         jax.block_until_ready((self.state, self.kv_pages))
         self.reset_seconds = time.perf_counter() - t0
+        self.meter, self.num_steps, self.num_tokens_run = totals
 
     def host_state(self) -> ds.DecodeState:
-        return jax.device_get(self.state)
+        """A NumPy copy of the device state, read from this host's own copy (no collective)."""
+        return local_copy(self.state)
 
     @property
     def peak_pages_in_use(self) -> int:
@@ -245,7 +331,7 @@ class Engine:
     def _totals(self) -> tuple[UsageMeter, int, int]:
         """(meter, steps, tokens run) since the engine was built: the totals folded in at earlier
         resets plus the device counters now."""
-        now = jax.device_get({name: getattr(self.state, name) for name in ds.COUNTERS})
+        now = local_copy({name: getattr(self.state, name) for name in ds.COUNTERS})
         m = self.meter
         meter = UsageMeter(
             live_sum=m.live_sum + int(now["live_sum"]),  # whole numbers, exact in f32 below 2**24
@@ -284,16 +370,20 @@ class Engine:
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more clones than
-        slots, more pages than the pool). Returns its budget."""
+        slots, more pages than the pool). Returns its budget. Over a mesh a request and its clones
+        live on one device, so the limits are one device's share of the slots and pages."""
         [budget] = check_requests([prompt], max_new_tokens, self.cfg.vocab_size, self.max_model_len)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"{label}: n must be an integer >= 1, got {n!r}")
-        if n > self.max_seqs:
-            raise ValueError(f"{label}: n={n} sequences exceed max_seqs={self.max_seqs}")
+        share = f" per device ({self.num_shards} {DATA!r} devices)" if self.num_shards > 1 else ""
+        if n > self.seqs_per_shard:
+            limit = f"max_seqs={self.max_seqs}" + (f", {self.seqs_per_shard}{share}" if share else "")
+            raise ValueError(f"{label}: n={n} sequences exceed {limit}")
         need = pages_for(len(prompt), budget, n, self.page_size)
-        if need > self.num_pages:
+        if need > self.pages_per_shard:
             raise ValueError(
-                f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only {self.num_pages}"
+                f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only "
+                f"{self.pages_per_shard}{share}"
             )
         return budget
 
@@ -302,7 +392,12 @@ class Engine:
         if int(host.pages_needed) > 0:
             raise OutOfPagesError(
                 f"out of KV pages: a step needed {int(host.pages_needed)} new pages but only "
-                f"{int(host.pages_free)} of {self.num_pages} were free"
+                f"{int(host.pages_free)} of {self.pages_per_shard} were free"
+                + (
+                    f" on its device ({self.num_pages} pages over {self.num_shards})"
+                    if self.num_shards > 1
+                    else ""
+                )
             )
 
     def generate(
@@ -340,15 +435,26 @@ class Engine:
                     results[i] = [host.tokens[s, : host.num_generated[s]].tolist() for s in slots]
                     del running[i]
             if self.cleanup == "end" and (host.finished & host.sequences.used_mask).any():
-                self.state = self._free(self.state)
+                self.state = self._call("free_finished", self._free, self.state)
                 host = self.host_state()
             if not waiting and not running:
+                if self.guard:  # an extra call on one host meets the others here at the latest
+                    check_same_call(self.num_calls, "generate returns")
                 return results
             work = self._admit(host, waiting, running, prompts, budgets, n, ignore_eos)
             if work is not None:
                 # Prefill, then collect again before admitting more (a prompt can finish on its prefill
                 # token and free its slot): everything that fits is admitted before the next decode.
-                self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
+                crc = zlib.crc32(b"".join(np.asarray(a).tobytes() for a in work.values()))
+                self.state, self.kv_pages = self._call(
+                    "prefill",
+                    self._prefill,
+                    self.params,
+                    self.state,
+                    self.kv_pages,
+                    work,  # NumPy: jit copies it to every device, inside the guarded call
+                    shapes=f"tokens={work['tokens'].shape[0]}, inputs crc32 {crc:08x}",
+                )
                 continue
             if not running:
                 raise RuntimeError(
@@ -360,56 +466,96 @@ class Engine:
                         else ""
                     )
                 )
-            queued = int(host.tqueue.num_queued)  # one token per running sequence; nothing ran since `host`
-            if queued:
-                width = min(self.max_seqs, bucket(queued, smallest=1))
-                self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages, width)
+            width = self.decode_width(host)
+            if width:
+                self.state, self.kv_pages = self._call(
+                    "decode",
+                    self._decode,
+                    self.params,
+                    self.state,
+                    self.kv_pages,
+                    width,
+                    shapes=f"width={width}",
+                )
+
+    def decode_width(self, host: ds.DecodeState) -> int:
+        """The decode batch's width: one block per device, as wide as the most tokens one device has
+        queued (one per running sequence), rounded up to a power of two; 0 when nothing is queued.
+
+        Example: one device, 3 sequences running -> 4. Two devices with 3 and 1 running -> 2 x 4 = 8.
+        """
+        slots = host.tqueue.slot_ids[: int(host.tqueue.num_queued)]
+        if not len(slots):
+            return 0
+        most = int(np.bincount(slots // self.seqs_per_shard).max())
+        return self.num_shards * min(self.seqs_per_shard, bucket(most, smallest=1))
 
     def _admit(self, host, waiting, running, prompts, budgets, n, ignore_eos):
         """Give waiting prompts (in order) free slots while the pool can hold them to their budgets.
 
-        Returns the prefill work (token arrays padded to a power-of-two bucket), or None.
+        Over a mesh each prompt goes, with its clones, to one device: the one with the most pages to
+        spare among those with n free slots, room for its pages and for its tokens in this call
+        (the lowest device on a tie), so every host picks the same. Returns the prefill work, the
+        tokens laid out as one block per device, each padded to the same power-of-two bucket; or None.
         """
-        ps, seqs = self.page_size, host.sequences
-        free_slots = [s for s in range(self.max_seqs) if not seqs.used_mask[s]]
+        ps, seqs, per = self.page_size, host.sequences, self.seqs_per_shard
+        shards = range(self.num_shards)
+        free_slots = [[s for s in range(k * per, (k + 1) * per) if not seqs.used_mask[s]] for k in shards]
         held = (seqs.page_indices >= 0).sum(axis=1)  # (S,)
-        growth = sum(
-            cdiv(int(seqs.seq_lens[s]) + int(host.max_new_tokens[s] - host.num_generated[s]), ps) - held[s]
-            for slots in running.values()
-            for s in slots
-            if not host.finished[s]
-        )  # pages running sequences may still take
-        budget_pages = int((host.page_table.page_ref_counts == 0).sum()) - growth
-        tokens, slots, pos, pairs = [], [], [], []
+        free_pages = (host.page_table.page_ref_counts == 0).reshape(self.num_shards, -1).sum(axis=1)
+        budget_pages = [int(f) for f in free_pages]  # pages each device can still promise
+        for slots in running.values():
+            for s in slots:
+                if not host.finished[s]:  # pages a running sequence may still take on its device
+                    left = int(host.max_new_tokens[s] - host.num_generated[s])
+                    budget_pages[s // per] -= cdiv(int(seqs.seq_lens[s]) + left, ps) - int(held[s])
+        blocks = [{"tokens": [], "slots": [], "pos": []} for _ in shards]
+        pairs = []
         new = np.zeros(self.max_seqs, bool)
         seq_budgets = np.zeros(self.max_seqs, np.int32)
         while waiting:
             i = waiting[0]
             need = pages_for(len(prompts[i]), budgets[i], n, ps)
-            too_many_tokens = tokens and len(tokens) + len(prompts[i]) > self.max_prefill_tokens
-            if len(free_slots) < n or need > budget_pages or too_many_tokens:
+            fits = [
+                k
+                for k in shards
+                if len(free_slots[k]) >= n
+                and need <= budget_pages[k]
+                and not (
+                    blocks[k]["tokens"]
+                    and len(blocks[k]["tokens"]) + len(prompts[i]) > self.max_prefill_tokens
+                )
+            ]
+            if not fits:
                 break
+            k = max(fits, key=lambda k: (budget_pages[k], -k))
             waiting.popleft()
-            mine = [free_slots.pop(0) for _ in range(n)]
+            mine = [free_slots[k].pop(0) for _ in range(n)]
             running[i] = mine
-            budget_pages -= need
-            tokens += prompts[i]
-            slots += [mine[0]] * len(prompts[i])
-            pos += range(len(prompts[i]))
+            budget_pages[k] -= need
+            blocks[k]["tokens"] += prompts[i]
+            blocks[k]["slots"] += [mine[0]] * len(prompts[i])
+            blocks[k]["pos"] += range(len(prompts[i]))
             new[mine[0]], seq_budgets[mine[0]] = True, budgets[i]
             pairs += [(mine[0], child) for child in mine[1:]]
             self.num_forks += n > 1  # one request split into its n sequences
-        if not tokens:
+        if not any(b["tokens"] for b in blocks):
             return None
-        pad = bucket(len(tokens)) - len(tokens)
+        width = bucket(max(len(b["tokens"]) for b in blocks))
+
+        def laid_out(key: str, pad: int) -> np.ndarray:
+            return np.concatenate(
+                [np.asarray(b[key] + [pad] * (width - len(b[key])), np.int32) for b in blocks]
+            )
+
         pairs += [(0, INVALID)] * (self.max_seqs - len(pairs))
         return {
-            "tokens": jnp.asarray(tokens + [0] * pad, jnp.int32),  # (T,)
-            "slots": jnp.asarray(slots + [INVALID] * pad, jnp.int32),  # (T,)
-            "pos": jnp.asarray(list(pos) + [0] * pad, jnp.int32),  # (T,)
-            "new": jnp.asarray(new),  # (S,)
-            "budgets": jnp.asarray(seq_budgets),  # (S,)
-            "ignore_eos": jnp.full(self.max_seqs, ignore_eos),  # (S,)
-            "parents": jnp.asarray([p for p, _ in pairs], jnp.int32),  # (S,)
-            "children": jnp.asarray([c for _, c in pairs], jnp.int32),  # (S,)
+            "tokens": laid_out("tokens", 0),  # (devices * width,)
+            "slots": laid_out("slots", INVALID),  # (devices * width,)
+            "pos": laid_out("pos", 0),  # (devices * width,)
+            "new": new,  # (S,)
+            "budgets": seq_budgets,  # (S,)
+            "ignore_eos": np.full(self.max_seqs, ignore_eos),  # (S,)
+            "parents": np.asarray([p for p, _ in pairs], np.int32),  # (S,)
+            "children": np.asarray([c for _, c in pairs], np.int32),  # (S,)
         }

@@ -4,7 +4,10 @@ Three pytrees (plain dataclasses registered with ``jax.tree_util.register_datacl
 through ``jit``, ``while_loop`` and ``device_get`` like any array):
 
 - ``PageTable``: the allocator. Only ``page_ref_counts`` i32[P]; a page is free when its count is 0,
-  and a count above 1 means clones share it.
+  and a count above 1 means clones share it. Over a device mesh the pool is cut into ``num_shards``
+  equal ranges of pages, one per device of the ``data`` axis, and so are the slots: slot ``s`` lives
+  on shard ``s // (S / num_shards)`` and only ever gets pages of its own shard's range, so its
+  attention reads only the pages its own device holds (``engine.py``, "Over a device mesh").
 - ``SequenceTable``: one row per local sequence slot: ``seq_lens``, ``page_indices`` (INVALID = -1
   where a sequence has no page yet) and ``used_mask``. ``page_indices`` is the one copy of the
   mapping (Levanter also kept a ``kv_pages`` mirror of it; two copies of one truth can only drift
@@ -18,8 +21,12 @@ the token of slot ``s`` at position ``p``::
 
     page = page_indices[s, p // page_size]        kv_pages[page, p % page_size]  holds its K/V
 
+The tables themselves are small and replicated: every device holds all of them and computes every
+update, identically, from the same inputs. ``shard_batch_info`` then cuts one device's part out of a
+batch, with its page ids made local to that device's slice of the pool.
+
 Left out on purpose: eviction and preemption (L3's job; here the host admits only what fits), the
-prefix cache (L5), and sharding the tables across hosts.
+prefix cache (L5), and sharding the tables themselves (they are a few KB).
 """
 
 from __future__ import annotations
@@ -41,14 +48,19 @@ def cdiv(a, b):
 @dataclass(frozen=True)
 class PageTable:
     page_ref_counts: jax.Array  # i32[P]: owners of each page; 0 = free
+    num_shards: int = field(default=1, metadata=dict(static=True))  # equal page ranges, one per device
 
     @classmethod
-    def init(cls, num_pages: int) -> PageTable:
-        return cls(jnp.zeros(num_pages, jnp.int32))
+    def init(cls, num_pages: int, num_shards: int = 1) -> PageTable:
+        return cls(jnp.zeros(num_pages, jnp.int32), num_shards)
 
     @property
     def num_pages(self) -> int:
         return self.page_ref_counts.shape[0]
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.num_pages // self.num_shards
 
 
 @jax.tree_util.register_dataclass
@@ -124,6 +136,8 @@ def allocate_for_seq(
     to its largest position + 1; each slot gets new pages up to ceil(length / page_size), the lowest
     free page ids first, in slot order (the same inputs always give the same pages). All or nothing:
     if the pool lacks pages, both tables come back unchanged and the info says how many were needed.
+    With ``num_shards`` > 1 a slot's pages come from its own shard's range, and every shard must have
+    enough (a shortage reports the first short shard's numbers).
 
     Example, page_size 4, pages 0..5 with page_ref_counts [1, 0, 1, 0, 0, 0]:
     slot 0 holds 3 tokens on page 0 (page_indices [0, -1, -1]), slot 1 holds 4 on page 2 ([2, -1, -1]).
@@ -132,9 +146,11 @@ def allocate_for_seq(
         slot 1: position 4 starts its 2nd page; page 1  -> page_indices [2, 1, -1],  seq_len 5
         page_ref_counts [1, 1, 1, 0, 0, 0]; new_token_dests [0 * 4 + 3, 1 * 4 + 0] = [3, 4]
         cu_q_lens [0, 1, 2, 2, ...], slot_ids [0, 1, -1, ...], pages_needed 1, pages_free 4.
+    With 2 shards (slot 0 and pages 0..2 on shard 0, slot 1 and pages 3..5 on shard 1) slot 1 would
+    get page 3 instead, the lowest free page of its own shard.
     """
     n_seqs, per_seq = seq_table.page_indices.shape
-    n_pages, ps = page_table.num_pages, seq_table.page_size
+    ps, n_sh, per_shard = seq_table.page_size, page_table.num_shards, page_table.pages_per_shard
     refs = page_table.page_ref_counts  # (P,)
     valid = token_slot_ids >= 0  # (T,)
     slot = jnp.where(valid, token_slot_ids, n_seqs)  # (T,) padding -> out of range, dropped below
@@ -145,21 +161,59 @@ def allocate_for_seq(
     need = cdiv(new_lens, ps)  # (S,) pages needed
     j = jnp.arange(per_seq)
     want = (j[None, :] >= have[:, None]) & (j[None, :] < need[:, None])  # (S, pages_per_seq) to fill
-    pages_needed = jnp.sum(want)
-    pages_free = jnp.sum(refs == 0)
-    ok = pages_needed <= pages_free
-    free_ids = jnp.nonzero(refs == 0, size=n_pages, fill_value=n_pages)[0]  # (P,) free pages, lowest first
-    rank = jnp.cumsum(want.reshape(-1)).reshape(want.shape) - 1  # (S, pages_per_seq) k-th wanted entry
-    fresh = jnp.where(want, free_ids[jnp.clip(rank, 0, n_pages - 1)], INVALID)  # (S, pages_per_seq)
+    # Each shard fills its own slots' rows from its own pages (one shard: the whole pool).
+    want_sh = want.reshape(n_sh, -1)  # (shards, S / shards * pages_per_seq), slot order
+    free_sh = refs.reshape(n_sh, per_shard) == 0  # (shards, P / shards)
+    needed, free = jnp.sum(want_sh, axis=1), jnp.sum(free_sh, axis=1)  # (shards,) each
+    ok = jnp.all(needed <= free)
+    lowest_free = jax.vmap(lambda f: jnp.nonzero(f, size=per_shard, fill_value=per_shard)[0])(free_sh)
+    free_ids = lowest_free + per_shard * jnp.arange(n_sh)[:, None]  # (shards, P / shards) global ids
+    rank = jnp.cumsum(want_sh, axis=1) - 1  # (shards, ...) k-th wanted entry of its shard
+    picked = jnp.take_along_axis(free_ids, jnp.clip(rank, 0, per_shard - 1), axis=1)
+    fresh = jnp.where(want_sh, picked, INVALID).reshape(want.shape)  # (S, pages_per_seq)
     page_indices = jnp.where(want & ok, fresh, seq_table.page_indices)  # (S, pages_per_seq)
-    refs = refs.at[jnp.where(want & ok, fresh, n_pages)].add(1, mode="drop")  # (P,)
+    refs = refs.at[jnp.where(want & ok, fresh, refs.shape[0])].add(1, mode="drop")  # (P,)
     seq_table = replace(
         seq_table,
         seq_lens=jnp.where(ok, new_lens, seq_table.seq_lens),
         page_indices=page_indices,
     )
+    short = jnp.argmax(needed > free)  # the first short shard (0 when none is)
+    info = batch_info(
+        seq_table,
+        token_slot_ids,
+        token_pos_ids,
+        writes=ok,
+        pages_needed=jnp.where(ok, jnp.sum(needed), needed[short]),
+        pages_free=jnp.where(ok, jnp.sum(free), free[short]),
+    )
+    return seq_table, replace(page_table, page_ref_counts=refs), info
 
-    # The batch: sequence i starts where the slot id changes.
+
+def batch_info(
+    seq_table: SequenceTable,
+    token_slot_ids: jax.Array,
+    token_pos_ids: jax.Array,
+    writes: jax.Array,
+    pages_needed: jax.Array,
+    pages_free: jax.Array,
+    first_page: jax.Array | int = 0,
+) -> PageBatchInfo:
+    """Describe a flat batch whose pages are allocated: sequences, offsets, pages and KV destinations.
+
+    Sequence i of the batch starts where the slot id changes. ``writes`` False (a failed allocation)
+    makes every destination INVALID. Page ids are given relative to ``first_page``: 0 for the whole
+    pool, a shard's first page for that shard's slice of it.
+    Example, page_size 4: slot 1 holds 6 tokens on pages [4, 5]; a batch of its 2 newest tokens
+    (slots [1, 1], positions [4, 5]) with first_page 3 -> page_indices [[1, 2, ...]], seq_lens [6],
+    cu_q_lens [0, 2, ...], new_token_dests [2 * 4 + 0, 2 * 4 + 1] = [8, 9].
+    """
+    n_seqs, ps = seq_table.max_seqs, seq_table.page_size
+    valid = token_slot_ids >= 0  # (T,)
+    slot = jnp.where(valid, token_slot_ids, n_seqs)  # (T,)
+    local = jnp.where(
+        seq_table.page_indices >= 0, seq_table.page_indices - first_page, INVALID
+    )  # (S, pages_per_seq)
     prev = jnp.concatenate([jnp.array([INVALID - 1], jnp.int32), token_slot_ids[:-1]])  # (T,)
     starts = valid & (token_slot_ids != prev)  # (T,) first token of each sequence
     seg = jnp.cumsum(starts) - 1  # (T,) batch index of each token's sequence
@@ -171,19 +225,45 @@ def allocate_for_seq(
     q_lens = jnp.zeros(n_seqs, jnp.int32).at[jnp.where(valid, seg, n_seqs)].add(1, mode="drop")  # (S,)
     in_batch = slot_ids >= 0  # (S,)
     rows = jnp.maximum(slot_ids, 0)  # (S,)
-    page = page_indices[jnp.minimum(slot, n_seqs - 1), token_pos_ids // ps]  # (T,)
-    info = PageBatchInfo(
+    page = local[jnp.minimum(slot, n_seqs - 1), token_pos_ids // ps]  # (T,)
+    return PageBatchInfo(
         slot_ids=slot_ids,
-        page_indices=jnp.where(in_batch[:, None], page_indices[rows], INVALID),
+        page_indices=jnp.where(in_batch[:, None], local[rows], INVALID),
         seq_lens=jnp.where(in_batch, seq_table.seq_lens[rows], 0),
         cu_q_lens=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]),
         num_seqs=jnp.sum(starts),
-        new_token_dests=jnp.where(valid & ok, page * ps + token_pos_ids % ps, INVALID),
+        new_token_dests=jnp.where(valid & writes, page * ps + token_pos_ids % ps, INVALID),
         pages_needed=pages_needed,
         pages_free=pages_free,
         page_size=ps,
     )
-    return seq_table, PageTable(refs), info
+
+
+def shard_block(x: jax.Array, shard: jax.Array, num_shards: int) -> jax.Array:
+    """Shard ``shard``'s block of a batch laid out in ``num_shards`` equal blocks along axis 0.
+
+    Example: x = [10, 11, 12, 13], 2 shards -> shard 0 gets [10, 11], shard 1 gets [12, 13].
+    """
+    width = x.shape[0] // num_shards
+    return jax.lax.dynamic_slice_in_dim(x, shard * width, width)
+
+
+def shard_batch_info(
+    seq_table: SequenceTable, info: PageBatchInfo, token_slot_ids: jax.Array, token_pos_ids: jax.Array,
+    shard: jax.Array, page_table: PageTable,
+) -> PageBatchInfo:  # fmt: skip
+    """One shard's part of a batch that ``allocate_for_seq`` described whole: its block of tokens (its
+    own slots only), with page ids local to its slice of the pool. One shard: the batch as it is."""
+    n_sh = page_table.num_shards
+    return batch_info(
+        seq_table,
+        shard_block(token_slot_ids, shard, n_sh),
+        shard_block(token_pos_ids, shard, n_sh),
+        writes=~info.out_of_pages,
+        pages_needed=info.pages_needed,
+        pages_free=info.pages_free,
+        first_page=shard * page_table.pages_per_shard,
+    )
 
 
 def free_pages_for_finished(
@@ -206,7 +286,7 @@ def free_pages_for_finished(
         page_indices=jnp.where(finished_mask[:, None], INVALID, seq_table.page_indices),
         used_mask=seq_table.used_mask & ~finished_mask,
     )
-    return seq_table, PageTable(refs)
+    return seq_table, replace(page_table, page_ref_counts=refs)
 
 
 def clone_pages_from(
@@ -216,8 +296,9 @@ def clone_pages_from(
 
     Full pages never change again, so the child points at the same pages (refcount + 1). The last,
     partly filled page will be written by both, so the child gets a fresh page (``argmin`` of the
-    refcounts, a free one if any, as Levanter picks) and the caller copies the K/V of the filled
-    slots into it. Returns (seq_table, page_table, src_page, dst_page, ok); src/dst are INVALID when
+    refcounts within the child's shard, a free one if any, as Levanter picks) and the caller copies
+    the K/V of the filled slots into it. Parent and child must be on the same shard (the host
+    admits a prompt's clones together). Returns (seq_table, page_table, src_page, dst_page, ok); src/dst are INVALID when
     the parent's length is a whole number of pages (nothing to copy). ``ok`` is False (tables
     unchanged) if the fresh page was needed and none was free. An INVALID child is a no-op.
 
@@ -230,7 +311,9 @@ def clone_pages_from(
     n_full = length // ps
     partial = length % ps > 0
     row = seq_table.page_indices[parent]  # (pages_per_seq,)
-    fresh = jnp.argmin(refs).astype(jnp.int32)
+    shard = jnp.maximum(child, 0) // (seq_table.max_seqs // page_table.num_shards)  # the child's shard
+    mine = jnp.arange(n_pages) // page_table.pages_per_shard == shard  # (P,) its pages
+    fresh = jnp.argmin(jnp.where(mine, refs, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
     ok = ~partial | (refs[fresh] == 0)
     go = ok & (child >= 0)
     shared = (jnp.arange(row.shape[0]) < n_full) & (row >= 0) & go  # (pages_per_seq,)
@@ -246,4 +329,4 @@ def clone_pages_from(
         used_mask=seq_table.used_mask | keep,
     )
     src = jnp.where(take, row[jnp.minimum(n_full, row.shape[0] - 1)], INVALID)
-    return seq_table, PageTable(refs), src, jnp.where(take, fresh, INVALID), ok
+    return seq_table, replace(page_table, page_ref_counts=refs), src, jnp.where(take, fresh, INVALID), ok
