@@ -30,16 +30,17 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=compat
 	@touch $(STAMP)
 
-# Every stage's smoke check, full output, then one summary line per stage.
+# Every stage's smoke check, then L6 as two JAX processes; full output, then one summary line each.
+SMOKES = $(wildcard L[0-9]_*/l[0-9]_smoke.py) L6_tpu_jax/l6_multihost.py
 smoke: setup
 	@mkdir -p .cache/smoke; status=0; \
-	for script in L[0-9]_*/l[0-9]_smoke.py; do \
+	for script in $(SMOKES); do \
 	  name=$$(basename $$script .py); echo "### $$script"; \
 	  $(PY) $$script 2>&1 | tee .cache/smoke/$$name.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
 	echo; echo "== smoke summary =="; \
-	for script in L[0-9]_*/l[0-9]_smoke.py; do tail -n 1 .cache/smoke/$$(basename $$script .py).log; done; \
+	for script in $(SMOKES); do tail -n 1 .cache/smoke/$$(basename $$script .py).log; done; \
 	exit $$status
 
 test: setup lint

@@ -232,7 +232,9 @@ def host_main(args: argparse.Namespace) -> int:
             )
             found = collectives(hlo)
             print(f"  crossing devices per decode round (compiled HLO, width {width}): {found}", flush=True)
-        report["models"].append({"tokens": tokens, "compiles": dict(engine.traces), "collectives": found})
+        report["models"].append(
+            {"tokens": tokens, "calls": engine.num_calls, "compiles": dict(engine.traces)}
+        )
     Path(args.job).with_name(f"host{me}.json").write_text(json.dumps(report))
     return 0
 
@@ -385,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                             )
                         )
                         passed += rows[-1].ok and agree
+                    for i, r in enumerate(reports):
+                        done = r["models"][k]
+                        print(f"  host {i}: {done['calls']} jit calls, compiles {done['compiles']}")
                     print(f"-- {title}: every host's tokens, compared with single-process L6 and HF")
                     print(format_rows(rows, "L6"))
                     total += len(rows)

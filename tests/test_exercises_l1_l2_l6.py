@@ -284,7 +284,7 @@ def tables(refs, page_indices, seq_lens, page_size, used=None):
 def allocate_by_stage(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
     """L6.1 by ``allocate_for_seq``."""
     seqs, pages = tables(page_ref_counts, page_indices, seq_lens, page_size)
-    seqs, pages, info = allocate_for_seq(seqs, pages, jnp.asarray(slot_ids), jnp.asarray(positions))
+    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.asarray(slot_ids), jnp.asarray(positions))
     return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, info.new_token_dests
 
 

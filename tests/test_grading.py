@@ -40,6 +40,13 @@ WRONG_ANSWERS = {
     ),
 }
 GENERIC_WRONG = (1, "return None  # wrong on purpose: does nothing\n")
+# The exercise that gets its reference solution (default: the last). L6's last one runs the engine over
+# a mesh of 4 devices, which only a notebook kernel has (its first cell asks XLA for them); the whole
+# reference run above already passes it, so here it gets the wrong answer instead: the pool copied to
+# every device.
+WRONG_AND_RIGHT = {
+    "L6_tpu_jax": (4, 'return {"params": P(), "decode_state": P(), "kv_pages": P()}\n', 3),
+}
 
 
 def grade(*args: str) -> subprocess.CompletedProcess:
@@ -118,19 +125,24 @@ def test_the_l6_reference_notebook_passes():
 @per_notebook
 def test_right_wrong_and_untouched_answers_are_told_apart(reference, tmp_path):
     """One grading run per notebook: a realistic wrong answer to exercise 1, the reference solution to
-    the last exercise, every other exercise left untouched. The report must say WRONG for the first,
-    PASS for the last, "not done yet" for the rest, and 1/N in its last line."""
-    number, wrong = WRONG_ANSWERS.get(reference.stem, GENERIC_WRONG)
+    the last exercise, every other exercise left untouched (L6: see WRONG_AND_RIGHT). The report must
+    say WRONG for the wrong one, PASS for the right one, "not done yet" for the rest, and 1/N in its
+    last line."""
     solutions = exercises.solutions(exercises.read(reference))
     n = len(solutions)
+    number, wrong, right = WRONG_AND_RIGHT.get(
+        reference.stem, (*WRONG_ANSWERS.get(reference.stem, GENERIC_WRONG), n)
+    )
     exercise = exercises.read(exercises.exercise_path(reference))
-    path = write(exercises.put_back(exercise, {number: wrong, n: solutions[n]}), tmp_path / reference.name)
+    path = write(
+        exercises.put_back(exercise, {number: wrong, right: solutions[right]}), tmp_path / reference.name
+    )
     result = grade(str(path))
     stage = exercises.stage_of(reference)
     lines = result.stdout.splitlines()
     assert result.returncode == 1, report(result)
     assert last_line(result) == f"graded {path}: 1/{n} exercises pass", report(result)
-    assert any(x.startswith(f"{stage}.{n} ") and x.endswith(": PASS") for x in lines), report(result)
+    assert any(x.startswith(f"{stage}.{right} ") and x.endswith(": PASS") for x in lines), report(result)
     assert any(x.startswith(f"{stage}.{number} ") and "WRONG" in x for x in lines), report(result)
     if n > 2:
         assert "not done yet (it raises NotImplementedError)" in result.stdout, report(result)
