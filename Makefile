@@ -43,6 +43,12 @@ smoke: setup
 	for script in $(SMOKES); do tail -n 1 .cache/smoke/$$(basename $$script .py).log; done; \
 	exit $$status
 
+# XLA's compiled programs are kept in .cache/jax: the tests and smokes build many engines with the same
+# shapes (in one process and across processes), and each would otherwise compile them again. Not for
+# make bench, whose first runs report the compile time.
+test smoke: export JAX_COMPILATION_CACHE_DIR := $(CURDIR)/.cache/jax
+test smoke: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
+
 test: setup lint
 	$(PY) -m pytest
 

@@ -32,6 +32,7 @@ eagerly), and duplicate destinations in the KV write (two tokens never share a r
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -392,13 +393,19 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
     prompts = [[5 + i + 3 * j for j in range(4 + 12 * i)] for i in range(3)]  # 4, 16 and 28 tokens
     budgets = [6, 9, 5]
 
+    @functools.cache
+    def one_device() -> list[list[list[int]]]:
+        """The engine on one device, 2 greedy clones of each prompt (clone 0 is the n=1 answer)."""
+        return Engine(tiny, max_seqs=8, max_model_len=48, num_pages=16).generate_samples(
+            prompts, budgets, n=2
+        )
+
     def case(devices: int, n: int) -> Callable[[], str | None]:
         def run() -> str | None:
             specs = mesh_specs()
             if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
                 return f"returned {specs!r}, expected a dict with keys params, decode_state, kv_pages"
             options = dict(max_seqs=8, max_model_len=48, num_pages=8 * devices)
-            expected = Engine(tiny, **options).generate_samples(prompts, budgets, n=n)
             engine = Engine(tiny, **options, mesh=data_mesh(jax.devices()[:devices]), specs=specs)
             held = engine.kv_pages[0].addressable_shards[0].data.shape[0]
             share = engine.num_pages // devices
@@ -407,6 +414,7 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
                     f"each device holds {held} of {engine.num_pages} pages per layer (its share is {share})"
                 )
             got = engine.generate_samples(prompts, budgets, n=n)
+            expected = [clones[:n] for clones in one_device()]
             wrong = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
             if wrong:
                 return f"prompts {wrong} differ from one device, first: {got[wrong[0]]} instead of {expected[wrong[0]]}"
