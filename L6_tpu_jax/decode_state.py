@@ -7,9 +7,9 @@ forward calls, tokens, live vs held positions, peaks). It is one pytree, so a wh
 (pack the queue, allocate pages, forward, pick tokens, count, update, free what finished) runs inside
 ``jax.lax.while_loop`` without the host, and every round is counted exactly.
 
-The host reads it back (``jax.device_get``) only between calls, for outputs, ``occupancy``, the
-counters, and ``check_invariants``: the allocation, clone/refcount and reset invariants Levanter's
-engine relies on, checked on plain NumPy copies.
+The host reads it back (a NumPy copy, ``Engine.host_state``) only between calls, for outputs,
+``occupancy``, the counters, and ``check_invariants``: the allocation, clone/refcount and reset
+invariants Levanter's engine relies on, checked on plain NumPy copies.
 
 Left out on purpose: sampling (greedy only: clones of one prompt therefore produce the same tokens;
 what they show is the sharing), stop strings, logprobs, and a scheduler that mixes prefill chunks
@@ -348,7 +348,7 @@ def occupancy(state) -> dict[str, int]:
 
 
 def check_invariants(state, *, after_reset: bool = False) -> None:
-    """Raise AssertionError if a host copy (``jax.device_get``) of the state breaks an invariant.
+    """Raise AssertionError if a host copy of the state (``Engine.host_state``) breaks an invariant.
 
     Allocation: a used slot holds exactly ceil(seq_len / page_size) pages, as a prefix of its row;
     an unused slot holds none. Refcounts: never negative, and equal to the number of rows that hold

@@ -3,7 +3,7 @@
     generate():  reset()           -> jit'd; logical (metadata only, default) or physical (also zeroes
                                       the KV pages); always run, on every host, whatever the process count
                  loop on the host:
-                   collect          -> read finished slots' tokens (jax.device_get)
+                   collect          -> read finished slots' tokens (host_state: a NumPy copy)
                    admit + prefill  -> waiting prompts that fit get slots; one jit'd call per up to
                                       max_prefill_tokens (repeated until nothing more fits) allocates their
                                       pages, runs the prompts (lengths bucketed to powers of two, so a
