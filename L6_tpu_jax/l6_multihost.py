@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -270,38 +271,39 @@ def launch(args: argparse.Namespace, job: Path) -> str | None:
             command.append("--diverge")
         with open(log, "wb") as out:
             hosts.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
-    shown = 0
     deadline = time.monotonic() + args.timeout
-    problem = None
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so `finally` runs
+    try:
+        return watch(hosts, logs, deadline, args.timeout)
+    finally:  # also on Ctrl-C or SIGTERM: no host outlives the launcher
+        for h in hosts:
+            if h.poll() is None:
+                h.kill()
+            h.wait()
+        signal.signal(signal.SIGTERM, before)
+
+
+def watch(hosts: list[subprocess.Popen], logs: list[Path], deadline: float, timeout: float) -> str | None:
+    """Stream host 0's log until every host exits 0 (None), one fails, or the deadline passes (why)."""
     with open(logs[0], "rb") as host0:
         while True:
             chunk = host0.read()
             if chunk:
                 sys.stdout.write(chunk.decode(errors="replace"))
                 sys.stdout.flush()
-                shown += len(chunk)
             codes = [h.poll() for h in hosts]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i = failed[0]
                 tail = logs[i].read_text(errors="replace").splitlines()[-HOST_LOG_TAIL:]
-                problem = f"host {i} exited with status {codes[i]}; its last lines:\n" + "\n".join(tail)
-                break
+                return f"host {i} exited with status {codes[i]}; its last lines:\n" + "\n".join(tail)
             if all(c == 0 for c in codes):
                 sys.stdout.write(host0.read().decode(errors="replace"))
-                break
+                return None
             if time.monotonic() > deadline:
-                problem = (
-                    f"timed out after {args.timeout:.0f} s (see --timeout); hosts still running: "
-                    + str([i for i, c in enumerate(codes) if c is None])
-                )
-                break
+                running = [i for i, c in enumerate(codes) if c is None]
+                return f"timed out after {timeout:.0f} s (see --timeout); hosts still running: {running}"
             time.sleep(0.2)
-    for h in hosts:
-        if h.poll() is None:
-            h.kill()
-        h.wait()
-    return problem
 
 
 def main(argv: list[str] | None = None) -> int:
