@@ -81,8 +81,6 @@ def check_args(args: argparse.Namespace) -> None:
             f"--devices must be a multiple of --processes={args.processes} (each process gets the same "
             f"number of devices), got {args.devices}"
         )
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.diverge and args.processes < 2:
         raise ValueError(f"--diverge needs --processes >= 2 (hosts to diverge), got {args.processes}")
     if args.timeout <= 0:
@@ -306,98 +304,87 @@ def watch(hosts: list[subprocess.Popen], logs: list[Path], deadline: float, time
             time.sleep(0.2)
 
 
+def compare_hosts(contexts, entries: list[dict], reports: list[dict]) -> tuple[int, int]:
+    """Print each host's calls and compiles and, per model, every prompt's row: all hosts read the
+    same tokens, equal to single-process L6 and HF (the tie rule applies). Returns (passed, total)."""
+    from kvcourse.compare import Row, compare, format_rows
+
+    passed = total = 0
+    for k, ((title, ctx), entry) in enumerate(zip(contexts, entries, strict=True)):
+        for i, r in enumerate(reports):
+            print(f"  host {i}: {r['models'][k]['calls']} jit calls, compiles {r['models'][k]['compiles']}")
+        rows = []
+        for i, prompt in enumerate(ctx.prompts):
+            got = [r["models"][k]["tokens"][i] for r in reports]
+            ref, agree = ctx.refs[i], all(g == got[0] for g in got)
+            rows.append(
+                Row(
+                    label=prompt.label + ("" if agree else " (HOSTS DISAGREE)"),
+                    vs_hf=compare(ref.tokens, got[0], ref),
+                    vs_prev=compare(entry["l6"][i], got[0], ref),
+                    text=ctx.tokenizer.decode(got[0]),
+                    hf_text=ctx.tokenizer.decode(ref.tokens),
+                )
+            )
+            passed += rows[-1].ok and agree
+        print(f"-- {title}: every host's tokens, compared with single-process L6 and HF")
+        print(format_rows(rows, "L6"))
+        total += len(rows)
+    return passed, total
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.host is not None:
         return host_main(args)
 
-    from kvcourse.compare import Row, compare, format_rows
-    from kvcourse.model_store import MODEL_ENV, resolve_model_dir
-    from kvcourse.prompts import read_prompts
-    from kvcourse.smoke import prepare
+    from kvcourse.smoke import prepare_models
     from L6_tpu_jax.engine import Engine
 
-    tmp = []
-    try:
-        check_args(args)
-        prompts = read_prompts(args.prompts)
-        chosen = args.model or os.environ.get(MODEL_ENV)
-        models = [("model", resolve_model_dir(chosen))]
-        if not chosen:
-            from kvcourse.tiny import make_tiny_checkpoint
-
-            tmp.append(tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-"))
-            models.append(("tiny random Qwen3 (seed 0)", make_tiny_checkpoint("qwen3", tmp[0].name)))
-        contexts = [(title, prepare(model_dir, prompts, args.max_new_tokens)) for title, model_dir in models]
-    except (ValueError, OSError) as e:
-        for t in tmp:
-            t.cleanup()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    passed = total = demo_failures = 0
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvcourse-multihost-") as work:
-            job = Path(work) / "job.json"
-            entries = []
-            for title, ctx in contexts:
-                t0 = time.perf_counter()
-                l6 = Engine(ctx.model_dir, max_model_len=ctx.max_model_len).generate(ctx.ids, ctx.budgets)
-                print(f"== {title}: single-process L6 in {time.perf_counter() - t0:.1f} s ({ctx.model_dir})")
-                entries.append(
-                    {
-                        "title": title,
-                        "model_dir": str(ctx.model_dir),
-                        "ids": ctx.ids,
-                        "budgets": ctx.budgets,
-                        "max_model_len": ctx.max_model_len,
-                        "l6": l6,
-                    }
-                )
-            job.write_text(json.dumps({"models": entries}))
-            print(
-                f"-- starting {args.processes} host(s), {args.devices} device(s); host 0's log follows",
-                flush=True,
+    with tempfile.TemporaryDirectory(prefix="kvcourse-multihost-") as work:
+        try:
+            check_args(args)
+            contexts = prepare_models(
+                args.model, args.prompts, args.max_new_tokens, Path(work) / "tiny-qwen3"
             )
-            problem = launch(args, job)
-            if problem:
-                print(f"!! {problem}")
-                total = sum(len(ctx.ids) for _, ctx in contexts)
-            else:
-                reports = [
-                    json.loads((job.with_name(f"host{i}.json")).read_text()) for i in range(args.processes)
-                ]
-                demos = reports[0]["demos"]
-                if demos:
-                    demo_failures = sum(not d["ok"] for d in demos)
-                    print(
-                        f"divergence demonstrations: {len(demos) - demo_failures}/{len(demos)} behaved as the rules say"
-                    )
-                for (title, ctx), entry, k in zip(contexts, entries, range(len(contexts)), strict=True):
-                    rows = []
-                    for i, prompt in enumerate(ctx.prompts):
-                        got = [r["models"][k]["tokens"][i] for r in reports]
-                        ref = ctx.refs[i]
-                        agree = all(g == got[0] for g in got)
-                        rows.append(
-                            Row(
-                                label=prompt.label + ("" if agree else " (HOSTS DISAGREE)"),
-                                vs_hf=compare(ref.tokens, got[0], ref),
-                                vs_prev=compare(entry["l6"][i], got[0], ref),
-                                text=ctx.tokenizer.decode(got[0]),
-                                hf_text=ctx.tokenizer.decode(ref.tokens),
-                            )
-                        )
-                        passed += rows[-1].ok and agree
-                    for i, r in enumerate(reports):
-                        done = r["models"][k]
-                        print(f"  host {i}: {done['calls']} jit calls, compiles {done['compiles']}")
-                    print(f"-- {title}: every host's tokens, compared with single-process L6 and HF")
-                    print(format_rows(rows, "L6"))
-                    total += len(rows)
-    finally:
-        for t in tmp:
-            t.cleanup()
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        entries = []
+        for title, ctx in contexts:
+            t0 = time.perf_counter()
+            l6 = Engine(ctx.model_dir, max_model_len=ctx.max_model_len).generate(ctx.ids, ctx.budgets)
+            print(f"== {title}: single-process L6 in {time.perf_counter() - t0:.1f} s ({ctx.model_dir})")
+            entries.append(
+                {
+                    "title": title,
+                    "model_dir": str(ctx.model_dir),
+                    "ids": ctx.ids,
+                    "budgets": ctx.budgets,
+                    "max_model_len": ctx.max_model_len,
+                    "l6": l6,
+                }
+            )
+        job = Path(work) / "job.json"
+        job.write_text(json.dumps({"models": entries}))
+        print(
+            f"-- starting {args.processes} host(s), {args.devices} device(s); host 0's log follows",
+            flush=True,
+        )
+        problem = launch(args, job)
+        demo_failures = 0
+        if problem:
+            print(f"!! {problem}")
+            passed, total = 0, sum(len(ctx.ids) for _, ctx in contexts)
+        else:
+            reports = [json.loads(job.with_name(f"host{i}.json").read_text()) for i in range(args.processes)]
+            demos = reports[0]["demos"]
+            if demos:
+                demo_failures = sum(not d["ok"] for d in demos)
+                print(
+                    f"divergence demonstrations: {len(demos) - demo_failures}/{len(demos)} behaved as the rules say"
+                )
+            passed, total = compare_hosts(contexts, entries, reports)
     print(
         f"L6 multi-host smoke: {passed}/{total} prompts match L6 and HF "
         f"({args.processes} processes, {args.devices} devices)"

@@ -171,6 +171,27 @@ def compare_run(ctx: SmokeContext, run: StageRun, prev: dict[int, list[int]] | N
     return sum(r.ok for r in rows), len(rows), sum(r.tie for r in rows), sum(map(len, out))
 
 
+def prepare_models(
+    model: str | None, prompts_file: str | None, max_new_tokens: int, tiny_dir: str | Path
+) -> list[tuple[str, SmokeContext]]:
+    """(title, context) for each model a smoke runs: ``model``, else ``$KVCOURSE_MODEL_DIR``, else the
+    course model plus a seeded random tiny Qwen3 written into ``tiny_dir`` (the caller deletes it).
+
+    Raises ValueError or OSError, naming the value and the limit, for bad input: a budget below 1, a
+    malformed or missing prompt file, a missing model folder, a request over the context limit.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    prompts = read_prompts(prompts_file)
+    chosen = model or os.environ.get(MODEL_ENV)
+    models: list[tuple[str, Path]] = [("model", resolve_model_dir(chosen))]
+    if not chosen:
+        from kvcourse.tiny import make_tiny_checkpoint
+
+        models.append(("tiny random Qwen3 (seed 0)", make_tiny_checkpoint("qwen3", tiny_dir)))
+    return [(title, prepare(model_dir, prompts, max_new_tokens)) for title, model_dir in models]
+
+
 def smoke_main(
     stage: str,
     runs: Callable[[SmokeContext], list[StageRun]],
@@ -185,44 +206,38 @@ def smoke_main(
     sampled clones), printed by itself and counted in the summary line.
     """
     args = parse_args(stage, argv)
-    tmp = None
-    try:
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        prompts = read_prompts(args.prompts)
-        chosen = args.model or os.environ.get(MODEL_ENV)
-        models: list[tuple[str, Path]] = [("model", resolve_model_dir(chosen))]
-        if not chosen:
-            from kvcourse.tiny import make_tiny_checkpoint
+    with tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-") as tiny_dir:
+        try:
+            contexts = prepare_models(args.model, args.prompts, args.max_new_tokens, tiny_dir)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return run_contexts(stage, contexts, runs, previous, extra)
 
-            tmp = tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-")
-            models.append(("tiny random Qwen3 (seed 0)", make_tiny_checkpoint("qwen3", tmp.name)))
-        contexts = [(title, prepare(model_dir, prompts, args.max_new_tokens)) for title, model_dir in models]
-    except (ValueError, OSError) as e:
-        if tmp:
-            tmp.cleanup()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
+def run_contexts(
+    stage: str,
+    contexts: list[tuple[str, SmokeContext]],
+    runs: Callable[[SmokeContext], list[StageRun]],
+    previous: Callable[[SmokeContext], StageRun] | None,
+    extra: Callable[[SmokeContext], tuple[int, int]] | None,
+) -> int:
+    """Every configuration on every model, then the summary line; the exit status (0 or 1)."""
     passed = total = new_tokens = ties = 0
     prev_name = previous(contexts[0][1]).name.split()[0] if previous else None
-    try:
-        for title, ctx in contexts:
-            print(f"== {stage} smoke on {title}: {ctx.model_dir}")
-            print(f"  HF reference: {sum(len(r.tokens) for r in ctx.refs)} new tokens")
-            prev = None
-            if previous:
-                chosen, prev_out = previous(ctx).generate(ctx)
-                prev = dict(zip(chosen, prev_out or [[]] * len(chosen), strict=True))
-            for run in runs(ctx):
-                p, t, tie, n = compare_run(ctx, run, prev, prev_name)
-                passed, total, ties, new_tokens = passed + p, total + t, ties + tie, new_tokens + n
-            if extra:
-                p, t = extra(ctx)
-                passed, total = passed + p, total + t
-    finally:
-        if tmp:
-            tmp.cleanup()
+    for title, ctx in contexts:
+        print(f"== {stage} smoke on {title}: {ctx.model_dir}")
+        print(f"  HF reference: {sum(len(r.tokens) for r in ctx.refs)} new tokens")
+        prev = None
+        if previous:
+            chosen, prev_out = previous(ctx).generate(ctx)
+            prev = dict(zip(chosen, prev_out or [[]] * len(chosen), strict=True))
+        for run in runs(ctx):
+            p, t, tie, n = compare_run(ctx, run, prev, prev_name)
+            passed, total, ties, new_tokens = passed + p, total + t, ties + tie, new_tokens + n
+        if extra:
+            p, t = extra(ctx)
+            passed, total = passed + p, total + t
     versus = f"{prev_name} and HF" if previous else "HF"
     tie_note = f"; {ties} numerical tie(s), reported above" if ties else ""
     print(f"{stage} smoke: {passed}/{total} prompts match {versus} ({new_tokens} new tokens{tie_note})")
