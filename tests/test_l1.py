@@ -8,16 +8,15 @@ import sys
 
 import pytest
 import torch
+from smoke_runs import course_smoke
 
 from kvcourse.model import Transformer, causal_attention
 from kvcourse.model_store import REPO_ROOT
-from kvcourse.smoke import smoke_main
 from L1_contiguous.cache import KvCache
 from L1_contiguous.engine import Engine
 
 # make test runs each smoke on the course model alone, 8 new tokens per prompt (make smoke runs both
 # models and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
-SMOKE_ARGV = ["--max-new-tokens", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +98,8 @@ def test_stats_report_reserved_live_and_utilization(tiny_llama_dir):
 @pytest.mark.slow
 def test_l1_smoke_on_the_course_model(model_dir, capsys):
     """The smoke check itself on the course model: every prompt equal to HF greedy."""
-    from L1_contiguous.l1_smoke import runs
-
-    status = smoke_main("L1", runs, argv=["--model", str(model_dir), *SMOKE_ARGV])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    status, out = course_smoke("L1", model_dir, capsys)
+    last = out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L1 smoke: 10/10 prompts match HF")
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smoke_runs import course_smoke
 
 from kvcourse.reference import hf_greedy
-from kvcourse.smoke import smoke_main
 from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from L2_token_flat.cache import KvPool
@@ -20,7 +20,6 @@ BUDGETS = [20, 9, 30, 17]
 
 # make test runs this smoke on the course model alone, on 4 of its prompts, 8 new tokens each (make
 # smoke runs both models, every prompt and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
-SMOKE_ARGV = ["--max-new-tokens", "8"]
 
 
 def books(alloc: BlockAllocator) -> tuple[list[int], set[int]]:
@@ -284,14 +283,7 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 @pytest.mark.slow
 def test_l2_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     """The smoke check itself on the course model: block sizes 16, 1, 7, equal to L1 and HF."""
-    from L2_token_flat.l2_smoke import previous, runs
-
-    status = smoke_main(
-        "L2",
-        runs,
-        previous,
-        argv=["--model", str(model_dir), "--prompts", str(course_prompts_subset), *SMOKE_ARGV],
-    )
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    status, out = course_smoke("L2", model_dir, capsys, course_prompts_subset)
+    last = out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L2 smoke: 12/12 prompts match L1 and HF"), last

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smoke_runs import course_smoke
 
 from kvcourse.reference import hf_greedy
-from kvcourse.smoke import smoke_main
 from kvcourse.workloads import staggered
 from L2_token_flat.allocator import BlockAllocator as L2Allocator
 from L2_token_flat.engine import Engine as L2Engine
@@ -34,7 +34,6 @@ BUDGETS = [24, 1, 17, 9, 24, 13, 20, 5]
 
 # make test runs each smoke on the course model alone, 8 new tokens per prompt (make smoke runs both
 # models and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
-SMOKE_ARGV = ["--max-new-tokens", "8"]
 
 
 # ---------------------------------------------------------------- storage
@@ -446,10 +445,7 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 def test_l3_smoke_on_the_course_model(model_dir, capsys):
     """The smoke check itself on the course model: four ways of running, equal to L2 and
     HF, and the small-pool run really preempts."""
-    from L3_block_tensor.l3_smoke import previous, runs
-
-    status = smoke_main("L3", runs, previous, argv=["--model", str(model_dir), *SMOKE_ARGV])
-    out = capsys.readouterr().out
+    status, out = course_smoke("L3", model_dir, capsys)
     last = out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L3 smoke: 40/40 prompts match L2 and HF"), last

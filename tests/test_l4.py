@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from smoke_runs import course_smoke
 
 from kvcourse.reference import hf_greedy
 from L3_block_tensor.engine import Engine as L3Engine
@@ -12,7 +13,6 @@ PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
 
 # make test runs this smoke on the course model alone, on 4 of its prompts, 8 new tokens each (make
 # smoke runs both models, every prompt and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
-SMOKE_ARGV = ["--max-new-tokens", "8"]
 
 
 @pytest.mark.parametrize(
@@ -52,15 +52,7 @@ def test_bad_options_are_named(tiny_llama_dir, options, message):
 
 @pytest.mark.slow
 def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
-    from kvcourse.smoke import smoke_main
-    from L4_paged_kernel.l4_smoke import previous, runs
-
-    status = smoke_main(
-        "L4",
-        runs,
-        previous,
-        argv=["--model", str(model_dir), "--prompts", str(course_prompts_subset), *SMOKE_ARGV],
-    )
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    status, out = course_smoke("L4", model_dir, capsys, course_prompts_subset)
+    last = out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L4 smoke: ") and "prompts match L3 and HF" in last

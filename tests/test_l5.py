@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smoke_runs import course_smoke
 
 from kvcourse.reference import hf_greedy
 from kvcourse.sampling import SamplingParams
-from kvcourse.smoke import smoke_main
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones import prefix_cache
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
@@ -37,7 +37,6 @@ SAMPLED = SamplingParams(temperature=5.0, top_k=40, top_p=0.95, seed=11)  # hot:
 
 # make test runs this smoke on the course model alone, on 4 of its prompts, 8 new tokens each (make
 # smoke runs both models, every prompt and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
-SMOKE_ARGV = ["--max-new-tokens", "8"]
 
 
 def snapshot(m: BlockAllocator, pool: KvPool | None = None):
@@ -621,16 +620,8 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     """The smoke itself on the course model: L5 == L4 == HF, clones, sampled clones
     and the prefix-cache workload all agree."""
-    from L5_clones.l5_smoke import extra, previous, runs
-
-    status = smoke_main(
-        "L5",
-        runs,
-        previous,
-        argv=["--model", str(model_dir), "--prompts", str(course_prompts_subset), *SMOKE_ARGV],
-        extra=extra,
-    )
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    status, out = course_smoke("L5", model_dir, capsys, course_prompts_subset)
+    last = out.strip().splitlines()[-1]
     assert status == 0, last
     # 2 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows = 15
     assert last.startswith("L5 smoke: 15/15 prompts match L4 and HF"), last

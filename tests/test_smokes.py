@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from smoke_runs import run_smoke_in_process
 
 from kvcourse.smoke import StageRun, smoke_main
 from kvcourse.stages import STAGES
@@ -26,20 +27,6 @@ from kvcourse.stats import EngineStats
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {stage: ROOT / folder / f"{stage.lower()}_smoke.py" for stage, folder in STAGES.items()}
 LONG_TEXT = " ".join(f"word{i}" for i in range(160))  # ~320 tokens with this tokenizer
-
-
-def smoke_module(stage: str):
-    """The smoke script of a stage, imported as a module (its ``runs``, ``previous``, ``extra``)."""
-    import importlib
-
-    return importlib.import_module(f"{STAGES[stage]}.{stage.lower()}_smoke")
-
-
-def run_smoke_in_process(stage: str, argv: list[str]) -> int:
-    mod = smoke_module(stage)
-    return smoke_main(
-        stage, mod.runs, getattr(mod, "previous", None), argv=argv, extra=getattr(mod, "extra", None)
-    )
 
 
 def write_jsonl(path: Path, objects: list) -> Path:
