@@ -12,8 +12,10 @@ Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) betwe
 sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
 steps until all are done; ``add_request`` + ``step`` let a caller feed requests in over time.
 
-``kernel="torch"`` (the PyTorch reference, default) or ``kernel="triton"`` (the Triton kernel; in its
-interpreter on CPU, slow: use it on small runs) chooses the kernel, and ``num_splits`` the split-KV path.
+``kernel`` chooses the kernel: ``"torch"`` (the PyTorch reference, default), ``"cpp"`` (the same
+algorithm compiled for this CPU, the fast one here; built on first use) or ``"triton"`` (the Triton
+kernel; in its interpreter on CPU, slow: use it on small runs). ``num_splits`` takes the split-KV path
+(torch and Triton kernels).
 
 Left out on purpose: sampling (greedy only), streaming outputs to callers, sharing blocks between
 sequences (L5), and CUDA graphs or other launch-overhead tricks a GPU engine adds around the kernel.
@@ -38,13 +40,17 @@ from .paged_attention import paged_attention
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, slots
 
-KERNELS = ("torch", "triton")
+KERNELS = ("torch", "cpp", "triton")
 
 
 def load_kernel(name: str):
-    """The kernel function called ``name``; Triton is imported only when asked for."""
+    """The kernel function called ``name``; the C++ and Triton kernels are loaded only when asked for."""
     if name == "torch":
         return paged_attention
+    if name == "cpp":
+        from .cpp_paged_attention import cpp_paged_attention
+
+        return cpp_paged_attention
     if name == "triton":
         from .triton_paged_attention import triton_paged_attention
 
@@ -67,6 +73,8 @@ class Engine:
     ):
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if kernel == "cpp" and num_splits != 1:
+            raise ValueError(f"the C++ kernel has no split-KV path: num_splits must be 1, got {num_splits}")
         self.kernel = load_kernel(kernel)
         self.num_splits = num_splits
         self.model_dir = resolve_model_dir(model_dir)

@@ -2,12 +2,13 @@
 
     python L4_paged_kernel/l4_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
 
-With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs three ways:
+With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs four ways:
 
 (a) the PyTorch kernel, every prompt at once;
 (b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
     causal queries in the middle of a sequence;
-(c) the Triton kernel, in Triton's interpreter on a machine without a GPU (the course switches the
+(c) the C++ kernel (``paged_attention.cpp``, built by ``make setup``) with chunked prefill (chunk 8);
+(d) the Triton kernel, in Triton's interpreter on a machine without a GPU (the course switches the
     interpreter on by itself). The interpreter runs the kernel with NumPy, one program at a time,
     so this run takes the TRITON_PROMPTS shortest prompts and TRITON_TOKENS new tokens each,
     compared with the first TRITON_TOKENS tokens of L3 and HF (exact for greedy decoding).
@@ -22,13 +23,19 @@ TRITON_PROMPTS = 3
 
 
 def runs(ctx: SmokeContext) -> list[StageRun]:
-    """The three configurations this smoke checks."""
+    """The four configurations this smoke checks."""
     return [
         StageRun("L4 torch kernel", lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len)),
         StageRun(
             "L4 torch kernel, 4 splits, chunked prefill 8",
             lambda ctx: Engine(
                 ctx.model_dir, num_splits=4, prefill_chunk_size=8, max_model_len=ctx.max_model_len
+            ),
+        ),
+        StageRun(
+            "L4 C++ kernel, chunked prefill 8",
+            lambda ctx: Engine(
+                ctx.model_dir, kernel="cpp", prefill_chunk_size=8, max_model_len=ctx.max_model_len
             ),
         ),
         StageRun(

@@ -8,13 +8,14 @@ L4 and HF, each run printing its engine's stats (blocks held and shared, forks, 
 (a) every prompt at once, prefix cache on. SmolLM2's chat template adds the same system prompt to
     every chat prompt that has none, so the prompts share their first block, in the same step;
 (b) one request at a time, prefix cache on: each request finds the blocks the ones before it freed
-    (a freed block keeps its key until it is handed out again).
+    (a freed block keeps its key until it is handed out again);
+(c) as (a), with the C++ kernel (``paged_attention.cpp``, built by ``make setup``).
 
 Then, counted in the summary line through the smoke's ``extra`` hook:
 
-(c) SAMPLES greedy clones of each prompt (one request each, prefilled once, then forked), the first
+(d) SAMPLES greedy clones of each prompt (one request each, prefilled once, then forked), the first
     CLONE_TOKENS tokens: every clone == HF (the row shows the clone that differs first, if any);
-(d) SAMPLES sampled clones (temperature 0.8, top-p 0.9, top-k 50, seed 1234) of the SAMPLED_PROMPTS
+(e) SAMPLES sampled clones (temperature 0.8, top-p 0.9, top-k 50, seed 1234) of the SAMPLED_PROMPTS
     shortest prompts, CLONE_TOKENS tokens each: == SAMPLES independent requests seeded 1234 ..,
     with nothing shared, token for token. Sampling has no HF reference: these rows compare L5 with
     itself, forked against unshared.
@@ -51,6 +52,10 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
             lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
             one_at_a_time,
         ),
+        StageRun(
+            "L5 C++ kernel, all at once, prefix cache on",
+            lambda ctx: Engine(ctx.model_dir, kernel="cpp", max_model_len=ctx.max_model_len),
+        ),
     ]
 
 
@@ -72,7 +77,7 @@ def clone_engine(ctx: SmokeContext, prompts: list[list[int]], budget: list[int],
 
 
 def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
-    """(c): SAMPLES greedy clones per prompt, each compared with HF up to CLONE_TOKENS."""
+    """(d): SAMPLES greedy clones per prompt, each compared with HF up to CLONE_TOKENS."""
     capped = [min(b, CLONE_TOKENS) for b in ctx.budgets]
     engine = clone_engine(ctx, ctx.ids, capped)
     clones = engine.generate_samples(ctx.ids, capped, n=SAMPLES)
@@ -90,7 +95,7 @@ def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
 
 
 def sampled_clones(ctx: SmokeContext) -> tuple[int, int]:
-    """(d): forked sampled clones == independent requests with nothing shared."""
+    """(e): forked sampled clones == independent requests with nothing shared."""
     chosen = ctx.shortest(SAMPLED_PROMPTS)
     prompts = [ctx.ids[i] for i in chosen]
     budget = [CLONE_TOKENS] * len(prompts)
@@ -122,7 +127,7 @@ def sampled_clones(ctx: SmokeContext) -> tuple[int, int]:
 
 
 def extra(ctx: SmokeContext) -> tuple[int, int]:
-    """(c) and (d), counted in the summary line."""
+    """(d) and (e), counted in the summary line."""
     results = [greedy_clones(ctx), sampled_clones(ctx)]
     return sum(p for p, _ in results), sum(t for _, t in results)
 

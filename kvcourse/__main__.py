@@ -1,6 +1,7 @@
 """Command line: ``python -m kvcourse prepare`` and ``python -m kvcourse generate``.
 
-    python -m kvcourse prepare                       # convert the bundled model once (idempotent)
+    python -m kvcourse prepare                       # convert the bundled model and build the stages'
+                                                     # C++ kernels, once (idempotent)
     python -m kvcourse generate --stage L1 "What is a KV cache?"
     python -m kvcourse generate --stage L1 --prompts kvcourse/prompts.jsonl --max-new-tokens 32
 
@@ -17,7 +18,8 @@ import sys
 import time
 
 from kvcourse.config import ModelConfig
-from kvcourse.model_store import MODEL_ENV, prepare_default_model, resolve_model_dir
+from kvcourse.cpp_kernels import build_all
+from kvcourse.model_store import MODEL_ENV, REPO_ROOT, prepare_default_model, resolve_model_dir
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
 from kvcourse.requests import DEFAULT_MAX_MODEL_LEN, check_context
 from kvcourse.stages import STAGES, engine_class
@@ -26,7 +28,9 @@ from kvcourse.stages import STAGES, engine_class
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvcourse", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="convert the bundled GGUF into the cached fp32 model")
+    prep = sub.add_parser(
+        "prepare", help="convert the bundled GGUF into the cached fp32 model; build the stages' C++ kernels"
+    )
     prep.add_argument("--force", action="store_true", help="convert again even if already prepared")
     gen = sub.add_parser("generate", help="generate text with one stage's engine")
     gen.add_argument("prompt", nargs="*", help="chat message(s), one prompt each")
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "prepare":
             print(prepare_default_model(force=args.force))
+            for source, now, seconds in build_all(REPO_ROOT):
+                took = f"built in {seconds:.0f} s" if now and seconds is not None else "already built"
+                print(f"{source.relative_to(REPO_ROOT)}: {took}, cached in .cache/kernels/")
         else:
             generate(args)
     except (ValueError, OSError) as e:

@@ -22,6 +22,8 @@ PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
         {"num_splits": 4},
         {"block_size": 7, "prefill_chunk_size": 8},
         {"block_size": 1, "num_blocks": 120},  # a small pool: preemption under the kernel too
+        {"kernel": "cpp"},
+        {"kernel": "cpp", "block_size": 7, "prefill_chunk_size": 8, "num_blocks": 40},
     ],
 )
 def test_l4_equals_l3_and_hf_on_tiny_qwen3(tiny_qwen3_dir, options):
@@ -43,7 +45,14 @@ def test_triton_kernel_engine_on_tiny_llama(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"kernel": "cuda"}, "kernel must be one of"), ({"num_splits": 0}, "num_splits must be >= 1, got 0")],
+    [
+        ({"kernel": "cuda"}, "kernel must be one of"),
+        ({"num_splits": 0}, "num_splits must be >= 1, got 0"),
+        (
+            {"kernel": "cpp", "num_splits": 2},
+            "C\\+\\+ kernel has no split-KV path: num_splits must be 1, got 2",
+        ),
+    ],
 )
 def test_bad_options_are_named(tiny_llama_dir, options, message):
     with pytest.raises(ValueError, match=message):

@@ -4,6 +4,7 @@ Every case builds a pool with shuffled, non-contiguous block ids, writes random 
 kernel with plain softmax attention over the gathered history (the L3 way), for: lengths 1, exact
 multiples of block_size and ragged; block sizes 1, 7, 16; GQA ratios 1, 3, 4; 1 and 4 splits; decode
 queries (batched, in tiles of 1, 3 and 16 blocks) and mixed prefill chunks (causal inside the new tokens).
+The C++ kernel (built by ``make setup``) and the Triton kernel (interpreted) run the same cases.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from L4_paged_kernel.cpp_paged_attention import cpp_paged_attention
 from L4_paged_kernel.paged_attention import merge_partials, paged_attention
 
 GQA = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): ratios 1, 3, 4
@@ -66,6 +68,28 @@ def test_torch_kernel_matches_dense(
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
     got = paged_attention(*args, num_splits=num_splits, blocks_per_tile=blocks_per_tile)
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
+def test_cpp_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens):
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
+    assert (cpp_paged_attention(*args) - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+def test_cpp_kernel_long_prefill_and_decode_batch():
+    """Hundreds of rows and keys, as in a real step: every row and head is its own work item."""
+    args = make_case(16, 9, 3, [300, 77, 512, 1], [300, 1, 1, 1], head_dim=64, seed=3)
+    assert (cpp_paged_attention(*args) - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+def test_cpp_kernel_refuses_what_it_cannot_do():
+    args = make_case(16, 4, 2, [5], [1])
+    with pytest.raises(ValueError, match="no split-KV path: num_splits must be 1, got 2"):
+        cpp_paged_attention(*args, num_splits=2)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        cpp_paged_attention(args[0].double(), *args[1:])
+    with pytest.raises(RuntimeError, match="cu_q_lens ends at 1 but q has 2 rows"):
+        cpp_paged_attention(torch.cat([args[0], args[0]]), *args[1:])
 
 
 def test_merge_partials_docstring_example():

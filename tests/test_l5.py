@@ -477,8 +477,13 @@ def expected(tiny_qwen3_dir):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"block_size": 4}, {"block_size": 7, "prefill_chunk_size": 5, "max_num_batched_tokens": 12}],
-    ids=["default", "bs4", "bs7-chunk5"],
+    [
+        {},
+        {"block_size": 4},
+        {"block_size": 7, "prefill_chunk_size": 5, "max_num_batched_tokens": 12},
+        {"kernel": "cpp", "block_size": 7, "prefill_chunk_size": 5, "max_num_batched_tokens": 12},
+    ],
+    ids=["default", "bs4", "bs7-chunk5", "cpp-bs7-chunk5"],
 )
 def test_greedy_and_greedy_clones_equal_l4_and_hf(tiny_qwen3_dir, expected, kwargs):
     eng = checked(Engine(tiny_qwen3_dir, **kwargs))
@@ -606,6 +611,10 @@ def test_bad_sample_requests_are_named(tiny_llama_dir, kwargs, n, message):
     [
         ({"kernel": "cuda"}, "kernel must be one of"),
         ({"num_splits": 0}, "num_splits must be >= 1, got 0"),
+        (
+            {"kernel": "cpp", "num_splits": 2},
+            "C\\+\\+ kernel has no split-KV path: num_splits must be 1, got 2",
+        ),
         ({"block_size": 0}, "block_size must be >= 1, got 0"),
         ({"num_blocks": 0}, "num_blocks must be >= 1, got 0"),
         ({"max_model_len": 0}, r"max_model_len must be in \[1, 2048\] .*got 0"),
@@ -624,4 +633,4 @@ def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     last = out.strip().splitlines()[-1]
     assert status == 0, last
     # 2 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows = 15
-    assert last.startswith("L5 smoke: 15/15 prompts match L4 and HF"), last
+    assert last.startswith("L5 smoke: 19/19 prompts match L4 and HF"), last
