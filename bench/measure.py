@@ -1,7 +1,8 @@
 """The benchmark's measurements: each runs one system on one workload and returns plain numbers.
 
-Times come from ``time.perf_counter`` around whole calls; memory from each engine's ``stats()``. Nothing
-here knows a stage by name: pools are sized from an engine's constructor signature.
+Times come from ``time.perf_counter`` around whole calls, after an untimed warm-up, as the median of
+several runs (all kept); memory from each engine's ``stats()``. Nothing here knows a stage by name:
+pools are sized from an engine's constructor signature.
 """
 
 from __future__ import annotations
@@ -9,38 +10,72 @@ from __future__ import annotations
 import functools
 import inspect
 import platform
+import statistics
 import time
 from pathlib import Path
 
 from bench import ceilings
 from bench.systems import System
 from bench.workloads import mixed_workload
+from kvcourse.compare import compare
+from kvcourse.reference import Reference
 
 
-def timed(system: System, prompts, budgets) -> dict:
+def timed(system: System, run, warmup=None, repeats: int = 3) -> tuple[dict, list[list[int]]]:
+    """Time ``run()`` (which returns the outputs) as the median of ``repeats`` runs, after one untimed
+    ``warmup()`` (default: ``run`` itself). Every run's seconds are kept; returns them and the last
+    run's outputs."""
     t0 = time.perf_counter()
-    outs = system.run(prompts, budgets)
-    seconds = time.perf_counter() - t0
-    useful = sum(budgets)
+    (warmup or run)()
+    warmup_seconds = time.perf_counter() - t0
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = run()
+        runs.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(runs), "runs": runs, "warmup_seconds": warmup_seconds}, outs
+
+
+def timed_requests(system: System, prompts, budgets, repeats: int, warmup_requests: int | None = None):
+    """(b), (u), (a): the requests all at once. ``warmup_requests``: warm up on that many of them
+    instead of the whole workload. Useful tokens are the budgets; ``computed_new_tokens`` is what the
+    system generated (more for HF batched)."""
+    warmup = None
+    if warmup_requests is not None:
+        warmup = lambda: system.run(prompts[:warmup_requests], budgets[:warmup_requests])  # noqa: E731
+    row, outs = timed(system, lambda: system.run(prompts, budgets), warmup, repeats)
     assert [len(o) for o in outs] == budgets, f"{system.name} did not produce fixed-length outputs"
-    return {"seconds": seconds, "new_tokens": useful, "tok_s": useful / seconds}
+    useful = sum(budgets)
+    return row | {"new_tokens": useful, "computed_new_tokens": system.computed(prompts, budgets),
+                  "tok_s": useful / row["seconds"]}, outs  # fmt: skip
 
 
-def timed_samples(system: System, prompt, budget: int, n: int) -> dict:
-    t0 = time.perf_counter()
-    outs = system.run_samples(prompt, budget, n)
-    seconds = time.perf_counter() - t0
+def timed_samples(system: System, prompt, budget: int, n: int, repeats: int):
+    """(c): n samples of one prompt."""
+    row, outs = timed(system, lambda: system.run_samples(prompt, budget, n), None, repeats)
     assert [len(o) for o in outs] == [budget] * n, f"{system.name} did not produce {n} x {budget} tokens"
-    return {"seconds": seconds, "new_tokens": n * budget, "tok_s": n * budget / seconds}
+    return row | {"new_tokens": n * budget, "tok_s": n * budget / row["seconds"]}, outs
 
 
-def kv_stats(engine, run) -> dict:
-    """Run a workload on a fresh engine and keep what its ``stats()`` says about the KV memory.
+def agreement(outs: list[list[int]], references: list[Reference]) -> dict:
+    """Each output against HF batch 1's, with the tie rule: counts, and every tie and mismatch by
+    request index (e.g. ``{"match": 31, "ties": {"7": "tie@40"}, "mismatches": {}}``)."""
+    results = [compare(ref.tokens, out, ref) for out, ref in zip(outs, references, strict=True)]
+    return {
+        "match": sum(r.first_diff is None for r in results),
+        "ties": {str(i): r.status for i, r in enumerate(results) if r.first_diff is not None and r.ok},
+        "mismatches": {str(i): r.status for i, r in enumerate(results) if not r.ok},
+    }
+
+
+def kv_stats(engine) -> dict:
+    """What an engine's ``stats()`` says about its KV memory after it ran one workload (its warm-up
+    and timed runs, all alike: utilization and peaks are those of one run).
 
     Every engine reports the same ``EngineStats``: utilization (live / held positions, summed over
-    its steps), the most blocks held and shared at once, preemptions. L1 has no blocks (0).
+    its steps), the most blocks held and shared at once, preemptions (over every run). L1 has no
+    blocks (0). L1 and L2 warm up on the first request, which they then count twice (1 of 33).
     """
-    run(engine)
     s = engine.stats()
     return {
         "utilization": s.kv_utilization,
@@ -48,7 +83,6 @@ def kv_stats(engine, run) -> dict:
         "block_size": s.block_size,
         "blocks_held": s.blocks_held,
         "blocks_shared": s.blocks_shared,
-        "steps": s.steps,
     }
 
 
@@ -135,7 +169,8 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
     and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens).
 
     Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
-    L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``.
+    L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``. A stage with a
+    ``kernel`` choice (L4, L5) runs its compiled C++ kernel, the fastest it has on a CPU.
     """
     params = inspect.signature(engine_cls).parameters
     size = params["block_size"].default if "block_size" in params else 16
@@ -148,4 +183,5 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
     options = {"max_model_len": max_len}
     options |= {name: blocks for name in ("num_blocks", "num_pages") if name in params}
     options |= {name: sizes["b_requests"] for name in ("max_num_seqs", "max_seqs") if name in params}
+    options |= {"kernel": "cpp"} if "kernel" in params else {}
     return options

@@ -4,42 +4,111 @@ from __future__ import annotations
 
 from pathlib import Path
 
+PEERS = {"vs_hf_batched": "HF batched", "vs_generate_batch": "HF generate_batch"}
+
 
 def add_ratios(results: dict) -> None:
-    """tokens/s as multiples of HF and as fractions of the ceilings, for (a) and (b)."""
+    """tokens/s as multiples of HF and as fractions of the ceilings, for (a), (b) and (u)."""
     ceil = results["ceilings"]
     systems = results["systems"]
     for row in systems.values():
-        row["a"]["vs_hf_batch1"] = row["a"]["tok_s"] / systems["HF batch 1"]["a"]["tok_s"]
-        row["a"]["of_batch1_ceiling"] = row["a"]["tok_s"] / ceil["batch1_ceiling_tok_s"]
-        row["b"]["vs_hf_batched"] = row["b"]["tok_s"] / systems["HF batched"]["b"]["tok_s"]
-        row["b"]["of_large_batch_ceiling"] = row["b"]["tok_s"] / ceil["large_batch_ceiling_tok_s"]
+        if "a" in row:
+            row["a"]["vs_hf_batch1"] = row["a"]["tok_s"] / systems["HF batch 1"]["a"]["tok_s"]
+            row["a"]["of_batch1_ceiling"] = row["a"]["tok_s"] / ceil["batch1_ceiling_tok_s"]
+        for work in ("b", "u"):
+            if work in row:
+                for key, peer in PEERS.items():
+                    if work in systems.get(peer, {}):
+                        row[work][key] = row[work]["tok_s"] / systems[peer][work]["tok_s"]
+                row[work]["of_large_batch_ceiling"] = row[work]["tok_s"] / ceil["large_batch_ceiling_tok_s"]
+
+
+def targets(results: dict) -> list[dict]:
+    """Issue #13's targets, each measured in this run: what, the number, met or not."""
+    systems, ceil = results["systems"], results["ceilings"]
+    tok = {
+        (name, work): row[work]["tok_s"]
+        for name, row in systems.items()
+        for work in ("a", "b", "u")
+        if work in row
+    }
+    stages = [n for n in systems if n.startswith("L")]
+    torch_stages = [n for n in stages if n != "L6"]
+    out = []
+
+    def best(names, work):
+        return max((n for n in names if (n, work) in tok), key=lambda n: tok[n, work], default=None)
+
+    def add(target, a, b, work, at_least):
+        if (a, work) in tok and (b, work) in tok:
+            ratio = tok[a, work] / tok[b, work]
+            out.append({"target": target, "measured": f"{a} {ratio:.2f}x {b} ({tok[a, work]:.1f} vs {tok[b, work]:.1f} tok/s)",
+                        "met": ratio >= at_least})  # fmt: skip
+
+    add("L4 >= L3 on (b)", "L4", "L3", "b", 1.0)
+    add("L5 >= L4 on (b)", "L5", "L4", "b", 1.0)
+    add("L6 >= L3 on (b)", "L6", "L3", "b", 1.0)
+    if ("L6", "a") in tok:
+        share = tok["L6", "a"] / ceil["batch1_ceiling_tok_s"]
+        out.append({"target": "L6 (a) >= 85% of the batch-1 ceiling", "measured": f"{100 * share:.0f}%",
+                    "met": share >= 0.85})  # fmt: skip
+    add("best torch stage >= 2.5x HF batched on (b)", best(torch_stages, "b"), "HF batched", "b", 2.5)
+    add("best stage >= 2x HF generate_batch on (b)", best(stages, "b"), "HF generate_batch", "b", 2.0)
+    add("best stage >= 2x HF generate_batch on (u)", best(stages, "u"), "HF generate_batch", "u", 2.0)
+    add("best stage >= 1.6x HF batched on (u)", best(stages, "u"), "HF batched", "u", 1.6)
+    return out
+
+
+def _cell(row: dict, work: str, fmt: str, key: str, scale: float = 1.0) -> str:
+    value = row.get(work, {}).get(key)
+    return "-" if value is None else format(scale * value, fmt)
+
+
+def _agreement(row: dict) -> str:
+    """Token agreement with HF batch 1 over every timed workload: matches, ties, mismatches."""
+    parts = [row[w]["agreement"] for w in ("a", "b", "u", "c") if "agreement" in row.get(w, {})]
+    if not parts:
+        return "reference"
+    match = sum(p["match"] for p in parts)
+    ties = sum(len(p["ties"]) for p in parts)
+    wrong = sum(len(p["mismatches"]) for p in parts)
+    return f"{match + ties}/{match + ties + wrong}" + (f" ({ties} ties)" if ties else "")
 
 
 def summary_table(results: dict) -> str:
-    """The Markdown table README shows."""
-    c, m = results["ceilings"], results["machine"]
+    """The Markdown tables README shows: speeds, then the targets."""
+    c, m, sizes = results["ceilings"], results["machine"], results["sizes"]
     lines = [
         f"machine: {m['processor']}, {m['threads']} threads, {m['platform']}, torch {m['torch']}",
         f"ceilings: copy {c['copy_bandwidth_GBps']:.1f} GB/s over {c['weight_bytes'] / 1e6:.0f} MB of weights -> "
         f"batch-1 {c['batch1_ceiling_tok_s']:.1f} tok/s; matmul {c['matmul_GFLOPs']:.1f} GFLOP/s -> "
         f"large-batch {c['large_batch_ceiling_tok_s']:.1f} tok/s",
+        f"every time: median of {sizes['repeats']} runs after an untimed warm-up (one run for one-at-a-time "
+        "systems on (b) and (u)); agreement: outputs equal to HF batch 1's, tie rule applied",
         "",
-        f"| system | (a) batch-1 tok/s | vs HF b1 | of b1 ceiling | (b) {results['sizes']['b_requests']} mixed tok/s "
-        f"| vs HF batched | of large-batch ceiling | (b) KV utilization | (c) n={results['sizes']['c_n']} tok/s "
-        "| (c) blocks held / private copies |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| system | (a) batch-1 tok/s | of b1 ceiling | (b) {sizes['b_requests']} mixed tok/s | vs HF batched "
+        f"| vs generate_batch | (u) {sizes['u_requests']} uniform tok/s | vs HF batched | vs generate_batch "
+        f"| (b) KV utilization | (c) n={sizes['c_n']} tok/s | (c) blocks held / private copies | tokens = HF b1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results["systems"].items():
-        kv = f"{100 * row['b_kv']['utilization']:.1f}%" if "b_kv" in row else "-"
         c_kv = row.get("c_kv")
-        shared = f"{c_kv['blocks_held']} / {c_kv['private_copies_blocks']}" if c_kv else "-"
+        blocks = f"{c_kv['blocks_held']} / {c_kv['private_copies_blocks']}" if c_kv else "-"
         lines.append(
-            f"| {name} | {row['a']['tok_s']:.1f} | {row['a']['vs_hf_batch1']:.2f}x | "
-            f"{100 * row['a']['of_batch1_ceiling']:.0f}% | {row['b']['tok_s']:.1f} | "
-            f"{row['b']['vs_hf_batched']:.2f}x | {100 * row['b']['of_large_batch_ceiling']:.0f}% | {kv} | "
-            f"{row['c']['tok_s']:.1f} | {shared} |"
+            f"| {name} | {_cell(row, 'a', '.1f', 'tok_s')} | {_cell(row, 'a', '.0%', 'of_batch1_ceiling')} "
+            f"| {_cell(row, 'b', '.1f', 'tok_s')} | {_cell(row, 'b', '.2f', 'vs_hf_batched')}x "
+            f"| {_cell(row, 'b', '.2f', 'vs_generate_batch')}x | {_cell(row, 'u', '.1f', 'tok_s')} "
+            f"| {_cell(row, 'u', '.2f', 'vs_hf_batched')}x | {_cell(row, 'u', '.2f', 'vs_generate_batch')}x "
+            f"| {_cell(row, 'b_kv', '.1%', 'utilization')} | {_cell(row, 'c', '.1f', 'tok_s')} "
+            f"| {blocks} | {_agreement(row)} |"
         )
+    lines = [line.replace("| -x ", "| - ") for line in lines]
+    if results.get("targets"):
+        lines += ["", "| target | measured | |", "|---|---|---|"]
+        lines += [
+            f"| {t['target']} | {t['measured']} | {'met' if t['met'] else 'missed'} |"
+            for t in results["targets"]
+        ]
     if "e" in results:
         e = results["e"]
         lines += ["", "| (e) L6 attention alone | ms per call |", "|---|---|"]
@@ -59,12 +128,13 @@ def plot(results: dict, folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems, ceil = results["systems"], results["ceilings"]
-    names = list(systems)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, work, ceiling, title in (
         (axes[0], "a", ceil["batch1_ceiling_tok_s"], "(a) batch-1 decode"),
         (axes[1], "b", ceil["large_batch_ceiling_tok_s"], "(b) 32 mixed requests"),
+        (axes[2], "u", ceil["large_batch_ceiling_tok_s"], "(u) 32 uniform requests"),
     ):
+        names = [n for n in systems if work in systems[n]]
         ax.bar(names, [systems[n][work]["tok_s"] for n in names], color="tab:blue")
         ax.axhline(ceiling, color="tab:red", linestyle="--", label=f"ceiling {ceiling:.0f} tok/s")
         ax.set_title(title)

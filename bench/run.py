@@ -49,17 +49,18 @@ from tqdm import tqdm
 
 from bench import ceilings
 from bench.measure import (
+    agreement,
     block_size_sweep,
     cpu_name,
     decode_latency,
     kv_stats,
     reset_times,
     stage_options,
-    timed,
+    timed_requests,
     timed_samples,
 )
-from bench.report import add_ratios, plot, summary_table
-from bench.systems import hf_batch1, hf_batched, present_stages, stage
+from bench.report import add_ratios, plot, summary_table, targets
+from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stages, stage
 from bench.workloads import FULL, QUICK, mixed_workload
 from kvcourse.model import Transformer
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
@@ -105,43 +106,59 @@ def main(argv=None) -> int:
     c_prompt = mixed_workload(vocab, 1, (sizes["c_prompt"],) * 2, (1, 1), seed=7)[0][0]
 
     # One system at a time, built when its turn comes and dropped after: engines allocate their pools.
-    makers = [("HF batch 1", lambda: hf_batch1(model_dir)), ("HF batched", lambda: hf_batched(model_dir))]
+    # HF batch 1 runs first: its outputs (and top-2 gaps) are the token reference for everyone after.
+    u_prompts, u_budgets = mixed_workload(
+        vocab, sizes["u_requests"], (sizes["u_prompt"],) * 2, (sizes["u_new"],) * 2, seed=3
+    )
+    makers = [("HF batch 1", lambda: hf_batch1(model_dir)), ("HF batched", lambda: hf_batched(model_dir)),
+              ("HF generate_batch", lambda: hf_generate_batch(model_dir))]  # fmt: skip
     options = {n: stage_options(engine_class(n), sizes, max_len) for n in stages}
     makers += [(n, lambda n=n: stage(n, model_dir, **options[n])) for n in stages]
-    works = {name: ("a", "b", "c", "d") if name != "HF batched" else ("a", "b", "c") for name, _ in makers}
+    works = {name: ["a", "b", "u", "c", "d"] for name, _ in makers}
+    for n in stages:  # L1, L2 (one request at a time) are not peers on the uniform workload
+        if not {"max_num_seqs", "max_seqs"} & set(options[n]):
+            works[n].remove("u")
+    works["HF batch 1"] = works["HF batched"] = ["a", "b", "u", "c"]
+    works["HF generate_batch"] = ["b", "u", "c"]  # the peer rows; it has no batch-1 story
     rows: dict[str, dict] = {name: {} for name, _ in makers}
-    with tqdm(total=sum(map(len, works.values())), desc="bench", unit="run") as progress:
+    references: dict[str, list] = {}
+    repeats = sizes["repeats"]
+    with tqdm(total=sum(map(len, works.values())), desc="bench", unit="part") as progress:
         for name, make in makers:
             system, row = make(), rows[name]
             for work in works[name]:
                 progress.set_postfix_str(f"{name} ({work})")
-                runs = {
-                    "a": lambda system=system: timed(system, [chat], [sizes["a_tokens"]]),
-                    "b": lambda system=system: timed(system, b_prompts, b_budgets),
-                    "c": lambda system=system: timed_samples(system, c_prompt, sizes["c_new"], sizes["c_n"]),
-                }
-                if work in runs:
-                    row[work] = runs[work]()
-                    if system.engine is not None and system.engine.stats().compiles:  # timed again, warm
-                        row[work] = runs[work]() | {"first_run_seconds": row[work]["seconds"]}
-                else:
+                if work == "d":
                     row["d"] = {
                         str(c): decode_latency(system, vocab, c, sizes["d_steps"])
                         for c in sizes["d_contexts"]
                     }
+                    progress.update()
+                    continue
+                # (b) and (c) on a fresh engine, so that its stats() describe that workload alone
+                runner = make() if work in ("b", "c") and system.engine is not None else system
+                if work == "c":
+                    row["c"], outs = timed_samples(runner, c_prompt, sizes["c_new"], sizes["c_n"], repeats)
+                else:
+                    prompts, budgets = {"a": ([chat], [sizes["a_tokens"]]), "b": (b_prompts, b_budgets),
+                                        "u": (u_prompts, u_budgets)}[work]  # fmt: skip
+                    long = runner.one_at_a_time and work in ("b", "u")  # a request after another: 1 run
+                    row[work], outs = timed_requests(
+                        runner, prompts, budgets, 1 if long else repeats, 1 if long else None
+                    )
+                if runner is not system and (work == "b" or hasattr(runner.engine, "generate_samples")):
+                    row[f"{work}_kv"] = kv_stats(runner.engine)  # (c): only where samples share blocks
+                    del runner
+                if name == "HF batch 1":
+                    references[work] = system.references
+                else:
+                    row[work]["agreement"] = agreement(outs, references[work])
                 progress.update()
             del system
-    for name in stages:  # KV memory on fresh engines, from the stats every engine reports
-        fresh = lambda name=name: stage(name, model_dir, **options[name]).engine  # noqa: E731
-        rows[name]["b_kv"] = kv_stats(fresh(), lambda e: e.generate(b_prompts, b_budgets, ignore_eos=True))
-        if hasattr(engine_class(name), "generate_samples"):
-            rows[name]["c_kv"] = kv_stats(
-                fresh(),
-                lambda e: e.generate_samples([c_prompt], sizes["c_new"], n=sizes["c_n"], ignore_eos=True),
-            )
-            size = rows[name]["c_kv"]["block_size"]
-            rows[name]["c_kv"]["private_copies_blocks"] = sizes["c_n"] * -(
-                -(sizes["c_prompt"] + sizes["c_new"]) // size
+    for row in rows.values():
+        if "c_kv" in row:
+            row["c_kv"]["private_copies_blocks"] = sizes["c_n"] * -(
+                -(sizes["c_prompt"] + sizes["c_new"]) // row["c_kv"]["block_size"]
             )
     results["systems"] = rows
     if "L6" in stages:
@@ -150,11 +167,17 @@ def main(argv=None) -> int:
             "reset_ms": reset_times(model_dir, options["L6"]),
         }
     add_ratios(results)
+    results["targets"] = targets(results)
     (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "plots")
     print(summary_table(results))
     if tmp:
         tmp.cleanup()
+    wrong = [f"{name} ({work}): {row[work]['agreement']['mismatches']}" for name, row in rows.items()
+             for work in ("a", "b", "u", "c") if row.get(work, {}).get("agreement", {}).get("mismatches")]  # fmt: skip
+    if wrong:
+        print("bench FAILED: outputs differ from HF batch 1 beyond the tie rule:\n  " + "\n  ".join(wrong))
+        return 1
     return 0
 
 

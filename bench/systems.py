@@ -1,27 +1,34 @@
 """The systems a benchmark compares, each behind one call: ``run(prompts, budgets) -> outputs``.
 
-Every run is fixed-length (``ignore_eos``): each request produces exactly its budget of tokens, so
-tokens/s compares like with like.
+Every run is fixed-length: each request produces exactly its budget of tokens. HF's models get no
+eos token (``generation_config.eos_token_id = None``), so they neither stop on it nor mask it (HF's
+``min_new_tokens`` would mask it and pick another token); the engines run with ``ignore_eos``. Both
+then compute the same greedy text, which the bench checks token for token.
 
-- ``hf_batch1``: Hugging Face ``generate``, one request at a time (what the smoke checks use);
-- ``hf_batched``: HF ``generate`` on all requests at once, left-padded to the longest prompt; it
-  runs every request for the largest budget, and only each request's own budget counts as useful
-  output (the rest is the price of static batching);
+- ``hf_batch1``: Hugging Face ``generate``, one request at a time. It also keeps, for its last run,
+  each position's top-2 logit gap: its outputs are the bench's token reference, with the tie rule;
+- ``hf_batched``: HF ``generate`` on all requests at once, left-padded to the longest prompt. It
+  runs every request for the largest budget; only each request's own budget counts as useful output,
+  and ``computed`` reports what it really generated;
+- ``hf_generate_batch``: transformers' own paged continuous batching (what ``model.generate_batch``
+  runs, with ``attn_implementation="paged|sdpa"``), every request with its own budget;
 - the course's stages, by name (``L1`` .. ``L6``), through their ``Engine.generate``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvcourse.config import ModelConfig
-from kvcourse.reference import load_hf_model
+from kvcourse.reference import Reference, load_hf_model
 from kvcourse.stages import STAGES, engine_class
 
 Run = Callable[[list[list[int]], list[int]], list[list[int]]]
+PAGE = 16  # generate_batch's page size: the stages' block size
+MAX_BATCH_TOKENS = 2048  # tokens per generate_batch step: the stages' default (their max_model_len)
 
 
 @dataclass
@@ -29,6 +36,8 @@ class System:
     name: str
     run: Run
     engine: object | None = None  # the course engine, for its memory counters
+    one_at_a_time: bool = False  # runs its requests one after another (HF batch 1, L1, L2)
+    references: list[Reference] = field(default_factory=list)  # HF batch 1: its last run, with gaps
 
     def run_samples(self, prompt: list[int], budget: int, n: int) -> list[list[int]]:
         """n sequences of one prompt: prefilled once and forked where the stage can (L5, L6), else n requests."""
@@ -36,27 +45,43 @@ class System:
             return self.engine.generate_samples([prompt], budget, n=n, ignore_eos=True)[0]
         return self.run([prompt] * n, [budget] * n)
 
+    def computed(self, prompts, budgets) -> int:
+        """New tokens the system generates for these requests (HF batched: every row runs the largest budget)."""
+        return len(budgets) * max(budgets) if self.name == "HF batched" else sum(budgets)
+
+
+def fixed_length_model(model_dir, **options):
+    """An HF model that never stops on eos and never masks it, like the engines' ``ignore_eos``."""
+    model = load_hf_model(model_dir, **options)
+    model.generation_config.eos_token_id = None
+    return model
+
 
 def hf_batch1(model_dir) -> System:
-    model = load_hf_model(model_dir)
+    model = fixed_length_model(model_dir)
+    system = System("HF batch 1", lambda prompts, budgets: [], one_at_a_time=True)
 
     def run(prompts, budgets):
-        outs = []
+        system.references = []
         for ids, budget in zip(prompts, budgets, strict=True):
             inp = torch.tensor([ids])
             with torch.inference_mode():
-                seq = model.generate(
-                    inp, attention_mask=torch.ones_like(inp), max_new_tokens=budget, min_new_tokens=budget,
-                    do_sample=False, pad_token_id=0,
+                res = model.generate(
+                    inp, attention_mask=torch.ones_like(inp), max_new_tokens=budget, do_sample=False,
+                    pad_token_id=0, output_logits=True, return_dict_in_generate=True,
                 )  # fmt: skip
-            outs.append(seq[0, len(ids) :].tolist())
-        return outs
+            top2 = [torch.topk(step[0], 2).values for step in res.logits]  # one (1, vocab) per position
+            system.references.append(
+                Reference(res.sequences[0, len(ids) :].tolist(), [float(t[0] - t[1]) for t in top2])
+            )
+        return [r.tokens for r in system.references]
 
-    return System("HF batch 1", run)
+    system.run = run
+    return system
 
 
 def hf_batched(model_dir) -> System:
-    model = load_hf_model(model_dir)
+    model = fixed_length_model(model_dir)
 
     def run(prompts, budgets):
         width, longest = max(map(len, prompts)), max(budgets)
@@ -64,12 +89,54 @@ def hf_batched(model_dir) -> System:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
             seq = model.generate(
-                ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=0
+            )
         return [seq[i, width : width + b].tolist() for i, b in enumerate(budgets)]
 
     return System("HF batched", run)
+
+
+def hf_generate_batch(model_dir) -> System:
+    """transformers' continuous batching. ``model.generate_batch`` gives every request one budget; the
+    manager it wraps (``continuous_batching_context_manager``) takes each request's own."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = fixed_length_model(model_dir, attn_implementation="paged|sdpa")
+
+    def run(prompts, budgets):
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=max(budgets), eos_token_id=-1, pad_token_id=0
+        )
+        hints = WorkloadHints(
+            max_prompt_length=max(map(len, prompts)),
+            max_generated_length=max(budgets),
+            num_requests=len(prompts),
+        )
+        # No inference_mode here: the manager's worker thread runs outside it and updates these tensors.
+        # warmup=False: its warm-up runs dummy batches at the largest sizes (for CUDA graphs) at every
+        # call; the bench gives it an untimed warm-up run instead, like every other system.
+        # Its KV cache sized like the stages' pools (16-token pages, enough for every request at once):
+        # left to itself it sizes the cache from free accelerator memory, which on a CPU costs seconds.
+        pages = sum(-(-(len(p) + b) // PAGE) for p, b in zip(prompts, budgets, strict=True))
+        sizing = ContinuousBatchingConfig(page_size=PAGE, num_blocks=pages, max_batch_tokens=MAX_BATCH_TOKENS)
+        with model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=sizing, workload_hints=hints, warmup=False
+        ) as manager:
+            ids = [manager.add_request(p, max_new_tokens=b) for p, b in zip(prompts, budgets, strict=True)]
+            done = {}
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is None and not manager.is_running():
+                    raise RuntimeError(
+                        "transformers' continuous batching stopped before finishing its requests"
+                    )
+                if result is not None and result.is_finished():
+                    done[result.request_id] = result
+        return [list(done[i].generated_tokens) for i in ids]
+
+    return System("HF generate_batch", run)
 
 
 def stage(name: str, model_dir, **options) -> System:
@@ -78,7 +145,9 @@ def stage(name: str, model_dir, **options) -> System:
     def run(prompts, budgets):
         return engine.generate(prompts, budgets, ignore_eos=True)
 
-    return System(name, run, engine)
+    params = inspect.signature(engine_class(name)).parameters
+    batched = "max_num_seqs" in params or "max_seqs" in params  # L1 and L2 run one request at a time
+    return System(name, run, engine, one_at_a_time=not batched)
 
 
 def present_stages() -> list[str]:
@@ -91,7 +160,3 @@ def present_stages() -> list[str]:
             continue
         names.append(name)
     return names
-
-
-def kv_bytes_per_token(model_dir) -> int:
-    return ModelConfig.from_dir(model_dir).kv_bytes_per_token()

@@ -1,7 +1,7 @@
 """The benchmark's workloads: sizes for a full and a quick run, and seeded random requests.
 
 ``FULL`` is what ``make bench`` runs (README's Results); ``QUICK`` the same parts on tiny sizes, for the
-test suite. Random token ids are fine for speed: with ``ignore_eos`` the text never changes what is
+test suite. ``repeats`` is how many timed runs each median takes. Random token ids are fine for speed: with ``ignore_eos`` the text never changes what is
 computed.
 """
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import random
 
-FULL = {"a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), "b_new": (16, 128), "c_n": 8,
+FULL = {"repeats": 3, "a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), "b_new": (16, 128),
+        "u_requests": 32, "u_prompt": 128, "u_new": 64, "c_n": 8,
         "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 16,
         "e_decode_seqs": 32, "e_context": 512, "e_prefill": 512,
         "e_blocks": [(1, 1), (1, 4), (1, 16), (16, 4), (16, 16), (32, 32)]}  # fmt: skip
-QUICK = {"a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_new": (2, 6), "c_n": 2,
+QUICK = {"repeats": 1, "a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_new": (2, 6),
+         "u_requests": 4, "u_prompt": 12, "u_new": 3, "c_n": 2,
          "c_prompt": 20, "c_new": 4, "d_contexts": [16, 48], "d_steps": 2,
          "e_decode_seqs": 2, "e_context": 40, "e_prefill": 24, "e_blocks": [(1, 1), (16, 16)]}  # fmt: skip
 

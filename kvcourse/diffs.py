@@ -9,7 +9,7 @@ what the lesson changes. Each file starts with a short header (files unchanged b
 new in the stage, files gone) and then one unified diff per changed file, 3 lines of context, paths
 ``a/L2_token_flat/x.py`` and ``b/L3_block_tensor/x.py`` as git writes them.
 
-Compared: the stage's engine modules. Left out: ``__init__.py`` (a package marker naming the stage),
+Compared: the stage's engine modules and its C++ kernel source (``*.cpp``). Left out: ``__init__.py`` (a package marker naming the stage),
 the smoke script (``lN_smoke.py``) and the exercise checkers (``checks.py``), which are each stage's
 own harness, not its lesson. L6 is not diffed against L5: it is a rewrite in JAX, and its chapter
 maps L5's names to Levanter's instead.
@@ -32,10 +32,11 @@ NOT_COMPARED = ("__init__.py", "checks.py")
 
 
 def lesson_files(stage_dir: Path) -> dict[str, str]:
-    """The stage's engine modules by file name, with their text (smoke script and harness left out)."""
+    """The stage's engine modules and kernel sources by file name, with their text (smoke script and
+    harness left out)."""
     return {
         f.name: f.read_text(encoding="utf-8")
-        for f in sorted(stage_dir.glob("*.py"))
+        for f in sorted([*stage_dir.glob("*.py"), *stage_dir.glob("*.cpp")])
         if f.name not in NOT_COMPARED and not f.name.endswith("_smoke.py")
     }
 

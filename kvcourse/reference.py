@@ -106,12 +106,13 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int
     return out
 
 
-def load_hf_model(model_dir: str | Path):
-    """The checkpoint as an HF model in fp32, eval mode."""
+def load_hf_model(model_dir: str | Path, **options):
+    """The checkpoint as an HF model in fp32, eval mode; ``options`` go to ``from_pretrained`` (e.g.
+    ``attn_implementation="paged|sdpa"`` for transformers' continuous batching)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **options).eval()
 
 
 def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> list[Reference]:

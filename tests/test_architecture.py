@@ -28,7 +28,13 @@ STAGE_DIRS = list(STAGES.values())
 IDENTICAL = {
     "L3_block_tensor": ["allocator.py"],
     "L4_paged_kernel": ["allocator.py", "cache.py", "scheduler.py", "sequence.py"],
-    "L5_clones": ["attention.py", "paged_attention.py", "triton_paged_attention.py"],
+    "L5_clones": [
+        "attention.py",
+        "cpp_paged_attention.py",
+        "paged_attention.cpp",
+        "paged_attention.py",
+        "triton_paged_attention.py",
+    ],
 }
 
 

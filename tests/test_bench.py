@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from bench import run, workloads
+from bench import profile, run, workloads
 
 
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
@@ -15,21 +15,30 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
     systems, sizes = results["systems"], results["sizes"]
     budgets = workloads.mixed_workload(49152, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])[1]
-    assert {"HF batch 1", "HF batched", "L1"} <= set(systems)
+    assert {"HF batch 1", "HF batched", "HF generate_batch", "L1"} <= set(systems)
     for name, row in systems.items():
-        assert {"a", "b", "c"} <= set(row), name
-        assert row["a"]["tok_s"] > 0 and row["b"]["new_tokens"] == sum(budgets)
+        assert {"b", "c"} <= set(row), name
+        assert row["b"]["tok_s"] > 0 and row["b"]["new_tokens"] == sum(budgets)
+        assert len(row["b"]["runs"]) in (1, sizes["repeats"]) and row["b"]["warmup_seconds"] > 0
+        if name != "HF batch 1":  # every other system's outputs equal HF batch 1's (tie rule)
+            assert not row["b"]["agreement"]["mismatches"], name
+            assert row["b"]["agreement"]["match"] + len(row["b"]["agreement"]["ties"]) == len(budgets), name
         if name.startswith("L"):
             assert 0 < row["b_kv"]["utilization"] <= 1, name
-        if name.startswith("L") and name != "L6":
             assert set(row["d"]) == {str(c) for c in sizes["d_contexts"]}
         if "c_kv" in row:  # prefilled once and forked: fewer blocks than private copies
             assert 0 < row["c_kv"]["blocks_held"] < row["c_kv"]["private_copies_blocks"], name
+    assert systems["HF batched"]["b"]["computed_new_tokens"] == len(budgets) * max(budgets) > sum(budgets)
+    assert {t["target"] for t in results["targets"]} >= {
+        "L4 >= L3 on (b)",
+        "best stage >= 1.6x HF batched on (u)",
+    }
     for key in ("copy_bandwidth_GBps", "matmul_GFLOPs", "batch1_ceiling_tok_s", "large_batch_ceiling_tok_s"):
         assert results["ceilings"][key] > 0
     assert (tmp_path / "plots" / "throughput.png").stat().st_size > 0
     assert (tmp_path / "plots" / "decode_latency.png").stat().st_size > 0
-    assert "| L1 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| L1 |" in out and "| HF generate_batch |" in out and "| target | measured |" in out
 
 
 def test_mixed_workload_is_seeded_and_in_range():
@@ -37,3 +46,11 @@ def test_mixed_workload_is_seeded_and_in_range():
     assert (prompts, budgets) == workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
     assert all(10 <= len(p) <= 20 and all(3 <= t < 100 for t in p) for p in prompts)
     assert all(3 <= b <= 4 for b in budgets)
+
+
+def test_quick_profile_splits_a_step_into_its_parts(capsys):
+    assert profile.main(["--quick", "--stages", "L3,L4:cpp"]) == 0
+    out = capsys.readouterr().out
+    for part in profile.PARTS:
+        assert f"| {part} |" in out
+    assert "L4:cpp ms/decode step" in out
