@@ -1,6 +1,7 @@
-"""Where a torch stage's time goes on workload (b): ``python -m bench.profile [--stages L3,L4,L5] [--quick]``.
+"""Where a stage's time goes on workload (b): ``python -m bench.profile [--stages L3,L4:cpp,L6] [--quick]``.
 
-Each stage runs (b) once to warm up, then once more with timers around the parts of its step:
+Each stage runs (b) once to warm up, then once more with timers around the parts of its step. For the
+torch stages (L3-L5):
 
 - ``schedule + pack``: the scheduler and ``prepare`` (Python, building the flat batch);
 - ``matmuls + rest``: the model's forward minus its attention calls (projections, MLP, norms, RoPE, head);
@@ -11,8 +12,12 @@ Each stage runs (b) once to warm up, then once more with timers around the parts
 Times are whole seconds over the run and milliseconds per decode step (steps whose every row is a
 decode token); the timers add a few microseconds per call. The chapters' profile tables come from this.
 
-Left out on purpose: L6 (JAX, one compiled call per step: its chapter times calls with
-``block_until_ready`` instead) and operator-level detail (``torch.profiler`` gives that).
+L6 (JAX) is one compiled call per prefill and one per decode loop (up to ``max_rounds`` steps on the
+device), so its parts are the calls themselves, each timed to ``block_until_ready``: prefill, decode
+(and its milliseconds per step), the host's reads of the state (``host_state``, device -> host) and
+what is left, the host's Python (admission, packing the prefill work, the guard).
+
+Left out on purpose: operator-level detail (``torch.profiler`` and ``jax.profiler`` give that).
 """
 
 from __future__ import annotations
@@ -107,6 +112,53 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
     }
 
 
+def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
+    """Run (b) twice on a fresh L6 engine (the first run compiles); time each call of the second."""
+    import jax
+
+    engine = engine_class("L6")(model_dir, **options)
+    engine.generate(prompts, budgets, ignore_eos=True)  # warm-up, compiles every shape (b) needs
+    seconds, calls = defaultdict(float), defaultdict(int)
+    call, host_state = engine._call, engine.host_state
+
+    def timed_call(name, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(call(name, fn, *args, **kwargs))
+        seconds[name] += time.perf_counter() - t0
+        calls[name] += 1
+        return out
+
+    def timed_host_state():
+        t0 = time.perf_counter()
+        out = host_state()
+        seconds["host_state"] += time.perf_counter() - t0
+        calls["host_state"] += 1
+        return out
+
+    steps_before = engine.stats().steps
+    with (
+        mock.patch.object(engine, "_call", timed_call),
+        mock.patch.object(engine, "host_state", timed_host_state),
+    ):
+        t0 = time.perf_counter()
+        engine.generate(prompts, budgets, ignore_eos=True)
+        wall = time.perf_counter() - t0
+    steps = engine.stats().steps - steps_before - calls["prefill"]  # a prefill call is one step
+    parts = {name: seconds[name] for name in ("prefill", "decode", "host_state")}
+    parts["host Python"] = wall - sum(seconds.values())
+    return {"seconds": wall, "parts_s": parts, "calls": dict(calls), "steps": steps,
+            "decode_step_ms": 1000 * seconds["decode"] / max(steps, 1)}  # fmt: skip
+
+
+def l6_table(p: dict) -> str:
+    """Markdown: L6's calls, seconds over the run, and ms per decode step."""
+    lines = ["| L6 part | s (run) | calls |", "|---|---|---|"]
+    lines += [f"| {name} | {sec:.2f} | {p['calls'].get(name, '-')} |" for name, sec in p["parts_s"].items()]
+    lines.append(f"| **whole run** | {p['seconds']:.2f} | |")
+    lines.append(f"\nL6: {p['steps']} decode steps on the device, {p['decode_step_ms']:.1f} ms each")
+    return "\n".join(lines)
+
+
 def table(profiles: dict) -> str:
     """Markdown: per stage, each part's seconds over the run and ms per decode step."""
     names = list(profiles)
@@ -127,8 +179,8 @@ def table(profiles: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--stages", default="L3,L4:torch,L4:cpp,L5:cpp",
-        help="comma-separated torch stages, each with an optional :kernel (default L3,L4:torch,L4:cpp,L5:cpp)",
+        "--stages", default="L3,L4:torch,L4:cpp,L5:cpp,L6",
+        help="comma-separated stages, a torch one with an optional :kernel (default L3,L4:torch,L4:cpp,L5:cpp,L6)",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (for tests)")
     parser.add_argument("--model", help="model directory (default: the course model)")
@@ -147,15 +199,18 @@ def main(argv=None) -> int:
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     prompts, budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
     max_len = sizes["b_prompt"][1] + sizes["b_new"][1]
-    profiles = {}
+    profiles, l6 = {}, None
     for spec in args.stages.split(","):
         name, _, kernel = spec.partition(":")
         cls = engine_class(name)
+        if name == "L6":
+            l6 = profile_l6(model_dir, prompts, budgets, stage_options(cls, sizes, max_len))
+            continue
         if not hasattr(cls, "prepare"):
-            raise SystemExit(f"{name} is not a torch stage with a scheduler; profile L3, L4 or L5")
+            raise SystemExit(f"{name} has no scheduler step to profile; profile L3, L4, L5 or L6")
         options = stage_options(cls, sizes, max_len) | ({"kernel": kernel} if kernel else {})
         profiles[spec] = profile_stage(name, model_dir, prompts, budgets, options)
-    print(table(profiles))
+    print("\n\n".join(([table(profiles)] if profiles else []) + ([l6_table(l6)] if l6 else [])))
     return 0
 
 

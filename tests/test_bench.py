@@ -49,8 +49,8 @@ def test_mixed_workload_is_seeded_and_in_range():
 
 
 def test_quick_profile_splits_a_step_into_its_parts(capsys):
-    assert profile.main(["--quick", "--stages", "L3,L4:cpp"]) == 0
+    assert profile.main(["--quick", "--stages", "L3,L4:cpp,L6"]) == 0
     out = capsys.readouterr().out
-    for part in profile.PARTS:
+    for part in (*profile.PARTS, "prefill", "decode", "host_state", "host Python"):
         assert f"| {part} |" in out
-    assert "L4:cpp ms/decode step" in out
+    assert "L4:cpp ms/decode step" in out and "decode steps on the device" in out
