@@ -83,6 +83,11 @@ def summary_table(results: dict) -> str:
         f"ceilings: copy {c['copy_bandwidth_GBps']:.1f} GB/s over {c['weight_bytes'] / 1e6:.0f} MB of weights -> "
         f"batch-1 {c['batch1_ceiling_tok_s']:.1f} tok/s; matmul {c['matmul_GFLOPs']:.1f} GFLOP/s -> "
         f"large-batch {c['large_batch_ceiling_tok_s']:.1f} tok/s",
+        "C++ kernels, build time (once per CPU, by make setup): "
+        + (
+            ", ".join(f"{k} {v:.0f} s" for k, v in results.get("cpp_kernel_build_seconds", {}).items() if v)
+            or "-"
+        ),
         f"every time: median of {sizes['repeats']} runs after an untimed warm-up (one run for one-at-a-time "
         "systems on (b) and (u)); agreement: outputs equal to HF batch 1's, tie rule applied",
         "",
