@@ -170,7 +170,11 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
 
     Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
     L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``. A stage with a
-    ``kernel`` choice (L4, L5) runs its compiled C++ kernel, the fastest it has on a CPU.
+    ``kernel`` choice (L4, L5) runs its compiled C++ kernel, the fastest it has on a CPU. A stage with a
+    prefix cache (L5) runs without it: every timed run repeats the warm-up's prompts, and the blocks
+    the warm-up left in the cache would let it skip their prefill, which new requests never get (L5
+    1.5x L4 on (u) in the run of 2026-11-23 that found this). (c)'s sharing is the fork, which needs
+    no cache.
     """
     params = inspect.signature(engine_cls).parameters
     size = params["block_size"].default if "block_size" in params else 16
@@ -184,4 +188,5 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
     options |= {name: blocks for name in ("num_blocks", "num_pages") if name in params}
     options |= {name: sizes["b_requests"] for name in ("max_num_seqs", "max_seqs") if name in params}
     options |= {"kernel": "cpp"} if "kernel" in params else {}
+    options |= {"enable_prefix_caching": False} if "enable_prefix_caching" in params else {}
     return options

@@ -163,3 +163,28 @@ def plot(results: dict, folder: Path) -> None:
     fig.tight_layout()
     fig.savefig(folder / "decode_latency.png", dpi=110)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """``python -m bench.report [RESULTS.json]``: the tables and plots again from a saved run (the
+    measurements are not touched; ratios and targets are recomputed from them)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__.splitlines()[0])
+    here = Path(__file__).resolve().parent
+    parser.add_argument("results", nargs="?", default=str(here / "results" / "bench.json"))
+    parser.add_argument("--plots", default=str(here / "plots"), help="folder for the plots")
+    args = parser.parse_args(argv)
+    path = Path(args.results)
+    results = json.loads(path.read_text())
+    add_ratios(results)
+    results["targets"] = targets(results)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, Path(args.plots))
+    print(summary_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from bench import profile, run, workloads
+from bench import profile, report, run, workloads
 
 
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
@@ -39,6 +39,10 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert (tmp_path / "plots" / "decode_latency.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "| L1 |" in out and "| HF generate_batch |" in out and "| target | measured |" in out
+    # the tables again from the saved file, measurements untouched
+    assert report.main([str(tmp_path / "results" / "bench.json"), "--plots", str(tmp_path / "plots")]) == 0
+    again = capsys.readouterr().out.strip()
+    assert again and again in out
 
 
 def test_mixed_workload_is_seeded_and_in_range():
