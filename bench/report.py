@@ -145,7 +145,7 @@ def plot(results: dict, folder: Path) -> None:
         ax.axhline(ceiling, color="tab:red", linestyle="--", label=f"ceiling {ceiling:.0f} tok/s")
         ax.set_title(title)
         ax.set_ylabel("output tokens/s")
-        ax.tick_params(axis="x", rotation=30)
+        plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
         ax.legend()
     fig.tight_layout()
     fig.savefig(folder / "throughput.png", dpi=110)

@@ -1,6 +1,6 @@
 """``make bench``: every stage against Hugging Face and against the machine's ceilings, in one run.
 
-    python -m bench.run [--quick] [--out DIR] [--model DIR] [--stages L3,L4]
+    python -m bench.run [--quick] [--out DIR] [--model DIR] [--stages L3,L4] [--peers none]
 
 Systems: HF ``generate`` one request at a time (``HF batch 1``, the token reference), HF ``generate``
 on all requests left-padded (``HF batched``), transformers' own paged continuous batching
@@ -86,6 +86,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(REPO_ROOT / "bench"), help="folder for results/ and plots/")
     parser.add_argument("--model", help="model directory (default: the course model)")
     parser.add_argument("--stages", help="comma-separated stages to run (default: every stage present)")
+    parser.add_argument(
+        "--peers",
+        help="comma-separated peers besides HF batch 1, or none (default: HF batched,HF generate_batch)",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     tmp = None
@@ -124,16 +128,22 @@ def main(argv=None) -> int:
     u_prompts, u_budgets = mixed_workload(
         vocab, sizes["u_requests"], (sizes["u_prompt"],) * 2, (sizes["u_new"],) * 2, seed=3
     )
-    makers = [("HF batch 1", lambda: hf_batch1(model_dir)), ("HF batched", lambda: hf_batched(model_dir)),
-              ("HF generate_batch", lambda: hf_generate_batch(model_dir))]  # fmt: skip
+    peers = {"HF batched": hf_batched, "HF generate_batch": hf_generate_batch}
+    chosen = list(peers) if args.peers is None else [p for p in args.peers.split(",") if p and p != "none"]
+    unknown = set(chosen) - set(peers)
+    if unknown:
+        parser.error(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(peers)} or none")
+    makers = [("HF batch 1", lambda: hf_batch1(model_dir))]  # always: the token reference
+    makers += [(name, lambda name=name: peers[name](model_dir)) for name in chosen]
     options = {n: stage_options(engine_class(n), sizes, max_len) for n in stages}
     makers += [(n, lambda n=n: stage(n, model_dir, **options[n])) for n in stages]
     works = {name: ["a", "b", "u", "c", "d"] for name, _ in makers}
     for n in stages:  # L1, L2 (one request at a time) are not peers on the uniform workload
         if not {"max_num_seqs", "max_seqs"} & set(options[n]):
             works[n].remove("u")
-    works["HF batch 1"] = works["HF batched"] = ["a", "b", "u", "c"]
-    works["HF generate_batch"] = ["b", "u", "c"]  # the issue's peer rows; it has no batch-1 story
+    for name in ("HF batch 1", "HF batched", "HF generate_batch"):
+        if name in works:
+            works[name] = ["b", "u", "c"] if name == "HF generate_batch" else ["a", "b", "u", "c"]
     rows: dict[str, dict] = {name: {} for name, _ in makers}
     references: dict[str, list] = {}
     repeats = sizes["repeats"]
