@@ -174,7 +174,7 @@ def main(argv=None) -> int:
                     row[f"{work}_kv"] = kv_stats(runner.engine)  # (c): only where samples share blocks
                     del runner
                 if name == "HF batch 1":
-                    references[work] = system.references
+                    references[work] = list(system.references)  # the list is refilled by its next run
                 else:
                     row[work]["agreement"] = agreement(outs, references[work])
                 progress.update()

@@ -38,6 +38,7 @@ class System:
     engine: object | None = None  # the course engine, for its memory counters
     one_at_a_time: bool = False  # runs its requests one after another (HF batch 1, L1, L2)
     references: list[Reference] = field(default_factory=list)  # HF batch 1: its last run, with gaps
+    runs_largest_budget: bool = False  # HF batched: every row generates the largest budget
 
     def run_samples(self, prompt: list[int], budget: int, n: int) -> list[list[int]]:
         """n sequences of one prompt: prefilled once and forked where the stage can (L5, L6), else n requests."""
@@ -46,8 +47,9 @@ class System:
         return self.run([prompt] * n, [budget] * n)
 
     def computed(self, prompts, budgets) -> int:
-        """New tokens the system generates for these requests (HF batched: every row runs the largest budget)."""
-        return len(budgets) * max(budgets) if self.name == "HF batched" else sum(budgets)
+        """New tokens the system generates for these requests (more than asked when every row runs the
+        largest budget)."""
+        return len(budgets) * max(budgets) if self.runs_largest_budget else sum(budgets)
 
 
 def fixed_length_model(model_dir, **options):
@@ -59,10 +61,10 @@ def fixed_length_model(model_dir, **options):
 
 def hf_batch1(model_dir) -> System:
     model = fixed_length_model(model_dir)
-    system = System("HF batch 1", lambda prompts, budgets: [], one_at_a_time=True)
+    references: list[Reference] = []  # refilled by every run
 
     def run(prompts, budgets):
-        system.references = []
+        references.clear()
         for ids, budget in zip(prompts, budgets, strict=True):
             inp = torch.tensor([ids])
             with torch.inference_mode():
@@ -71,13 +73,12 @@ def hf_batch1(model_dir) -> System:
                     pad_token_id=0, output_logits=True, return_dict_in_generate=True,
                 )  # fmt: skip
             top2 = [torch.topk(step[0], 2).values for step in res.logits]  # one (1, vocab) per position
-            system.references.append(
+            references.append(
                 Reference(res.sequences[0, len(ids) :].tolist(), [float(t[0] - t[1]) for t in top2])
             )
-        return [r.tokens for r in system.references]
+        return [r.tokens for r in references]
 
-    system.run = run
-    return system
+    return System("HF batch 1", run, one_at_a_time=True, references=references)
 
 
 def hf_batched(model_dir) -> System:
@@ -93,7 +94,7 @@ def hf_batched(model_dir) -> System:
             )
         return [seq[i, width : width + b].tolist() for i, b in enumerate(budgets)]
 
-    return System("HF batched", run)
+    return System("HF batched", run, runs_largest_budget=True)
 
 
 def hf_generate_batch(model_dir) -> System:

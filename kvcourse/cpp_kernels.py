@@ -61,8 +61,7 @@ def load_cpp_kernel(source: Path):
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    name = build_name(source)
-    folder = cache_root() / "kernels" / cpu_key() / name
+    name, folder = build_name(source), build_folder(source)
     folder.mkdir(parents=True, exist_ok=True)
     built = folder / f"{name}.so"
     before = built.stat().st_mtime if built.exists() else None
@@ -86,9 +85,14 @@ def build_name(source: Path) -> str:
     return f"{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:8]}"
 
 
+def build_folder(source: Path) -> Path:
+    """Where ``source`` is built for this CPU: ``.cache/kernels/<cpu>-<hash>/<file>_<hash>/``."""
+    return cache_root() / "kernels" / cpu_key() / build_name(source)
+
+
 def compile_seconds(source: Path) -> float | None:
     """How long the cached build of ``source`` took, if it was built here."""
-    record = cache_root() / "kernels" / cpu_key() / build_name(source) / "compile_seconds.json"
+    record = build_folder(source) / "compile_seconds.json"
     return json.loads(record.read_text())["seconds"] if record.exists() else None
 
 
@@ -97,7 +101,7 @@ def build_all(root: Path) -> list[tuple[Path, bool, float | None]]:
     benchmark pays the compile). Returns (file, built just now, the build's seconds) for each."""
     done = []
     for source in sorted(root.glob("L[0-9]_*/*.cpp")):
-        record = cache_root() / "kernels" / cpu_key() / build_name(source) / "compile_seconds.json"
+        record = build_folder(source) / "compile_seconds.json"
         before = record.stat().st_mtime if record.exists() else None
         load_cpp_kernel(source)
         done.append((source, record.stat().st_mtime != before, compile_seconds(source)))
