@@ -49,6 +49,9 @@ smoke: setup
 test smoke: export JAX_COMPILATION_CACHE_DIR := $(CURDIR)/.cache/jax
 test smoke: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 
+# The suite runs notebook kernels and JAX processes beside its own: idle OpenMP threads that spin would
+# steal their cores (L1 section 6). Sleeping threads make each small op slower, which no test times.
+test: export OMP_WAIT_POLICY := PASSIVE
 test: setup lint
 	$(PY) -m pytest
 

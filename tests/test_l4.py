@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from smoke_runs import course_smoke
+from smoke_runs import course_smoke, smoke_module
 
 from kvcourse.reference import hf_greedy
 from L3_block_tensor.engine import Engine as L3Engine
@@ -60,8 +60,12 @@ def test_bad_options_are_named(tiny_llama_dir, options, message):
 
 
 @pytest.mark.slow
-def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
+def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, monkeypatch):
+    """The smoke, with its Triton run (the interpreter: ~13 s per prompt on the course model) on the one
+    shortest prompt; make smoke runs it on three."""
+    monkeypatch.setattr(smoke_module("L4"), "TRITON_PROMPTS", 1)
     status, out = course_smoke("L4", model_dir, capsys, course_prompts_subset)
     last = out.strip().splitlines()[-1]
     assert status == 0, last
-    assert last.startswith("L4 smoke: ") and "prompts match L3 and HF" in last
+    assert last.startswith("L4 smoke: 13/13 prompts match L3 and HF"), last
+    assert "L4 triton kernel (interpreter), 1 shortest prompts" in out
