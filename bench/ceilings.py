@@ -22,15 +22,20 @@ import time
 import torch
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+def run_seconds(fn, repeats: int) -> list[float]:
+    """Wall time of each of ``repeats`` runs of ``fn()``, after one untimed warm-up run."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    return statistics.median(run_seconds(fn, repeats))
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

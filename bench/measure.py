@@ -143,14 +143,17 @@ def reset_times(model_dir, options: dict) -> dict:
     return out
 
 
-def decode_latency(system: System, vocab: int, context: int, steps: int) -> float:
+def decode_latency(system: System, vocab: int, context: int, steps: int, repeats: int = 3) -> float:
     """Seconds per decode step at ``context``: (time for 1 + steps tokens - time for 1) / steps.
 
-    Both runs prefill the same prompt, so the difference is the decode steps alone.
+    Both runs prefill the same prompt, so the difference is the decode steps alone. Each time is the
+    fastest of ``repeats`` runs, not the median: the prefill's own noise (seconds, at 2,048 tokens) would
+    otherwise swamp a difference of a second or two (two medians of two runs gave L1 a 2,048-token step
+    of 0 ms in the run of 2026-11-23).
     """
     prompt = mixed_workload(vocab, 1, (context, context), (1, 1), seed=context)[0]
-    short = ceilings.median_seconds(lambda: system.run(prompt, [1]), 2)
-    long = ceilings.median_seconds(lambda: system.run(prompt, [1 + steps]), 2)
+    short = min(ceilings.run_seconds(lambda: system.run(prompt, [1]), repeats))
+    long = min(ceilings.run_seconds(lambda: system.run(prompt, [1 + steps]), repeats))
     return max(long - short, 0.0) / steps
 
 

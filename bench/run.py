@@ -13,8 +13,8 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
 - (u) 32 uniform requests: 128-token prompts, 64 new tokens each (where HF batched wastes nothing);
 - (c) 8 samples of one 200-token prompt, 64 tokens each: L5 and L6 prefill it once and fork (sharing
   its full blocks), the others run 8 requests; the most blocks held at once against 8 private copies;
-- (d) decode latency against context length (128 .. 2048), per stage: the time of 16 extra decode
-  steps after a prompt of that length, divided by 16.
+- (d) decode latency against context length (128 .. 2048), per stage: the time of 32 extra decode
+  steps after a prompt of that length, divided by 32 (the fastest of 3 runs of each length).
 - (e) L6 alone: its reference attention, jit'd, per block size (``q_block`` x ``kv_pages_per_block``)
   on a 32-sequence decode batch and a 512-token prefill; and the time of a logical reset (metadata)
   against a physical one (also zeroes every page of the pool).
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
                 progress.set_postfix_str(f"{name} ({work})")
                 if work == "d":
                     row["d"] = {
-                        str(c): decode_latency(system, vocab, c, sizes["d_steps"])
+                        str(c): decode_latency(system, vocab, c, sizes["d_steps"], sizes["repeats"])
                         for c in sizes["d_contexts"]
                     }
                     progress.update()

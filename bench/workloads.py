@@ -11,7 +11,7 @@ import random
 
 FULL = {"repeats": 3, "a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), "b_new": (16, 128),
         "u_requests": 32, "u_prompt": 128, "u_new": 64, "c_n": 8,
-        "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 16,
+        "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 32,
         "e_decode_seqs": 32, "e_context": 512, "e_prefill": 512,
         "e_blocks": [(1, 1), (1, 4), (1, 16), (16, 4), (16, 16), (32, 32)]}  # fmt: skip
 QUICK = {"repeats": 1, "a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_new": (2, 6),
