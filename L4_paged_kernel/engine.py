@@ -13,9 +13,9 @@ sequence's blocks go straight back to the free list. ``generate`` submits every 
 steps until all are done; ``add_request`` + ``step`` let a caller feed requests in over time.
 
 ``kernel`` chooses the kernel: ``"torch"`` (the PyTorch reference, default), ``"cpp"`` (the same
-algorithm compiled for this CPU, the fast one here; built on first use) or ``"triton"`` (the Triton
-kernel; in its interpreter on CPU, slow: use it on small runs). ``num_splits`` takes the split-KV path
-(torch and Triton kernels).
+algorithm compiled for this CPU, the fast one here; built on first use, and refused with the reason
+where no compiler can build it) or ``"triton"`` (the Triton kernel; in its interpreter on CPU, slow:
+use it on small runs). ``num_splits`` takes the split-KV path (torch and Triton kernels).
 
 Left out on purpose: sampling (greedy only), streaming outputs to callers, sharing blocks between
 sequences (L5), and CUDA graphs or other launch-overhead tricks a GPU engine adds around the kernel.
@@ -28,6 +28,7 @@ import itertools
 
 import torch
 
+from kvcourse.cpp_kernels import load_cpp_kernel
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.requests import check_blocks, check_requests, resolve_max_model_len
@@ -48,8 +49,9 @@ def load_kernel(name: str):
     if name == "torch":
         return paged_attention
     if name == "cpp":
-        from .cpp_paged_attention import cpp_paged_attention
+        from .cpp_paged_attention import SOURCE, cpp_paged_attention
 
+        load_cpp_kernel(SOURCE)  # builds it now if need be, or raises CppKernelUnavailable saying why
         return cpp_paged_attention
     if name == "triton":
         from .triton_paged_attention import triton_paged_attention

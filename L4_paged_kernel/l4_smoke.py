@@ -8,14 +8,17 @@ With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs
 (b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
     causal queries in the middle of a sequence;
 (c) the C++ kernel (``paged_attention.cpp``, built by ``make setup``) with chunked prefill (chunk 8);
+    skipped, saying why, on a machine where it could not be built;
 (d) the Triton kernel, in Triton's interpreter on a machine without a GPU (the course switches the
     interpreter on by itself). The interpreter runs the kernel with NumPy, one program at a time,
     so this run takes the TRITON_PROMPTS shortest prompts and TRITON_TOKENS new tokens each,
     compared with the first TRITON_TOKENS tokens of L3 and HF (exact for greedy decoding).
 """
 
+from kvcourse.cpp_kernels import build_problem
 from kvcourse.smoke import SmokeContext, StageRun, run_smoke
 from L3_block_tensor.engine import Engine as L3Engine
+from L4_paged_kernel.cpp_paged_attention import SOURCE as CPP_SOURCE
 from L4_paged_kernel.engine import Engine
 
 TRITON_TOKENS = 4
@@ -37,6 +40,7 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
             lambda ctx: Engine(
                 ctx.model_dir, kernel="cpp", prefill_chunk_size=8, max_model_len=ctx.max_model_len
             ),
+            skip=build_problem(CPP_SOURCE),  # why it cannot run here (no C++ compiler), or None
         ),
         StageRun(
             f"L4 triton kernel (interpreter), {TRITON_PROMPTS} shortest prompts, {TRITON_TOKENS} tokens each",

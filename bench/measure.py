@@ -18,6 +18,8 @@ from bench import ceilings
 from bench.systems import System
 from bench.workloads import mixed_workload
 from kvcourse.compare import compare
+from kvcourse.cpp_kernels import build_problem
+from kvcourse.model_store import REPO_ROOT
 from kvcourse.reference import Reference
 
 
@@ -173,7 +175,8 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
 
     Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
     L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``. A stage with a
-    ``kernel`` choice (L4, L5) runs its compiled C++ kernel, the fastest it has on a CPU. A stage with a
+    ``kernel`` choice (L4, L5) runs its compiled C++ kernel, the fastest it has on a CPU (its PyTorch
+    kernel where no compiler could build the C++ one; ``cpp_kernel_problem`` says why). A stage with a
     prefix cache (L5) runs without it: every timed run repeats the warm-up's prompts, and the blocks
     the warm-up left in the cache would let it skip their prefill, which new requests never get (L5
     1.5x L4 on (u) in the run of 2026-11-23 that found this). (c)'s sharing is the fork, which needs
@@ -190,6 +193,15 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
     options = {"max_model_len": max_len}
     options |= {name: blocks for name in ("num_blocks", "num_pages") if name in params}
     options |= {name: sizes["b_requests"] for name in ("max_num_seqs", "max_seqs") if name in params}
-    options |= {"kernel": "cpp"} if "kernel" in params else {}
+    if "kernel" in params and not cpp_kernel_problem(engine_cls):
+        options["kernel"] = "cpp"
     options |= {"enable_prefix_caching": False} if "enable_prefix_caching" in params else {}
     return options
+
+
+def cpp_kernel_problem(engine_cls) -> str | None:
+    """Why the C++ kernel of ``engine_cls``'s stage cannot be built here, or None (also None for a stage
+    without one)."""
+    package = engine_cls.__module__.rsplit(".", 1)[0]
+    source = REPO_ROOT / package / "paged_attention.cpp"
+    return build_problem(source) if source.exists() else None

@@ -1,7 +1,7 @@
-"""Where a stage's time goes on workload (b): ``python -m bench.profile [--stages L3,L4:cpp,L6] [--quick]``.
+"""Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L6] [--workload b|a] [--quick]``.
 
-Each stage runs (b) once to warm up, then once more with timers around the parts of its step. For the
-torch stages (L3-L5):
+Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
+then once more with timers around the parts of its step. For the torch stages (L3-L5):
 
 - ``schedule + pack``: the scheduler and ``prepare`` (Python, building the flat batch);
 - ``matmuls + rest``: the model's forward minus its attention calls (projections, MLP, norms, RoPE, head);
@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from unittest import mock
 
 from bench.measure import stage_options
-from bench.workloads import FULL, QUICK, mixed_workload
+from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stages import STAGES, engine_class
 
@@ -71,7 +71,7 @@ class Timers:
 
 
 def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict:
-    """Run (b) twice on a fresh engine of stage ``name`` built with ``options``; time the parts of the
+    """Run the workload twice on a fresh engine of stage ``name`` built with ``options``; time the parts of the
     second run."""
     engine = engine_class(name)(model_dir, **options)
     engine.generate(prompts, budgets, ignore_eos=True)  # warm-up
@@ -113,11 +113,11 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
 
 
 def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
-    """Run (b) twice on a fresh L6 engine (the first run compiles); time each call of the second."""
+    """Run the workload twice on a fresh L6 engine (the first run compiles); time each call of the second."""
     import jax
 
     engine = engine_class("L6")(model_dir, **options)
-    engine.generate(prompts, budgets, ignore_eos=True)  # warm-up, compiles every shape (b) needs
+    engine.generate(prompts, budgets, ignore_eos=True)  # warm-up, compiles every shape the workload needs
     seconds, calls = defaultdict(float), defaultdict(int)
     call, host_state = engine._call, engine.host_state
 
@@ -182,6 +182,12 @@ def main(argv=None) -> int:
         "--stages", default="L3,L4:torch,L4:cpp,L5:cpp,L6",
         help="comma-separated stages, a torch one with an optional :kernel (default L3,L4:torch,L4:cpp,L5:cpp,L6)",
     )  # fmt: skip
+    parser.add_argument(
+        "--workload",
+        choices=("b", "a"),
+        default="b",
+        help="(b) 32 mixed requests (default) or (a) batch-1 decode",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (for tests)")
     parser.add_argument("--model", help="model directory (default: the course model)")
     args = parser.parse_args(argv)
@@ -197,8 +203,11 @@ def main(argv=None) -> int:
     from kvcourse.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    prompts, budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
-    max_len = sizes["b_prompt"][1] + sizes["b_new"][1]
+    if args.workload == "a":
+        prompts, budgets = batch1_workload(model_dir, sizes["a_tokens"])
+    else:
+        prompts, budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
+    max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + budgets[0])
     profiles, l6 = {}, None
     for spec in args.stages.split(","):
         name, _, kernel = spec.partition(":")

@@ -89,6 +89,10 @@ def summary_table(results: dict) -> str:
             ", ".join(f"{k} {v:.0f} s" for k, v in results.get("cpp_kernel_build_seconds", {}).items() if v)
             or "-"
         ),
+        *[
+            f"NOT BUILT: {problem} (its stage ran the PyTorch kernel)"
+            for problem in results.get("cpp_kernel_problems", {}).values()
+        ],  # fmt: skip
         f"every time: median of {sizes['repeats']} runs after an untimed warm-up (one run for one-at-a-time "
         "systems on (b) and (u)); agreement: outputs equal to HF batch 1's, tie rule applied",
         "",

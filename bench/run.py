@@ -62,6 +62,7 @@ from bench import ceilings
 from bench.measure import (
     agreement,
     block_size_sweep,
+    cpp_kernel_problem,
     cpu_name,
     decode_latency,
     kv_stats,
@@ -72,11 +73,10 @@ from bench.measure import (
 )
 from bench.report import add_ratios, plot, summary_table, targets
 from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stages, stage
-from bench.workloads import FULL, QUICK, mixed_workload
+from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.cpp_kernels import compile_seconds
 from kvcourse.model import Transformer
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
-from kvcourse.prompts import Prompt, encode, load_tokenizer
 from kvcourse.stages import engine_class
 
 
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
         "cpp_kernel_build_seconds": {str(p.relative_to(REPO_ROOT)): compile_seconds(p)
                                      for p in sorted(REPO_ROOT.glob("L[0-9]_*/*.cpp"))},
     }  # fmt: skip
-    tok = load_tokenizer(model_dir)
-    chat = encode(tok, Prompt(messages=(("user", "Tell me a long story about a lighthouse keeper."),)))
+    a_prompts, a_budgets = batch1_workload(model_dir, sizes["a_tokens"])
     b_prompts, b_budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
     c_prompt = mixed_workload(vocab, 1, (sizes["c_prompt"],) * 2, (1, 1), seed=7)[0][0]
 
@@ -136,6 +135,9 @@ def main(argv=None) -> int:
     makers = [("HF batch 1", lambda: hf_batch1(model_dir))]  # always: the token reference
     makers += [(name, lambda name=name: peers[name](model_dir)) for name in chosen]
     options = {n: stage_options(engine_class(n), sizes, max_len) for n in stages}
+    results["stage_options"] = options
+    problems = {n: cpp_kernel_problem(engine_class(n)) for n in stages}
+    results["cpp_kernel_problems"] = {n: p for n, p in problems.items() if p}
     makers += [(n, lambda n=n: stage(n, model_dir, **options[n])) for n in stages]
     works = {name: ["a", "b", "u", "c", "d"] for name, _ in makers}
     for n in stages:  # L1, L2 (one request at a time) are not peers on the uniform workload
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
                 if work == "c":
                     row["c"], outs = timed_samples(runner, c_prompt, sizes["c_new"], sizes["c_n"], repeats)
                 else:
-                    prompts, budgets = {"a": ([chat], [sizes["a_tokens"]]), "b": (b_prompts, b_budgets),
+                    prompts, budgets = {"a": (a_prompts, a_budgets), "b": (b_prompts, b_budgets),
                                         "u": (u_prompts, u_budgets)}[work]  # fmt: skip
                     long = runner.one_at_a_time and work in ("b", "u")  # a request after another: 1 run
                     row[work], outs = timed_requests(

@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "prepare":
             print(prepare_default_model(force=args.force))
-            for source, now, seconds in build_all(REPO_ROOT):
+            for source, now, seconds, problem in build_all(REPO_ROOT):
+                if problem:
+                    print(f"{source.relative_to(REPO_ROOT)}: NOT BUILT. {problem}. The course runs without "
+                          f"it: the smokes and tests skip its runs and make bench uses the PyTorch kernel.")  # fmt: skip
+                    continue
                 took = f"built in {seconds:.0f} s" if now and seconds is not None else "already built"
                 print(f"{source.relative_to(REPO_ROOT)}: {took}, cached in .cache/kernels/")
         else:

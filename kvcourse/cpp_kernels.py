@@ -13,6 +13,12 @@ Example::
     module = load_cpp_kernel(Path("L4_paged_kernel/paged_attention.cpp"))
     out = module.paged_attention(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, 0.125)
 
+Where no C++ compiler with OpenMP is found (a laptop without gcc, macOS's clang without libomp),
+the build fails once per process and ``build_problem`` says why; ``load_cpp_kernel`` then raises
+``CppKernelUnavailable`` with that reason, ``make setup`` reports it and carries on, and the smokes,
+tests and benchmark skip or replace the C++ runs, saying so. Nothing else in the course needs a
+compiler.
+
 Left out on purpose: other compilers than gcc/clang, and ahead-of-time wheels.
 """
 
@@ -24,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -55,9 +62,64 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-@functools.cache
+class CppKernelUnavailable(RuntimeError):
+    """The C++ kernel cannot be built on this machine; the message says why and what to use instead."""
+
+
 def load_cpp_kernel(source: Path):
-    """The compiled module of ``source`` (built on first use, then loaded from the cache)."""
+    """The compiled module of ``source`` (built on first use, then loaded from the cache).
+
+    Raises ``CppKernelUnavailable`` where it cannot be built (see ``build_problem``).
+    """
+    module, problem = _build(source)
+    if problem is not None:
+        raise CppKernelUnavailable(problem)
+    return module
+
+
+def build_problem(source: Path) -> str | None:
+    """None if ``source`` builds (or is built) here, else why not, in one line. Tried once per process.
+
+    Example, with ``CXX=/nonexistent/c++``: ``"paged_attention.cpp could not be built here
+    (/bin/sh: 1: /nonexistent/c++: not found); kernel='cpp' needs a C++ compiler with OpenMP, such as
+    g++, and kernel='torch' needs none"``.
+    """
+    return _build(source)[1]
+
+
+def compiler_complaint(log: str) -> str:
+    """The lines of a failed torch build log that are the compiler's (or the shell's), not ninja's
+    and not the command it ran; the first three, joined.
+
+    Example: ``compiler_complaint("Error building extension 'k': [1/2] c++ -c k.cpp -o k.o\nFAILED:
+    k.o\nc++ -c k.cpp -o k.o\n/bin/sh: 1: c++: not found\nninja: build stopped")`` ->
+    ``"/bin/sh: 1: c++: not found"``.
+    """
+    lines = [x.strip() for x in log.splitlines()]
+    own = [
+        x
+        for x in lines
+        if x and " -o " not in x and not x.startswith(("Error building", "FAILED:", "ninja:"))
+    ]
+    errors = [x for x in own if "error" in x.lower()] or own or lines[-1:]
+    return " / ".join(errors[:3])
+
+
+@functools.cache
+def _build(source: Path):
+    """(module, None) once ``source`` is built and loaded, or (None, the reason it cannot be)."""
+    try:
+        return _compile(source), None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        reason = compiler_complaint(str(e))
+        return None, (
+            f"{source.name} could not be built here ({reason}); kernel='cpp' needs a C++ compiler with "
+            f"OpenMP, such as g++, and kernel='torch' needs none"
+        )
+
+
+def _compile(source: Path):
+    """Build ``source`` with torch's extension builder (or load the cached build); return the module."""
     from torch.utils import cpp_extension
 
     _ninja_on_path()
@@ -96,13 +158,15 @@ def compile_seconds(source: Path) -> float | None:
     return json.loads(record.read_text())["seconds"] if record.exists() else None
 
 
-def build_all(root: Path) -> list[tuple[Path, bool, float | None]]:
+def build_all(root: Path) -> list[tuple[Path, bool, float | None, str | None]]:
     """Build every stage's ``.cpp`` kernel under ``root`` (``make setup`` does, so that no test or
-    benchmark pays the compile). Returns (file, built just now, the build's seconds) for each."""
+    benchmark pays the compile). Returns (file, built just now, the build's seconds, the problem or
+    None) for each; a kernel that cannot be built here is reported, not raised."""
     done = []
     for source in sorted(root.glob("L[0-9]_*/*.cpp")):
         record = build_folder(source) / "compile_seconds.json"
         before = record.stat().st_mtime if record.exists() else None
-        load_cpp_kernel(source)
-        done.append((source, record.stat().st_mtime != before, compile_seconds(source)))
+        problem = build_problem(source)
+        now = record.exists() and record.stat().st_mtime != before
+        done.append((source, now, compile_seconds(source), problem))
     return done

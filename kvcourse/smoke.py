@@ -94,7 +94,8 @@ class StageRun:
     can override it (for example to submit requests in a staggered order). For slow interpreted
     kernels, ``only`` picks which prompts run (indices) and ``cap`` limits every budget; the
     references are then compared up to the cap, which is exact: greedy decoding's first n tokens do
-    not depend on the budget.
+    not depend on the budget. ``skip``, when set, is why this configuration cannot run on this machine
+    (the C++ kernel without a compiler): the run is reported as skipped, with the reason, and not counted.
     """
 
     name: str
@@ -102,6 +103,7 @@ class StageRun:
     run: Callable[[Any, list[list[int]], list[int]], list[list[int]]] | None = None
     cap: int | None = None
     only: list[int] | None = None
+    skip: str | None = None
 
     def generate(self, ctx: SmokeContext) -> tuple[list[int], list[list[int]] | None]:
         """Run this configuration; return (the prompt indices it ran, its outputs or None if the
@@ -223,7 +225,7 @@ def run_contexts(
     extra: Callable[[SmokeContext], tuple[int, int]] | None,
 ) -> int:
     """Every configuration on every model, then the summary line; the exit status (0 or 1)."""
-    passed = total = new_tokens = ties = 0
+    passed = total = new_tokens = ties = skipped = 0
     prev_name = previous(contexts[0][1]).name.split()[0] if previous else None
     for title, ctx in contexts:
         print(f"== {stage} smoke on {title}: {ctx.model_dir}")
@@ -233,6 +235,10 @@ def run_contexts(
             chosen, prev_out = previous(ctx).generate(ctx)
             prev = dict(zip(chosen, prev_out or [[]] * len(chosen), strict=True))
         for run in runs(ctx):
+            if run.skip:
+                print(f"-- {run.name}: SKIPPED, {run.skip}")
+                skipped += 1
+                continue
             p, t, tie, n = compare_run(ctx, run, prev, prev_name)
             passed, total, ties, new_tokens = passed + p, total + t, ties + tie, new_tokens + n
         if extra:
@@ -240,6 +246,7 @@ def run_contexts(
             passed, total = passed + p, total + t
     versus = f"{prev_name} and HF" if previous else "HF"
     tie_note = f"; {ties} numerical tie(s), reported above" if ties else ""
+    tie_note += f"; {skipped} run(s) skipped on this machine, said above" if skipped else ""
     print(f"{stage} smoke: {passed}/{total} prompts match {versus} ({new_tokens} new tokens{tie_note})")
     return 0 if passed == total else 1
 

@@ -6,6 +6,9 @@ Nothing here checks a speed: timing asserts would only measure how busy the mach
 from __future__ import annotations
 
 import json
+import re
+
+from cpp_kernel import PROBLEM
 
 from bench import profile, report, run, workloads
 
@@ -28,6 +31,8 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
             assert set(row["d"]) == {str(c) for c in sizes["d_contexts"]}
         if "c_kv" in row:  # prefilled once and forked: fewer blocks than private copies
             assert 0 < row["c_kv"]["blocks_held"] < row["c_kv"]["private_copies_blocks"], name
+    assert results["stage_options"]["L4"].get("kernel") == ("cpp" if PROBLEM is None else None)
+    assert bool(results["cpp_kernel_problems"]) == (PROBLEM is not None)
     assert systems["HF batched"]["b"]["computed_new_tokens"] == len(budgets) * max(budgets) > sum(budgets)
     assert {t["target"] for t in results["targets"]} >= {
         "L4 >= L3 on (b)",
@@ -53,8 +58,18 @@ def test_mixed_workload_is_seeded_and_in_range():
 
 
 def test_quick_profile_splits_a_step_into_its_parts(capsys):
-    assert profile.main(["--quick", "--stages", "L3,L4:cpp,L6"]) == 0
+    l4 = "L4:cpp" if PROBLEM is None else "L4:torch"  # the C++ kernel where this machine could build it
+    assert profile.main(["--quick", "--stages", f"L3,{l4},L6"]) == 0
     out = capsys.readouterr().out
     for part in (*profile.PARTS, "prefill", "decode", "host_state", "host Python"):
         assert f"| {part} |" in out
-    assert "L4:cpp ms/decode step" in out and "decode steps on the device" in out
+    assert f"{l4} ms/decode step" in out and "decode steps on the device" in out
+
+
+def test_quick_profile_of_batch1_decode(capsys):
+    """--workload a: one request; every step after its prefill is a one-row decode step."""
+    assert profile.main(["--quick", "--workload", "a", "--stages", "L3,L6"]) == 0
+    out = capsys.readouterr().out
+    steps = re.search(r"\| steps \| (\d+) steps \| (\d+) decode \|", out)
+    assert steps and int(steps[2]) == int(steps[1]) - 1 == workloads.QUICK["a_tokens"] - 1, out
+    assert re.search(rf"L6: {workloads.QUICK['a_tokens'] - 1} decode steps on the device", out), out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cpp_kernel import PROBLEM, needs_cpp
 from smoke_runs import course_smoke, smoke_module
 
 from kvcourse.reference import hf_greedy
@@ -22,8 +23,10 @@ PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
         {"num_splits": 4},
         {"block_size": 7, "prefill_chunk_size": 8},
         {"block_size": 1, "num_blocks": 120},  # a small pool: preemption under the kernel too
-        {"kernel": "cpp"},
-        {"kernel": "cpp", "block_size": 7, "prefill_chunk_size": 8, "num_blocks": 40},
+        pytest.param({"kernel": "cpp"}, marks=needs_cpp),
+        pytest.param(
+            {"kernel": "cpp", "block_size": 7, "prefill_chunk_size": 8, "num_blocks": 40}, marks=needs_cpp
+        ),
     ],
 )
 def test_l4_equals_l3_and_hf_on_tiny_qwen3(tiny_qwen3_dir, options):
@@ -67,5 +70,6 @@ def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, 
     status, out = course_smoke("L4", model_dir, capsys, course_prompts_subset)
     last = out.strip().splitlines()[-1]
     assert status == 0, last
-    assert last.startswith("L4 smoke: 13/13 prompts match L3 and HF"), last
+    matched = 13 if PROBLEM is None else 9  # 4 prompts x 3 runs + 1, less the C++ run's 4 where it cannot run
+    assert last.startswith(f"L4 smoke: {matched}/{matched} prompts match L3 and HF"), last
     assert "L4 triton kernel (interpreter), 1 shortest prompts" in out

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpp_kernel import needs_cpp
+from smoke_runs import run_smoke_in_process, smoke_module
 
-from L4_paged_kernel.cpp_paged_attention import cpp_paged_attention
+from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_problem, load_cpp_kernel
+from L4_paged_kernel import engine as l4_engine
+from L4_paged_kernel.cpp_paged_attention import SOURCE, cpp_paged_attention
 from L4_paged_kernel.paged_attention import merge_partials, paged_attention
 
 GQA = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): ratios 1, 3, 4
@@ -70,18 +74,21 @@ def test_torch_kernel_matches_dense(
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
 
 
+@needs_cpp
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
 def test_cpp_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens):
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
     assert (cpp_paged_attention(*args) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
+@needs_cpp
 def test_cpp_kernel_long_prefill_and_decode_batch():
     """Hundreds of rows and keys, as in a real step: every row and head is its own work item."""
     args = make_case(16, 9, 3, [300, 77, 512, 1], [300, 1, 1, 1], head_dim=64, seed=3)
     assert (cpp_paged_attention(*args) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
+@needs_cpp
 def test_cpp_kernel_refuses_what_it_cannot_do():
     args = make_case(16, 4, 2, [5], [1])
     with pytest.raises(ValueError, match="no split-KV path: num_splits must be 1, got 2"):
@@ -132,3 +139,45 @@ def test_triton_rejects_bad_split_count():
 
     with pytest.raises(ValueError, match="num_splits must be a power of two >= 1, got 3"):
         triton_paged_attention(*make_case(16, 4, 2, [5], [1]), num_splits=3)
+
+
+def test_a_kernel_no_compiler_can_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    """No working compiler (CXX names a missing program): the build is tried once and its problem is
+    one line naming what failed, which loading, build_all (make setup) and the engine all report."""
+    source = tmp_path / "L9_copy" / "paged_attention.cpp"
+    source.parent.mkdir()
+    source.write_bytes(SOURCE.read_bytes())
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("KVCOURSE_CACHE", str(tmp_path / "cache"))
+    problem = build_problem(source)
+    assert problem.startswith("paged_attention.cpp could not be built here (") and "no-such-c++" in problem
+    assert problem.endswith(
+        "kernel='cpp' needs a C++ compiler with OpenMP, such as g++, and kernel='torch' needs none"
+    )
+    with pytest.raises(CppKernelUnavailable) as raised:
+        load_cpp_kernel(source)
+    assert str(raised.value) == problem
+    assert build_all(tmp_path) == [(source, False, None, problem)]
+
+
+def test_the_engine_refuses_the_cpp_kernel_when_it_is_unavailable(tiny_llama_dir, monkeypatch):
+    def unavailable(source):
+        raise CppKernelUnavailable(f"{source.name} could not be built here (test)")
+
+    monkeypatch.setattr(l4_engine, "load_cpp_kernel", unavailable)
+    with pytest.raises(CppKernelUnavailable, match=r"paged_attention\.cpp could not be built here \(test\)"):
+        l4_engine.Engine(tiny_llama_dir, kernel="cpp")
+    l4_engine.Engine(tiny_llama_dir, kernel="torch")  # the PyTorch kernel needs no compiler
+
+
+def test_a_smoke_skips_the_cpp_run_and_says_why(tiny_qwen3_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(smoke_module("L4"), "build_problem", lambda source: "no compiler here (test)")
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text('{"text": "The KV cache"}\n', encoding="utf-8")
+    argv = ["--model", str(tiny_qwen3_dir), "--prompts", str(prompts), "--max-new-tokens", "3"]
+    assert run_smoke_in_process("L4", argv) == 0
+    out = capsys.readouterr().out
+    assert "-- L4 C++ kernel, chunked prefill 8: SKIPPED, no compiler here (test)\n" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("L4 smoke: 3/3 prompts match L3 and HF"), last
+    assert last.endswith("; 1 run(s) skipped on this machine, said above)"), last

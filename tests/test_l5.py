@@ -10,6 +10,7 @@ import re
 import hypothesis
 import pytest
 import torch
+from cpp_kernel import PROBLEM, needs_cpp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from smoke_runs import course_smoke
@@ -481,7 +482,10 @@ def expected(tiny_qwen3_dir):
         {},
         {"block_size": 4},
         {"block_size": 7, "prefill_chunk_size": 5, "max_num_batched_tokens": 12},
-        {"kernel": "cpp", "block_size": 7, "prefill_chunk_size": 5, "max_num_batched_tokens": 12},
+        pytest.param(
+            {"kernel": "cpp", "block_size": 7, "prefill_chunk_size": 5, "max_num_batched_tokens": 12},
+            marks=needs_cpp,
+        ),
     ],
     ids=["default", "bs4", "bs7-chunk5", "cpp-bs7-chunk5"],
 )
@@ -632,5 +636,6 @@ def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     status, out = course_smoke("L5", model_dir, capsys, course_prompts_subset)
     last = out.strip().splitlines()[-1]
     assert status == 0, last
-    # 2 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows = 15
-    assert last.startswith("L5 smoke: 19/19 prompts match L4 and HF"), last
+    # 3 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows = 19; 15 where the C++ run is skipped
+    matched = 19 if PROBLEM is None else 15
+    assert last.startswith(f"L5 smoke: {matched}/{matched} prompts match L4 and HF"), last
