@@ -84,6 +84,7 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
         timers.decode_steps += timers.in_decode_step
         return prepare(batch)
 
+    steps_before = engine.stats().steps  # the warm-up's steps are not part of the profile
     with ExitStack() as patches:
         patch = lambda target, attr, name: patches.enter_context(  # noqa: E731
             mock.patch.object(target, attr, timers.wrap(name, getattr(target, attr)))
@@ -103,7 +104,7 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
         wall = time.perf_counter() - t0
     return {
         "seconds": wall,
-        "steps": engine.stats().steps,
+        "steps": engine.stats().steps - steps_before,
         "decode_steps": timers.decode_steps,
         "total_s": timers.parts(timers.total),
         "decode_step_ms": {
