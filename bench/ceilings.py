@@ -10,6 +10,9 @@ costs about 2 FLOPs per parameter):
     batch-1 ceiling (tokens/s)      = copy bandwidth / bytes of weights read per token
     large-batch ceiling (tokens/s)  = matmul FLOP/s / (2 * parameters)
 
+and one per batched workload, which also pays for its prompts (``workload_ceiling``): on (u), 32
+prompts of 128 tokens for 64 new tokens each, prefill is two thirds of the products.
+
 Left out on purpose: cache-resident working sets, the attention's own reads (small next to the
 weights at these lengths) and any overlap of compute with memory traffic.
 """
@@ -57,6 +60,20 @@ def model_size(weights) -> tuple[int, int]:
     tensors += [t for layer in weights.layers for t in vars(layer).values() if t is not None]
     unique = {id(t): t for t in tensors}.values()
     return sum(t.numel() for t in unique), sum(t.nbytes for t in unique)
+
+
+def workload_ceiling(weights, prompts: list[list[int]], budgets: list[int], flops: float) -> dict:
+    """The fewest matmul FLOPs a workload needs, and the tokens/s they allow at ``flops`` FLOP/s.
+
+    Every prompt token and every new token but the last goes once through the layers (2 FLOPs per
+    layer parameter); every new token needs one row of the head (2 FLOPs per head parameter). The
+    attention's own products are left out, so the ceiling is generous. For one request of 3 prompt
+    tokens and 2 new ones: 4 rows through the layers, 2 through the head.
+    """
+    layer_params = sum(t.numel() for layer in weights.layers for t in vars(layer).values() if t is not None)
+    layer_rows = sum(len(p) + b - 1 for p, b in zip(prompts, budgets, strict=True))
+    need = 2 * (layer_params * layer_rows + weights.lm_head.numel() * sum(budgets))
+    return {"GFLOP": need / 1e9, "ceiling_tok_s": sum(budgets) * flops / need}
 
 
 def measure(weights, quick: bool = False) -> dict:

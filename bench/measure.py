@@ -1,7 +1,8 @@
 """The benchmark's measurements: each runs one system on one workload and returns plain numbers.
 
 Times come from ``time.perf_counter`` around whole calls, after an untimed warm-up, as the median of
-several runs (all kept); memory from each engine's ``stats()``. Nothing here knows a stage by name:
+several runs (all kept), the systems' runs interleaved (``timed_together``); memory from each engine's
+``stats()``. Nothing here knows a stage by name:
 pools are sized from an engine's constructor signature.
 """
 
@@ -12,6 +13,8 @@ import inspect
 import platform
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import ceilings
@@ -23,40 +26,71 @@ from kvcourse.model_store import REPO_ROOT
 from kvcourse.reference import Reference
 
 
-def timed(system: System, run, warmup=None, repeats: int = 3) -> tuple[dict, list[list[int]]]:
-    """Time ``run()`` (which returns the outputs) as the median of ``repeats`` runs, after one untimed
-    ``warmup()`` (default: ``run`` itself). Every run's seconds are kept; returns them and the last
-    run's outputs."""
-    t0 = time.perf_counter()
-    (warmup or run)()
-    warmup_seconds = time.perf_counter() - t0
-    runs = []
-    for _ in range(repeats):
+@dataclass
+class Job:
+    """One system's share of one workload: ``run()`` returns the outputs; ``warmup()`` (default: ``run``
+    itself) runs once, untimed, before any timed run; then ``repeats`` timed runs."""
+
+    run: Callable[[], list[list[int]]]
+    repeats: int
+    warmup: Callable[[], object] | None = None
+
+
+def timed_together(jobs: dict[str, Job], tick=lambda: None) -> dict[str, tuple[dict, list[list[int]]]]:
+    """Time several systems on one workload, their runs interleaved: every warm-up first, then round r
+    runs each system's r-th timed run (A B C, A B C, A B C). ``tick()`` is called after every run.
+
+    This machine is a shared VM whose speed drifts over minutes (its matmul rate was 99 GFLOP/s in one
+    run and 153 in another, the same day). Three runs of one system and then three of the next would
+    put that drift between them, into their ratio; interleaved, it falls on all of them alike.
+    Returns, per system, its row (``seconds``: the median of its runs; ``runs``: every run's seconds;
+    ``warmup_seconds``) and its last run's outputs.
+    """
+    rows = {}
+    for name, job in jobs.items():
         t0 = time.perf_counter()
-        outs = run()
-        runs.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(runs), "runs": runs, "warmup_seconds": warmup_seconds}, outs
+        (job.warmup or job.run)()
+        rows[name] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
+        tick()
+    outs = {}
+    for round_ in range(max((job.repeats for job in jobs.values()), default=0)):
+        for name, job in jobs.items():
+            if round_ < job.repeats:
+                t0 = time.perf_counter()
+                outs[name] = job.run()
+                rows[name]["runs"].append(time.perf_counter() - t0)
+                tick()
+    return {
+        name: ({"seconds": statistics.median(row["runs"])} | row, outs[name]) for name, row in rows.items()
+    }
 
 
-def timed_requests(system: System, prompts, budgets, repeats: int, warmup_requests: int | None = None):
-    """(b), (u), (a): the requests all at once. ``warmup_requests``: warm up on that many of them
-    instead of the whole workload. Useful tokens are the budgets; ``computed_new_tokens`` is what the
-    system generated (more for HF batched)."""
-    warmup = None
-    if warmup_requests is not None:
-        warmup = lambda: system.run(prompts[:warmup_requests], budgets[:warmup_requests])  # noqa: E731
-    row, outs = timed(system, lambda: system.run(prompts, budgets), warmup, repeats)
+def requests_job(system: System, prompts, budgets, repeats: int) -> Job:
+    """(a), (b), (u): the requests all at once. A system that runs them one after another (HF batch 1,
+    L1, L2) warms up on the first request and is timed once on a batch: its three runs would cost ten
+    minutes each for numbers no target depends on."""
+    if system.one_at_a_time and len(prompts) > 1:
+        return Job(lambda: system.run(prompts, budgets), 1, lambda: system.run(prompts[:1], budgets[:1]))
+    return Job(lambda: system.run(prompts, budgets), repeats)
+
+
+def requests_row(system: System, row: dict, outs, prompts, budgets) -> dict:
+    """A timed row of (a), (b), (u) with its tokens: useful ones are the budgets; ``computed_new_tokens``
+    is what the system generated (more for HF batched)."""
     assert [len(o) for o in outs] == budgets, f"{system.name} did not produce fixed-length outputs"
     useful = sum(budgets)
     return row | {"new_tokens": useful, "computed_new_tokens": system.computed(prompts, budgets),
-                  "tok_s": useful / row["seconds"]}, outs  # fmt: skip
+                  "tok_s": useful / row["seconds"]}  # fmt: skip
 
 
-def timed_samples(system: System, prompt, budget: int, n: int, repeats: int):
+def samples_job(system: System, prompt, budget: int, n: int, repeats: int) -> Job:
     """(c): n samples of one prompt."""
-    row, outs = timed(system, lambda: system.run_samples(prompt, budget, n), None, repeats)
+    return Job(lambda: system.run_samples(prompt, budget, n), repeats)
+
+
+def samples_row(system: System, row: dict, outs, budget: int, n: int) -> dict:
     assert [len(o) for o in outs] == [budget] * n, f"{system.name} did not produce {n} x {budget} tokens"
-    return row | {"new_tokens": n * budget, "tok_s": n * budget / row["seconds"]}, outs
+    return row | {"new_tokens": n * budget, "tok_s": n * budget / row["seconds"]}
 
 
 def agreement(outs: list[list[int]], references: list[Reference]) -> dict:

@@ -19,9 +19,11 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
   on a 32-sequence decode batch and a 512-token prefill; and the time of a logical reset (metadata)
   against a physical one (also zeroes every page of the pool).
 
-How each time is taken (``measure.timed``): one untimed warm-up run of the same workload (it compiles
-L6's programs; its time is kept as ``warmup_seconds``), then the median of ``repeats`` (3) timed runs,
-every run's seconds kept in ``runs``. Systems that run one request after another (HF batch 1, L1, L2)
+How each time is taken (``measure.timed_together``): one workload at a time, every system on it
+built fresh; each gets one untimed warm-up run of the workload (it compiles L6's programs; its time is
+kept as ``warmup_seconds``), then ``repeats`` (3) timed runs, interleaved across the systems (A B C, A B
+C, A B C: this VM's speed drifts, and a drift then falls on every system alike). A time is the median
+of a system's runs, every run's seconds kept in ``runs``. Systems that run one request after another (HF batch 1, L1, L2)
 warm up on the first request and are timed once on (b) and (u): three runs would cost ten minutes
 each for numbers no target depends on. HF batched is credited only with the tokens each request asked
 for; ``computed_new_tokens`` says what it generated.
@@ -66,10 +68,13 @@ from bench.measure import (
     cpu_name,
     decode_latency,
     kv_stats,
+    requests_job,
+    requests_row,
     reset_times,
+    samples_job,
+    samples_row,
     stage_options,
-    timed_requests,
-    timed_samples,
+    timed_together,
 )
 from bench.report import add_ratios, plot, summary_table, targets
 from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stages, stage
@@ -122,65 +127,80 @@ def main(argv=None) -> int:
     b_prompts, b_budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
     c_prompt = mixed_workload(vocab, 1, (sizes["c_prompt"],) * 2, (1, 1), seed=7)[0][0]
 
-    # One system at a time, built when its turn comes and dropped after: engines allocate their pools.
-    # HF batch 1 runs first: its outputs (and top-2 gaps) are the token reference for everyone after.
     u_prompts, u_budgets = mixed_workload(
         vocab, sizes["u_requests"], (sizes["u_prompt"],) * 2, (sizes["u_new"],) * 2, seed=3
     )
+    requests = {"a": (a_prompts, a_budgets), "b": (b_prompts, b_budgets), "u": (u_prompts, u_budgets)}
+    results["workload_ceilings"] = {
+        w: ceilings.workload_ceiling(model.w, *requests[w], results["ceilings"]["matmul_GFLOPs"] * 1e9)
+        for w in ("b", "u")
+    }
     peers = {"HF batched": hf_batched, "HF generate_batch": hf_generate_batch}
     chosen = list(peers) if args.peers is None else [p for p in args.peers.split(",") if p and p != "none"]
     unknown = set(chosen) - set(peers)
     if unknown:
         parser.error(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(peers)} or none")
-    makers = [("HF batch 1", lambda: hf_batch1(model_dir))]  # always: the token reference
-    makers += [(name, lambda name=name: peers[name](model_dir)) for name in chosen]
+    # HF batch 1 comes first: its outputs (and top-2 gaps) are the token reference for everyone after.
+    makers = {"HF batch 1": lambda: hf_batch1(model_dir)}
+    makers |= {name: lambda name=name: peers[name](model_dir) for name in chosen}
     options = {n: stage_options(engine_class(n), sizes, max_len) for n in stages}
     results["stage_options"] = options
     problems = {n: cpp_kernel_problem(engine_class(n)) for n in stages}
     results["cpp_kernel_problems"] = {n: p for n, p in problems.items() if p}
-    makers += [(n, lambda n=n: stage(n, model_dir, **options[n])) for n in stages]
-    works = {name: ["a", "b", "u", "c", "d"] for name, _ in makers}
-    for n in stages:  # L1, L2 (one request at a time) are not peers on the uniform workload
-        if not {"max_num_seqs", "max_seqs"} & set(options[n]):
-            works[n].remove("u")
+    makers |= {n: lambda n=n: stage(n, model_dir, **options[n]) for n in stages}
+    one_at_a_time = {"HF batch 1"} | {n for n in stages if not {"max_num_seqs", "max_seqs"} & set(options[n])}
+    works = {name: ["a", "b", "u", "c", "d"] for name in makers}
+    for n in one_at_a_time & set(stages):  # L1, L2 are not peers on the uniform workload
+        works[n].remove("u")
     peer_works = {"HF batch 1": ["a", "b", "u", "c"], "HF batched": ["a", "b", "u", "c"],
                   "HF generate_batch": ["b", "u", "c"]}  # the issue's peer rows; it has no batch-1 story  # fmt: skip
     works |= {name: w for name, w in peer_works.items() if name in works}
-    rows: dict[str, dict] = {name: {} for name, _ in makers}
-    references: dict[str, list] = {}
+    parts = {w: [name for name in makers if w in works[name]] for w in ("a", "b", "u", "c")}
+
+    def runs(name: str, work: str) -> int:  # a warm-up and the timed runs (see measure.requests_job)
+        return 1 + (1 if name in one_at_a_time and work in ("b", "u") else sizes["repeats"])
+
+    total = sum(runs(n, w) for w, names in parts.items() for n in names)
+    total += sum(len(sizes["d_contexts"]) for w in works.values() if "d" in w)
+    rows: dict[str, dict] = {name: {} for name in makers}
     repeats = sizes["repeats"]
-    with tqdm(total=sum(map(len, works.values())), desc="bench", unit="part") as progress:
-        for name, make in makers:
-            system, row = make(), rows[name]
-            for work in works[name]:
-                progress.set_postfix_str(f"{name} ({work})")
-                if work == "d":
-                    row["d"] = {
-                        str(c): decode_latency(system, vocab, c, sizes["d_steps"], sizes["repeats"])
-                        for c in sizes["d_contexts"]
-                    }
-                    progress.update()
-                    continue
-                # (b) and (c) on a fresh engine, so that its stats() describe that workload alone
-                runner = make() if work in ("b", "c") and system.engine is not None else system
+    with tqdm(total=total, desc="bench", unit="run") as progress:
+        # One workload at a time, every system on it built fresh (so that an engine's stats() describe
+        # that workload alone), their timed runs interleaved, and dropped after: engines hold pools.
+        for work, names in parts.items():
+            progress.set_postfix_str(f"({work}) building {len(names)} systems")
+            systems = {name: makers[name]() for name in names}
+            if work == "c":
+                jobs = {
+                    n: samples_job(s, c_prompt, sizes["c_new"], sizes["c_n"], repeats)
+                    for n, s in systems.items()
+                }
+            else:
+                jobs = {n: requests_job(s, *requests[work], repeats) for n, s in systems.items()}
+            progress.set_postfix_str(f"({work}) {', '.join(names)}")
+            for name, (row, outs) in timed_together(jobs, progress.update).items():  # HF batch 1 first
+                system = systems[name]
                 if work == "c":
-                    row["c"], outs = timed_samples(runner, c_prompt, sizes["c_new"], sizes["c_n"], repeats)
+                    rows[name]["c"] = samples_row(system, row, outs, sizes["c_new"], sizes["c_n"])
                 else:
-                    prompts, budgets = {"a": (a_prompts, a_budgets), "b": (b_prompts, b_budgets),
-                                        "u": (u_prompts, u_budgets)}[work]  # fmt: skip
-                    long = runner.one_at_a_time and work in ("b", "u")  # a request after another: 1 run
-                    row[work], outs = timed_requests(
-                        runner, prompts, budgets, 1 if long else repeats, 1 if long else None
-                    )
-                if runner is not system and (work == "b" or hasattr(runner.engine, "generate_samples")):
-                    row[f"{work}_kv"] = kv_stats(runner.engine)  # (c): only where samples share blocks
-                    del runner
+                    rows[name][work] = requests_row(system, row, outs, *requests[work])
                 if name == "HF batch 1":
-                    references[work] = list(system.references)  # the list is refilled by its next run
+                    references = list(system.references)  # of its last run
                 else:
-                    row[work]["agreement"] = agreement(outs, references[work])
-                progress.update()
-            del system
+                    rows[name][work]["agreement"] = agreement(outs, references)
+                if system.engine is not None and (
+                    work == "b" or work == "c" and hasattr(system.engine, "generate_samples")
+                ):
+                    rows[name][f"{work}_kv"] = kv_stats(system.engine)  # (c): only where samples share blocks
+            del systems, jobs
+        for name, make in makers.items():  # (d): one system at a time, each length the fastest of 3 runs
+            if "d" in works[name]:
+                progress.set_postfix_str(f"{name} (d)")
+                system, rows[name]["d"] = make(), {}
+                for c in sizes["d_contexts"]:
+                    rows[name]["d"][str(c)] = decode_latency(system, vocab, c, sizes["d_steps"], repeats)
+                    progress.update()
+                del system
     for row in rows.values():
         if "c_kv" in row:
             row["c_kv"]["private_copies_blocks"] = sizes["c_n"] * -(

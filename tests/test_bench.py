@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
+import pytest
+import torch
 from cpp_kernel import PROBLEM
 
-from bench import profile, report, run, workloads
+from bench import ceilings, measure, profile, report, run, workloads
 
 
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
@@ -48,6 +51,29 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert report.main([str(tmp_path / "results" / "bench.json"), "--plots", str(tmp_path / "plots")]) == 0
     again = capsys.readouterr().out.strip()
     assert again and again in out
+
+
+def test_timed_runs_are_interleaved_across_systems():
+    calls = []
+
+    def job(name, repeats):
+        return measure.Job(
+            lambda: calls.append(name) or [[len(calls)]], repeats, lambda: calls.append(f"warm {name}")
+        )
+
+    rows = measure.timed_together({"A": job("A", 3), "B": job("B", 1), "C": job("C", 3)})
+    assert calls == ["warm A", "warm B", "warm C", "A", "B", "C", "A", "C", "A", "C"]
+    assert [len(rows[n][0]["runs"]) for n in "ABC"] == [3, 1, 3]
+    assert rows["A"][1] == [[9]] and rows["B"][1] == [[5]]  # each system's last run's outputs
+
+
+def test_workload_ceiling_counts_prompt_rows_and_head_rows():
+    layer = SimpleNamespace(a=torch.ones(3), b=torch.ones(5), bias=None)  # 8 parameters
+    weights = SimpleNamespace(layers=[layer, layer], lm_head=torch.ones(10))
+    # a 3-token prompt and 2 new tokens: 4 rows through 16 layer parameters, 2 rows through a head of 10
+    got = ceilings.workload_ceiling(weights, [[5, 6, 7]], [2], flops=168.0)
+    assert got["GFLOP"] == pytest.approx(2 * (4 * 16 + 2 * 10) / 1e9)
+    assert got["ceiling_tok_s"] == pytest.approx(2.0)
 
 
 def test_mixed_workload_is_seeded_and_in_range():
