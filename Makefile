@@ -51,9 +51,11 @@ test smoke: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 
 # The suite runs notebook kernels and JAX processes beside its own: idle OpenMP threads that spin would
 # steal their cores (L1 section 6). Sleeping threads make each small op slower, which no test times.
+# Two pytest workers (pytest-xdist): one process alone kept 1.06 of the 2 cores busy (XLA compiles on
+# one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core.
 test: export OMP_WAIT_POLICY := PASSIVE
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvcourse $(wildcard tests bench) L[0-9]_*

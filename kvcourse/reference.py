@@ -49,11 +49,17 @@ def file_sha256(path: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 24), b""):
                 h.update(chunk)
         index[key] = h.hexdigest()
-        index_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index_file.with_name(f"{index_file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(index, indent=0) + "\n")
-        tmp.replace(index_file)  # atomic: a second process never reads half a file
+        write_atomically(index_file, json.dumps(index, indent=0) + "\n")
     return index[key]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so that another process (a
+    second notebook, a parallel test worker) reading it never sees half a file. Makes the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -100,9 +106,10 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int
         hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo])
         for i, ref in zip(todo, hf, strict=True):
             out[i] = ref
-            f = _cache_file(setup, prompts[i], budgets[i])
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(json.dumps({"tokens": ref.tokens, "gaps": ref.gaps}))
+            write_atomically(
+                _cache_file(setup, prompts[i], budgets[i]),
+                json.dumps({"tokens": ref.tokens, "gaps": ref.gaps}),
+            )
     return out
 
 
