@@ -20,12 +20,12 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
   against a physical one (also zeroes every page of the pool).
 
 How each time is taken (``measure.timed_together``): one workload at a time, every system on it
-built fresh; each gets one untimed warm-up run of the workload (it compiles L6's programs; its time is
-kept as ``warmup_seconds``), then ``repeats`` (3) timed runs, interleaved across the systems (A B C, A B
-C, A B C: this VM's speed drifts, and a drift then falls on every system alike). A time is the median
-of a system's runs, every run's seconds kept in ``runs``. Systems that run one request after another (HF batch 1, L1, L2)
-warm up on the first request and are timed once on (b) and (u): three runs would cost ten minutes
-each for numbers no target depends on. HF batched is credited only with the tokens each request asked
+built fresh; each gets one untimed warm-up run of the workload (it compiles L6's programs; its time
+is kept as ``warmup_seconds``), then ``repeats`` (3) timed runs, interleaved across the systems (A B
+C, A B C, A B C: this VM's speed drifts, and a drift then falls on every system alike). A time is the
+median of a system's runs, every run's seconds kept in ``runs``. Systems that run one request after
+another (HF batch 1, L1, L2) warm up on the first request and are timed once on (b) and (u): three
+runs would cost ten minutes each for numbers no target depends on. HF batched is credited only with the tokens each request asked
 for; ``computed_new_tokens`` says what it generated.
 
 The outputs of the timed runs are compared token for token with HF batch 1's (``agreement``, the tie
