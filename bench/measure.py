@@ -1,9 +1,9 @@
 """The benchmark's measurements: each runs one system on one workload and returns plain numbers.
 
 Times come from ``time.perf_counter`` around whole calls, after an untimed warm-up, as the median of
-several runs (all kept), the systems' runs interleaved (``timed_together``); memory from each engine's
-``stats()``. Nothing here knows a stage by name:
-pools are sized from an engine's constructor signature.
+several runs (all kept), the systems' runs interleaved (``timed_together``); memory from each
+engine's ``stats()``. Nothing here knows a stage by name: pools are sized from an engine's constructor
+signature.
 """
 
 from __future__ import annotations
@@ -65,11 +65,17 @@ def timed_together(jobs: dict[str, Job], tick=lambda: None) -> dict[str, tuple[d
     }
 
 
+def runs_once(one_at_a_time: bool, n_requests: int) -> bool:
+    """Whether a system is timed once on a workload, not ``repeats`` times: when it runs its requests
+    one after another (HF batch 1, L1, L2) and there are several (its three runs would cost ten minutes
+    each for numbers no target depends on)."""
+    return one_at_a_time and n_requests > 1
+
+
 def requests_job(system: System, prompts, budgets, repeats: int) -> Job:
-    """(a), (b), (u): the requests all at once. A system that runs them one after another (HF batch 1,
-    L1, L2) warms up on the first request and is timed once on a batch: its three runs would cost ten
-    minutes each for numbers no target depends on."""
-    if system.one_at_a_time and len(prompts) > 1:
+    """(a), (b), (u): the requests all at once. A system timed once (``runs_once``) warms up on the
+    first request only."""
+    if runs_once(system.one_at_a_time, len(prompts)):
         return Job(lambda: system.run(prompts, budgets), 1, lambda: system.run(prompts[:1], budgets[:1]))
     return Job(lambda: system.run(prompts, budgets), repeats)
 

@@ -7,6 +7,12 @@ from pathlib import Path
 PEERS = {"vs_hf_batched": "HF batched", "vs_generate_batch": "HF generate_batch"}
 
 
+def workload_ceiling(results: dict, work: str) -> float | None:
+    """tokens/s that (b) or (u) allows with its prompts' prefill counted (None in runs before it was
+    measured)."""
+    return results.get("workload_ceilings", {}).get(work, {}).get("ceiling_tok_s")
+
+
 def add_ratios(results: dict) -> None:
     """tokens/s as multiples of HF and as fractions of the ceilings, for (a), (b) and (u)."""
     ceil = results["ceilings"]
@@ -21,10 +27,8 @@ def add_ratios(results: dict) -> None:
                     if work in systems.get(peer, {}):
                         row[work][key] = row[work]["tok_s"] / systems[peer][work]["tok_s"]
                 row[work]["of_large_batch_ceiling"] = row[work]["tok_s"] / ceil["large_batch_ceiling_tok_s"]
-                if work in results.get("workload_ceilings", {}):
-                    row[work]["of_workload_ceiling"] = (
-                        row[work]["tok_s"] / results["workload_ceilings"][work]["ceiling_tok_s"]
-                    )
+                if workload_ceiling(results, work):
+                    row[work]["of_workload_ceiling"] = row[work]["tok_s"] / workload_ceiling(results, work)
 
 
 def targets(results: dict) -> list[dict]:
@@ -47,7 +51,7 @@ def targets(results: dict) -> list[dict]:
         if (a, work) in tok and (b, work) in tok:
             ratio = tok[a, work] / tok[b, work]
             measured = f"{a} {ratio:.2f}x {b} ({tok[a, work]:.1f} vs {tok[b, work]:.1f} tok/s)"
-            ceiling = results.get("workload_ceilings", {}).get(work, {}).get("ceiling_tok_s")
+            ceiling = workload_ceiling(results, work)
             if ceiling and against_ceiling:  # what the target asks of the machine
                 measured += (
                     f"; {at_least:g}x {b} would be {at_least * tok[b, work] / ceiling:.0%} of ({work})'s compute "
@@ -153,18 +157,12 @@ def plot(results: dict, folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems, ceil = results["systems"], results["ceilings"]
-
-    def workload_ceiling(work: str) -> float:  # with its prompts' prefill (runs before it had none)
-        return (
-            results.get("workload_ceilings", {}).get(work, {}).get("ceiling_tok_s")
-            or ceil["large_batch_ceiling_tok_s"]
-        )
-
+    decode_only = ceil["large_batch_ceiling_tok_s"]  # for runs before workload ceilings were measured
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, work, ceiling, title in (
         (axes[0], "a", ceil["batch1_ceiling_tok_s"], "(a) batch-1 decode"),
-        (axes[1], "b", workload_ceiling("b"), "(b) 32 mixed requests"),
-        (axes[2], "u", workload_ceiling("u"), "(u) 32 uniform requests"),
+        (axes[1], "b", workload_ceiling(results, "b") or decode_only, "(b) 32 mixed requests"),
+        (axes[2], "u", workload_ceiling(results, "u") or decode_only, "(u) 32 uniform requests"),
     ):
         names = [n for n in systems if work in systems[n]]
         ax.bar(names, [systems[n][work]["tok_s"] for n in names], color="tab:blue")

@@ -71,6 +71,7 @@ from bench.measure import (
     requests_job,
     requests_row,
     reset_times,
+    runs_once,
     samples_job,
     samples_row,
     stage_options,
@@ -157,8 +158,9 @@ def main(argv=None) -> int:
     works |= {name: w for name, w in peer_works.items() if name in works}
     parts = {w: [name for name in makers if w in works[name]] for w in ("a", "b", "u", "c")}
 
-    def runs(name: str, work: str) -> int:  # a warm-up and the timed runs (see measure.requests_job)
-        return 1 + (1 if name in one_at_a_time and work in ("b", "u") else sizes["repeats"])
+    def runs(name: str, work: str) -> int:  # a warm-up and the timed runs
+        once = work != "c" and runs_once(name in one_at_a_time, len(requests[work][0]))
+        return 1 + (1 if once else sizes["repeats"])
 
     total = sum(runs(n, w) for w, names in parts.items() for n in names)
     total += sum(len(sizes["d_contexts"]) for w in works.values() if "d" in w)
