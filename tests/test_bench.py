@@ -13,7 +13,7 @@ import pytest
 import torch
 from cpp_kernel import PROBLEM
 
-from bench import ceilings, measure, profile, report, run, workloads
+from bench import ceilings, matvec, measure, profile, report, run, workloads
 
 
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
@@ -99,3 +99,32 @@ def test_quick_profile_of_batch1_decode(capsys):
     steps = re.search(r"\| steps \| (\d+) steps \| (\d+) decode \|", out)
     assert steps and int(steps[2]) == int(steps[1]) - 1 == workloads.QUICK["a_tokens"] - 1, out
     assert re.search(rf"L6: {workloads.QUICK['a_tokens'] - 1} decode steps on the device", out), out
+
+
+def test_quick_matvec_times_every_product_of_a_token(tiny_llama_dir, capsys):
+    """bench.matvec: a row per weight name with one product per layer (the head once), and the whole
+    token's row counting every matrix a decode token reads, checked against the checkpoint itself."""
+    from kvcourse.config import ModelConfig
+    from kvcourse.model import load_weights
+
+    assert matvec.main(["--quick", "--model", str(tiny_llama_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()]
+    cells = {row[0]: row[1:] for row in rows if len(row) == 10}
+    weights = load_weights(tiny_llama_dir, ModelConfig.from_dir(tiny_llama_dir))
+    for name, ws in matvec.weight_groups(weights).items():
+        shape, products, mb = cells[name][:3]
+        assert shape == " x ".join(map(str, ws[0].shape)) and int(products) == len(ws), (name, cells[name])
+        assert float(mb) == pytest.approx(sum(w.nbytes for w in ws) / 1e6, abs=0.05)
+    matrices = [getattr(layer, name) for layer in weights.layers for name in matvec.LAYER_WEIGHTS]
+    matrices.append(weights.lm_head)
+    products, mb = cells["whole token"][1:3]
+    assert int(products) == len(matrices) == 7 * len(weights.layers) + 1
+    assert float(mb) == pytest.approx(sum(w.nbytes for w in matrices) / 1e6, abs=0.05)
+    assert "One token's products: torch" in out and "copy bandwidth measured in this run" in out
+
+
+def test_matvec_rejects_zero_repeats(capsys):
+    with pytest.raises(SystemExit):
+        matvec.main(["--quick", "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
