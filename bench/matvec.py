@@ -7,7 +7,7 @@ in the two libraries the stages use: PyTorch's ``F.linear`` (L1-L5, ``kvcourse/m
 XLA's jit'd ``x @ w`` (L6, ``kvcourse/jax_model.linear``). For each group it prints how many such
 products one token makes, the microseconds each takes, the rate it reads its weights at, and the
 cores busy while it runs (process CPU time over wall time). The last row is the whole token, next to
-the copy bandwidth measured in the same run.
+the copy bandwidth measured in the same run. ``make bench`` runs it too, as part (f).
 
 Each group's products run one after another, each input depending on the previous output
 (``x + 1e-30 * y.sum()``), so neither library can skip, merge or overlap them: they run as the
@@ -127,8 +127,7 @@ def table(rows: list[dict], copy_GBps: float) -> str:
     lines.append(
         f"\nOne token's products: torch {1e3 * whole['torch']['seconds']:.1f} ms, XLA "
         f"{1e3 * whole['XLA']['seconds']:.1f} ms; reading {whole['MB']:.0f} MB at the copy bandwidth "
-        f"measured in this run ({copy_GBps:.1f} GB/s) takes {whole['MB'] / copy_GBps:.1f} ms. "
-        f"This machine has {os.cpu_count()} cores."
+        f"measured in the same run ({copy_GBps:.1f} GB/s) takes {whole['MB'] / copy_GBps:.1f} ms."
     )
     return "\n".join(lines)
 
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
     weights = load_weights(model_dir, ModelConfig.from_dir(model_dir))
     rows = measure(weights, repeats)
     copy_GBps = copy_bandwidth(64 if args.quick else 512, 2 if args.quick else 5) / 1e9
-    print(table(rows, copy_GBps))
+    print(table(rows, copy_GBps) + f" This machine has {os.cpu_count()} cores.")
     return 0
 
 

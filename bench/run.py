@@ -18,6 +18,8 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
 - (e) L6 alone: its reference attention, jit'd, per block size (``q_block`` x ``kv_pages_per_block``)
   on a 32-sequence decode batch and a 512-token prefill; and the time of a logical reset (metadata)
   against a physical one (also zeroes every page of the pool).
+- (f) one batch-1 decode token's matrix-vector products alone, per weight name, in PyTorch (L1-L5)
+  and in XLA (L6): the time each takes and the cores it keeps busy (``bench/matvec.py``).
 
 How each time is taken (``measure.timed_together``): one workload at a time, every system on it
 built fresh; each gets one untimed warm-up run of the workload (it compiles L6's programs; its time
@@ -41,9 +43,9 @@ JSON, met or missed). Results go to ``OUT/results/bench.json`` and ``OUT/plots/*
 that the test suite can check the benchmark code without paying for it.
 
 The parts: ``workloads.py`` (sizes and requests), ``systems.py`` (the systems behind one call),
-``measure.py`` (timing, agreement and memory), ``ceilings.py`` (the machine's limits), ``report.py``
-(ratios, targets, tables, plots); this file runs them in order. ``profile.py`` is separate: where a
-stage's step spends its time.
+``measure.py`` (timing, agreement and memory), ``ceilings.py`` (the machine's limits), ``matvec.py``
+((f)), ``report.py`` (ratios, targets, tables, plots); this file runs them in order. ``profile.py`` is
+separate: where a stage's step spends its time.
 
 Left out on purpose: sampling cost (every run is greedy, the clones of (c) too), latency
 percentiles under load, and any GPU/TPU numbers (there is no accelerator here).
@@ -60,7 +62,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import ceilings
+from bench import ceilings, matvec
 from bench.measure import (
     agreement,
     block_size_sweep,
@@ -214,6 +216,7 @@ def main(argv=None) -> int:
             "block_sizes_ms": block_size_sweep(model.cfg, sizes),
             "reset_ms": reset_times(model_dir, options["L6"]),
         }
+    results["f"] = matvec.measure(model.w, sizes["f_repeats"])
     add_ratios(results)
     results["targets"] = targets(results)
     (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -13,11 +13,12 @@ FULL = {"repeats": 3, "a_tokens": 128, "b_requests": 32, "b_prompt": (10, 300), 
         "u_requests": 32, "u_prompt": 128, "u_new": 64, "c_n": 8,
         "c_prompt": 200, "c_new": 64, "d_contexts": [128, 256, 512, 1024, 2048], "d_steps": 32,
         "e_decode_seqs": 32, "e_context": 512, "e_prefill": 512,
-        "e_blocks": [(1, 1), (1, 4), (1, 16), (16, 4), (16, 16), (32, 32)]}  # fmt: skip
+        "e_blocks": [(1, 1), (1, 4), (1, 16), (16, 4), (16, 16), (32, 32)], "f_repeats": 9}  # fmt: skip
 QUICK = {"repeats": 1, "a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_new": (2, 6),
          "u_requests": 4, "u_prompt": 12, "u_new": 3, "c_n": 2,
          "c_prompt": 20, "c_new": 4, "d_contexts": [16, 48], "d_steps": 2,
-         "e_decode_seqs": 2, "e_context": 40, "e_prefill": 24, "e_blocks": [(1, 1), (16, 16)]}  # fmt: skip
+         "e_decode_seqs": 2, "e_context": 40, "e_prefill": 24, "e_blocks": [(1, 1), (16, 16)],
+         "f_repeats": 2}  # fmt: skip
 
 
 def mixed_workload(vocab: int, n: int, prompt_range, new_range, seed: int = 0):

@@ -43,12 +43,17 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     }
     for key in ("copy_bandwidth_GBps", "matmul_GFLOPs", "batch1_ceiling_tok_s", "large_batch_ceiling_tok_s"):
         assert results["ceilings"][key] > 0
+    assert [row["weight"] for row in results["f"]] == [*matvec.LAYER_WEIGHTS, "lm_head", "whole token"]
+    assert all(row[lib]["seconds"] > 0 for row in results["f"] for lib in ("torch", "XLA"))
     assert (tmp_path / "plots" / "throughput.png").stat().st_size > 0
     assert (tmp_path / "plots" / "decode_latency.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "| L1 |" in out and "| HF generate_batch |" in out and "| target | measured |" in out
-    # the tables again from the saved file, measurements untouched
-    assert report.main([str(tmp_path / "results" / "bench.json"), "--plots", str(tmp_path / "plots")]) == 0
+    assert "| whole token |" in out and "XLA's matrix-vector products alone ((f)) would allow" in out
+    # the tables again from the saved file, measurements untouched; the plots into a folder not made yet
+    again_plots = tmp_path / "plots again"
+    assert report.main([str(tmp_path / "results" / "bench.json"), "--plots", str(again_plots)]) == 0
+    assert (again_plots / "throughput.png").stat().st_size > 0
     again = capsys.readouterr().out.strip()
     assert again and again in out
 
@@ -121,7 +126,7 @@ def test_quick_matvec_times_every_product_of_a_token(tiny_llama_dir, capsys):
     products, mb = cells["whole token"][1:3]
     assert int(products) == len(matrices) == 7 * len(weights.layers) + 1
     assert float(mb) == pytest.approx(sum(w.nbytes for w in matrices) / 1e6, abs=0.05)
-    assert "One token's products: torch" in out and "copy bandwidth measured in this run" in out
+    assert "One token's products: torch" in out and "copy bandwidth measured in the same run" in out
 
 
 def test_matvec_rejects_zero_repeats(capsys):
