@@ -11,7 +11,8 @@ then compute the same greedy text, which the bench checks token for token.
   runs every request for the largest budget; only each request's own budget counts as useful output,
   and ``computed`` reports what it really generated;
 - ``hf_generate_batch``: transformers' own paged continuous batching (what ``model.generate_batch``
-  runs, with ``attn_implementation="paged|sdpa"``), every request with its own budget;
+  runs; with ``attn_implementation="sdpa"`` it runs SDPA over its paged cache), every request with
+  its own budget;
 - the course's stages, by name (``L1`` .. ``L6``), through their ``Engine.generate``.
 """
 
@@ -104,7 +105,7 @@ def hf_generate_batch(model_dir) -> System:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model = fixed_length_model(model_dir, attn_implementation="paged|sdpa")
+    model = fixed_length_model(model_dir, attn_implementation="sdpa")
 
     def run(prompts, budgets):
         config = GenerationConfig(

@@ -115,7 +115,7 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int
 
 def load_hf_model(model_dir: str | Path, **options):
     """The checkpoint as an HF model in fp32, eval mode; ``options`` go to ``from_pretrained`` (e.g.
-    ``attn_implementation="paged|sdpa"`` for transformers' continuous batching)."""
+    ``attn_implementation="sdpa"``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
