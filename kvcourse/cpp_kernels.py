@@ -24,6 +24,7 @@ Left out on purpose: other compilers than gcc/clang, and ahead-of-time wheels.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,8 +39,11 @@ from kvcourse.model_store import cache_root
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+@functools.cache
 def cpu_key() -> str:
-    """A folder name for this CPU model and these flags, e.g. ``x86_64-3f2a9c1b``."""
+    """A folder name for this CPU model and these flags, e.g. ``x86_64-3f2a9c1b``. Worked out once per
+    process: reading ``/proc/cpuinfo`` takes tens of microseconds, and a stage looks its kernel up on
+    every attention call."""
     try:
         names = [
             line.split(":", 1)[1].strip()
@@ -155,7 +159,15 @@ def _compile(source: Path):
 
 def build_name(source: Path) -> str:
     """The module's name: the file's stem and a hash of its text, so that byte-identical copies in two
-    stages share one build. Example: ``paged_attention_1c9e4f02``."""
+    stages share one build. Example: ``paged_attention_1c9e4f02``. The hash is kept per version of the
+    file (its modification time and size), so an edited kernel is rebuilt and an unchanged one costs a
+    ``stat``."""
+    stat = source.stat()
+    return _hashed_name(source, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _hashed_name(source: Path, mtime_ns: int, size: int) -> str:
     return f"{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:8]}"
 
 

@@ -18,7 +18,7 @@ import torch
 from cpp_kernel import needs_cpp
 from smoke_runs import run_smoke_in_process, smoke_module
 
-from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_problem, load_cpp_kernel
+from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_name, build_problem, load_cpp_kernel
 from kvcourse.model_store import REPO_ROOT
 from L4_paged_kernel import engine as l4_engine
 from L4_paged_kernel.cpp_paged_attention import SOURCE, cpp_paged_attention
@@ -144,6 +144,18 @@ def test_triton_rejects_bad_split_count():
 
     with pytest.raises(ValueError, match="num_splits must be a power of two >= 1, got 3"):
         triton_paged_attention(*make_case(16, 4, 2, [5], [1]), num_splits=3)
+
+
+def test_an_edited_kernel_gets_a_new_build_name(tmp_path):
+    """The build's name follows the file's text: byte-identical copies share one build, and an edit
+    made in the same process changes the name (the hash is kept per version of the file, not per
+    path), so the next load builds the edited kernel instead of running the old one."""
+    source = tmp_path / "paged_attention.cpp"
+    source.write_bytes(SOURCE.read_bytes())
+    first = build_name(source)
+    assert first == build_name(SOURCE)
+    source.write_bytes(SOURCE.read_bytes() + b"// edited\n")
+    assert build_name(source) != first
 
 
 def test_a_kernel_no_compiler_can_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):
