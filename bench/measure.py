@@ -82,11 +82,14 @@ def requests_job(system: System, prompts, budgets, repeats: int) -> Job:
 
 def requests_row(system: System, row: dict, outs, prompts, budgets) -> dict:
     """A timed row of (a), (b), (u) with its tokens: useful ones are the budgets; ``computed_new_tokens``
-    is what the system generated (more for HF batched)."""
+    is what the system generated (more for HF batched); ``warmup_requests`` how many requests its
+    untimed warm-up ran (the first one only for a system timed once, see ``requests_job``)."""
     assert [len(o) for o in outs] == budgets, f"{system.name} did not produce fixed-length outputs"
     useful = sum(budgets)
+    warmup_requests = 1 if runs_once(system.one_at_a_time, len(prompts)) else len(prompts)
     return row | {"new_tokens": useful, "computed_new_tokens": system.computed(prompts, budgets),
-                  "tok_s": useful / row["seconds"]}  # fmt: skip
+                  "tok_s": useful / row["seconds"], "requests": len(prompts),
+                  "warmup_requests": warmup_requests}  # fmt: skip
 
 
 def samples_job(system: System, prompt, budget: int, n: int, repeats: int) -> Job:

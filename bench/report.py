@@ -95,6 +95,36 @@ def _agreement(row: dict) -> str:
     return f"{match + ties}/{match + ties + wrong}" + (f" ({ties} ties)" if ties else "")
 
 
+def first_runs_table(results: dict) -> list[str]:
+    """Each system's untimed first run next to its median timed run, seconds: what compiling costs.
+
+    Example row: ``| L6 | 10.7 / 2.1 | 25.6 / 14.1 | ...``: L6's first run of each workload traces and
+    compiles its jit'd calls, a torch stage's first run is about as fast as the others. A system timed
+    once on a workload warms up on its first request only: ``1.3 (1 request) / 95.8``.
+    """
+    works = [w for w in ("a", "b", "u", "c") if any(w in row for row in results["systems"].values())]
+
+    def cell(row: dict, work: str) -> str:
+        if "warmup_seconds" not in row.get(work, {}):
+            return "-"
+        w = row[work]
+        # warmup_requests is in the JSON since 2026-11-25; before, a single timed run marked such a system
+        if "warmup_requests" in w:
+            part = w["warmup_requests"] < w["requests"]
+        else:
+            part = len(w["runs"]) < results["sizes"]["repeats"]
+        first = f"{w['warmup_seconds']:.1f}" + (" (1 request)" if part else "")
+        return f"{first} / {w['seconds']:.1f}"
+
+    lines = [
+        "| first (untimed) run / median timed run, s | " + " | ".join(f"({w})" for w in works) + " |",
+        "|---|" + "---|" * len(works),
+    ]
+    for name, row in results["systems"].items():
+        lines.append(f"| {name} | " + " | ".join(cell(row, w) for w in works) + " |")
+    return lines
+
+
 def summary_table(results: dict) -> str:
     """The Markdown tables README shows: speeds, then the targets."""
     c, m, sizes = results["ceilings"], results["machine"], results["sizes"]
@@ -137,6 +167,7 @@ def summary_table(results: dict) -> str:
             f"| {blocks} | {_agreement(row)} |"
         )
     lines = [line.replace("| -x ", "| - ") for line in lines]
+    lines += ["", *first_runs_table(results)]
     if results.get("targets"):
         lines += ["", "| target | measured | |", "|---|---|---|"]
         lines += [

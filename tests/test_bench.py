@@ -26,6 +26,8 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
         assert {"b", "c"} <= set(row), name
         assert row["b"]["tok_s"] > 0 and row["b"]["new_tokens"] == sum(budgets)
         assert len(row["b"]["runs"]) in (1, sizes["repeats"]) and row["b"]["warmup_seconds"] > 0
+        one_at_a_time = name in ("HF batch 1", "L1", "L2")  # warmed up on the first request only
+        assert row["b"]["warmup_requests"] == (1 if one_at_a_time else len(budgets)), name
         if name != "HF batch 1":  # every other system's outputs equal HF batch 1's (tie rule)
             assert not row["b"]["agreement"]["mismatches"], name
             assert row["b"]["agreement"]["match"] + len(row["b"]["agreement"]["ties"]) == len(budgets), name
@@ -49,6 +51,7 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert (tmp_path / "plots" / "decode_latency.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "| L1 |" in out and "| HF generate_batch |" in out and "| target | measured |" in out
+    assert "| L6 | " in out.split("| first (untimed) run / median timed run, s |")[1]
     assert "| whole token |" in out and "XLA's matrix-vector products alone ((f)) would allow" in out
     # the tables again from the saved file, measurements untouched; the plots into a folder not made yet
     again_plots = tmp_path / "plots again"
