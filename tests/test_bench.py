@@ -136,3 +136,20 @@ def test_matvec_rejects_zero_repeats(capsys):
     with pytest.raises(SystemExit):
         matvec.main(["--quick", "--repeats", "0"])
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_first_runs_table_marks_one_request_warmups():
+    row = {"warmup_seconds": 1.25, "seconds": 90.0, "runs": [90.0], "requests": 32, "warmup_requests": 1}
+    older = {"warmup_seconds": 1.25, "seconds": 90.0, "runs": [90.0]}  # a JSON from before warmup_requests
+    whole = {"warmup_seconds": 25.6, "seconds": 14.1, "runs": [18.5, 14.1, 12.6], "requests": 32,
+             "warmup_requests": 32}  # fmt: skip
+    results = {
+        "sizes": {"repeats": 3},
+        "systems": {"A": {"b": row}, "B": {"b": older}, "C": {"b": whole}, "D": {}},
+    }
+    assert report.first_runs_table(results)[2:] == [
+        "| A | 1.2 (1 request) / 90.0 |",
+        "| B | 1.2 (1 request) / 90.0 |",
+        "| C | 25.6 / 14.1 |",
+        "| D | - |",
+    ]
