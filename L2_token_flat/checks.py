@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvcourse.grading import Case, describe, first_line, outcome, run_cases
+from kvcourse.hidden import Hidden
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .sequence import Sequence
@@ -166,3 +167,128 @@ def check_reserve(reserve: Callable) -> None:
             Case("OutOfBlocksError leaves sequence and free list alone", case(4, 4, 2, [], [4, 13, 8])),
         ]
     )
+
+
+# Hidden cases (kvcourse/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py.
+
+
+def draw_free_list_ops(rng) -> list[dict]:
+    """Random runs of calls on a small pool: allocations that fit, that do not, and zero-sized ones;
+    frees of held blocks, and now and then of a free block (a double free), a repeated id or an id
+    outside the pool. The draw keeps its own rough idea of which blocks are held, only to aim frees."""
+    cases = []
+    for _ in range(8):
+        num_blocks, ops = rng.randint(1, 10), []
+        free, held = list(range(num_blocks)), []
+        for _ in range(rng.randint(3, 9)):
+            if not held or rng.random() < 0.45:
+                n = rng.choice([0, 1, 1, 2, 3, len(free), len(free) + 1])
+                ops.append(["alloc_blocks", n])
+                if n <= len(free):
+                    held, free = held + free[:n], free[n:]
+                continue
+            pick = rng.sample(held, rng.randint(1, len(held)))
+            if rng.random() < 0.3:
+                pick.append(rng.choice([pick[0], num_blocks, -1, *free]))  # repeated, outside, or free
+            else:
+                held, free = [b for b in held if b not in pick], free + pick
+            ops.append(["free", pick])
+        cases.append({"num_blocks": num_blocks, "ops": ops})
+    return cases
+
+
+def observe_free_list(method: str):
+    """Run a case's calls on ``BlockAllocator`` with ``fn`` as its ``method``; after each call record
+    what it returned (or which error it raised) and the free list."""
+
+    def observe(fn, case) -> list[dict]:
+        allocator = type("Yours", (BlockAllocator,), {method: fn})(case["num_blocks"], 4)
+        steps = []
+        for op, arg in case["ops"]:
+            call = f"{op}({arg!r})"
+            try:
+                returned = getattr(allocator, op)(list(arg) if op == "free" else arg)
+                step = {"call": call, "returned": returned if op == "alloc_blocks" else None}
+            except (OutOfBlocksError, ValueError) as e:
+                step = {
+                    "call": call,
+                    "raised": "OutOfBlocksError" if isinstance(e, OutOfBlocksError) else "ValueError",
+                }
+            steps.append({**step, "free": list(allocator.free_blocks)})
+        return steps
+
+    return observe
+
+
+def describe_free_list_ops(case: dict) -> str:
+    calls = ", ".join(f"{op}({arg!r})" for op, arg in case["ops"])
+    return f"{case['num_blocks']} blocks: {calls}"
+
+
+def draw_reserve(rng) -> list[dict]:
+    """Random pools whose free list is out of id order, and growing targets, some past the pool."""
+    cases = []
+    for _ in range(8):
+        block_size, num_blocks = rng.choice([1, 2, 3, 4, 7, 16]), rng.randint(2, 9)
+        taken = rng.randint(0, num_blocks - 1)
+        returned = rng.sample(range(taken), rng.randint(0, taken))
+        targets, t = [], 0
+        for _ in range(rng.randint(2, 4)):
+            t += rng.randint(0, 2 * block_size + 1)
+            targets.append(t)
+        cases.append(
+            {
+                "block_size": block_size,
+                "num_blocks": num_blocks,
+                "taken": taken,
+                "returned": returned,
+                "targets": targets,
+            }
+        )
+    return cases
+
+
+def observe_reserve(fn, case) -> list[dict]:
+    allocator = BlockAllocator(case["num_blocks"], case["block_size"])
+    allocator.alloc_blocks(case["taken"])  # another sequence's blocks ...
+    allocator.free(case["returned"])  # ... some given back: the free list is out of id order
+    seq, steps = Sequence(prompt_ids=[1]), []
+    for target in case["targets"]:
+        call = f"reserve(target_len={target})"
+        try:
+            fn(seq, allocator, target)
+            step = {"call": call, "raised": None}
+        except OutOfBlocksError:
+            step = {"call": call, "raised": "OutOfBlocksError"}
+        steps.append(
+            {**step, "block_table": list(seq.block_table), "slot_indices": list(seq.slot_indices),
+             "free": list(allocator.free_blocks)}
+        )  # fmt: skip
+    return steps
+
+
+def describe_reserve(case: dict) -> str:
+    return (
+        f"block_size {case['block_size']}, {case['num_blocks']} blocks, {case['taken']} taken and "
+        f"{case['returned']} given back, targets {case['targets']}"
+    )
+
+
+HIDDEN = {
+    "L2.1": Hidden(
+        draw_free_list_ops,
+        observe_free_list("alloc_blocks"),
+        describe_free_list_ops,
+        answers=("L2_token_flat.allocator:BlockAllocator.alloc_blocks",),
+    ),
+    "L2.2": Hidden(
+        draw_free_list_ops,
+        observe_free_list("free"),
+        describe_free_list_ops,
+        answers=("L2_token_flat.allocator:BlockAllocator.free",),
+    ),
+    "L2.3": Hidden(
+        draw_reserve, observe_reserve, describe_reserve, answers=("L2_token_flat.sequence:reserve",)
+    ),
+}

@@ -4,58 +4,73 @@
     make grade NB=workspace/L2_token_flat.ipynb EX=L2.2   one exercise: only what it needs runs
     make grade                                            every notebook in workspace/
     make grade DIR=submissions/                           a class: writes submissions/gradebook.csv
+    make grade ... TIMEOUT=120 SEED=1234                  seconds per cell; the hidden cases' seed
 
-For a notebook the report reads like a teacher's: one line per exercise, then each failing case once
-in plain text, then ``graded <path>: K/N exercises pass``; the exit status is 0 only when K == N::
+For a notebook the report reads like a teacher's: one line per exercise, each failing case once in
+plain text, the notes, then ``graded <path>: K/N exercises pass``; the exit status is 0 only when
+K == N::
 
-    L2.1 allocate blocks: PASS
-    L2.2 free blocks: FAIL, 3 of 5 cases pass
+    L2.1 alloc_blocks: PASS
+    L2.2 free: FAIL, 3 of 5 cases pass
     L2.3 reserve: FAIL, not done yet (it raises NotImplementedError)
 
     L2.2 case 4 (free([1, 1]) after alloc_blocks(2)): WRONG — expected ValueError (double free), got no error
-    ...
+    hidden cases: seed 81723 (SEED=81723 grades them again)
     graded workspace/L2_token_flat.ipynb: 1/3 exercises pass
 
 How. The answer key of a notebook is its stage's generated exercise notebook
-(``notebooks/exercises/LN_*.ipynb``): its stubs name the exercises, and its check cells hold the
-expected output. The grader builds a copy of the learner's notebook in which every check cell is the
-key's (the expected answers come from the key, never from the learner's file, whose check cells show
-whatever the learner's last run printed), drops the cells tagged ``demo`` (plots and timings no
-exercise needs) and, for ``EX=``, every cell but the ones tagged ``setup``, the exercise's own cells and
-its check cell. nbval runs that copy in a fresh kernel (``kvcourse/nbval_report.py`` records each
-cell); an exercise passes when its check cell's output matches the key's. A learner's own ``print``
-calls never count: only check cells are compared, and their checkers swallow what the learner's code
-prints.
+(``notebooks/exercises/LN_*.ipynb``): its stubs name the exercises, its check cells hold the expected
+output. The grader builds the notebook it runs from the key: the learner's version of each exercise
+cell (the cells that hold a stub in the key) and of each cell the learner added, the key's version of
+every other cell (a check cell edited or deleted changes nothing; cells tagged ``demo``, plots and
+timings no exercise needs, are left out), and after each check cell one cell of its own that runs the
+learner's function on the exercise's **hidden cases**, drawn from a seed picked per run
+(``kvcourse/hidden.py``). nbval runs it in a fresh kernel inside a **sandbox** (``kvcourse/sandbox.py``:
+bubblewrap where installed, memory and CPU-time limits), with a time limit per cell; a dead kernel is
+noticed at once (``kvcourse/nbval_report.py``).
 
-Submissions are code: grading runs them, with the grader's permissions. Grade a class inside a
-container or under a throwaway account. A notebook whose check cells differ from the key's is refused
-(graded 0), since editing a check cell is the one way to change what is graded.
+An exercise passes when its check cell prints what the key holds (the cases the notebook shows) and
+every hidden case gives what the stage's independent answer gives; this grader process, which never
+runs the learner's code, makes that comparison. It is not credited, whatever it printed, when its
+answer runs the stage's own implementation (a tripwire fired, or the source imports it:
+``kvcourse/integrity.py``); no exercise is credited when the learner's code changes the grader. The
+gradebook's note column says why, and what happened when a kernel died or a cell ran out of time.
 
-Left out on purpose: partial credit (an exercise passes or fails), hidden tests, and sandboxing.
+Left out on purpose: partial credit (an exercise passes or fails), and grading a notebook whose cells
+lost their ids (Jupyter keeps them; such a notebook is refused with a note).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
+import importlib
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
+from kvcourse import hidden
 from kvcourse.exercises import CHECK_MARKER, NOTEBOOKS, read, render
+from kvcourse.integrity import scan
+from kvcourse.sandbox import Sandbox
+from kvcourse.stages import STAGES
 
 ROOT = NOTEBOOKS.parent
 WORKSPACE = ROOT / "workspace"
 SANITIZE = NOTEBOOKS / "sanitize.cfg"
-CELL_TIMEOUT = 600  # seconds a single cell may run
-NOTEBOOK_TIMEOUT = 1800  # seconds one notebook may take in all
+CELL_TIMEOUT = 60  # seconds one cell may run (TIMEOUT=); the slowest reference cell takes 20 s here
+NOTEBOOK_TIMEOUT = 1800  # seconds one notebook may take in all, cells and kernel start included
+MEMORY_BYTES = 8 << 30  # address space of each process of a submission
 STUB_TITLE_RE = re.compile(r'raise NotImplementedError\("Exercise (L\d+\.\d+)(?::\s*(.*?))?"\)')
 
 
@@ -79,11 +94,26 @@ class Verdict:
 class Grade:
     path: str
     verdicts: list[Verdict]
-    refused: str | None = None  # why the notebook was not graded
+    refused: str | None = None  # why the notebook was not graded at all
+    notes: list[str] = field(default_factory=list)  # what the gradebook's note column says
+    seed: int | None = None
 
     @property
     def passed(self) -> int:
         return sum(v.passed for v in self.verdicts)
+
+    @property
+    def note(self) -> str:
+        return "; ".join(([f"not graded: {self.refused}"] if self.refused else []) + self.notes)
+
+
+@dataclass
+class RunCell:
+    """One code cell of the notebook the grader runs, and what it is there for."""
+
+    source: str
+    role: str  # "course", "learner", "check" or "hidden"
+    exercise_id: str | None  # the exercise whose span holds it (None: setup, or after the last one)
 
 
 def is_check(cell) -> bool:
@@ -92,6 +122,14 @@ def is_check(cell) -> bool:
 
 def tags(cell) -> list[str]:
     return cell.get("metadata", {}).get("tags", [])
+
+
+def package_of(name: str) -> str:
+    """The stage package of a notebook file name: ``"L2_token_flat.ipynb" -> "L2_token_flat"``."""
+    m = re.match(r"(L\d+)_", name)
+    if not m or m[1] not in STAGES:
+        raise ValueError(f"{name}: not a stage's notebook")
+    return STAGES[m[1]]
 
 
 def exercises_of(key) -> list[Exercise]:
@@ -121,123 +159,246 @@ def answer_key_for(nb, path: Path):
     ids = {c.get("id") for c in nb.cells} - {None}
     best = max(keys, key=lambda k: len(ids & {c.get("id") for c in read(k).cells}), default=None)
     if best is not None and ids & {c.get("id") for c in read(best).cells}:
-        return read(best)
+        return best, read(best)
     m = re.search(r"(L\d+)", path.name)
     named = [k for k in keys if m and k.name.startswith(m[1] + "_")]
     if not named:
         raise ValueError(f"{path}: cannot tell which stage's exercises this notebook holds")
-    return read(named[0])
+    return named[0], read(named[0])
 
 
 def check_cells_edited(nb, key) -> str | None:
-    """Why the learner's check cells are not the key's (edited, missing, added), or None."""
-    mine = [c.source for c in nb.cells if is_check(c)]
-    theirs = [c.source for c in key.cells if is_check(c)]
-    if len(mine) != len(theirs):
-        return f"it has {len(mine)} check cells, the exercise notebook has {len(theirs)}"
-    for k, (a, b) in enumerate(zip(mine, theirs, strict=True), start=1):
-        if a != b:
-            return f"check cell {k} was edited (it should read {b.splitlines()[-1].strip()!r})"
-    return None
+    """Which of the learner's check cells differ from the key's (edited, missing), or None."""
+    mine = {c.get("id"): c.source for c in nb.cells if c.cell_type == "code"}
+    changed = [
+        k
+        for k, cell in enumerate((c for c in key.cells if is_check(c)), start=1)
+        if mine.get(cell.get("id")) != cell.source
+    ]
+    if not changed:
+        return None
+    return f"check cell {', '.join(map(str, changed))} edited or missing (the exercise notebook's were run)"
 
 
-def build_run(nb, key, exercises: list[Exercise], only: str | None):
-    """The notebook nbval runs, and the role of each of its code cells (index -> exercise id or None).
+def harvest_source(package: str, ex: Exercise, check_source: str, seed: int, out: Path, seconds: int) -> str:
+    """The cell that runs the learner's function on the hidden cases: the check cell's call, with
+    ``checks.check_free(free)`` becoming ``harvest(..., free)``."""
+    call = next(
+        node.value
+        for node in ast.parse(check_source).body
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+    )
+    args = ", ".join(ast.unparse(a) for a in call.args)
+    return (
+        f"# the grader's cell: the hidden cases of {ex.exercise_id}\n"
+        f"import kvcourse.hidden\n"
+        f"kvcourse.hidden.harvest({package!r}, {ex.exercise_id!r}, {args}, seed={seed}, out={str(out)!r}, seconds={seconds})"
+    )
 
-    Check cells come from the key, with their expected outputs; cells the key tags ``demo`` are
-    dropped; with ``only``, so is everything but ``setup`` cells and that exercise's span.
+
+def build_run(
+    nb, key, exercises: list[Exercise], only: str | None, package: str, seed: int, results: Path, seconds: int
+) -> list[RunCell]:
+    """The cells the grader runs (see the module docstring) and which of them are the learner's.
+
+    Each of the learner's cells sits where the learner put it: after the key cell it follows.
     """
-    key_ids = {c.get("id"): c for c in key.cells if c.get("id")}
-    check_cells = [c for c in key.cells if is_check(c)]
     chosen = next((e for e in exercises if e.exercise_id == only), None) if only else None
     if only and chosen is None:
         raise ValueError(
             f"no exercise {only} in this notebook (it has {', '.join(e.exercise_id for e in exercises)})"
         )
-    cells, roles, k = [], {}, 0  # k: check cells seen so far
+    key_ids = {c.get("id") for c in key.cells}
+    added: dict[str | None, list[str]] = {}  # key cell id -> the learner's cells after it
+    mine: dict[str, str] = {}
+    after = None
     for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        if is_check(cell):
-            ex = exercises[k]
-            k += 1
-            if chosen is None or ex is chosen:
-                roles[len(cells)] = ex.exercise_id
-                cells.append(check_cells[k - 1])
-            continue
-        cell_tags = tags(key_ids.get(cell.get("id"), cell))
-        if "demo" in cell_tags:
-            continue
-        in_span = chosen is not None and k == exercises.index(chosen)
-        if chosen is None or "setup" in cell_tags or in_span:
-            cells.append(cell)
-    run = nbformat.v4.new_notebook(cells=cells, metadata=key.metadata)
-    return run, roles
+        if cell.get("id") in key_ids:
+            after = cell.get("id")
+            mine[after] = cell.source
+        elif cell.cell_type == "code" and cell.source.strip():
+            added.setdefault(after, []).append(cell.source)
+    span_of = {}  # key cell index -> the exercise whose span holds it
+    for ex in exercises:
+        span_of.update({i: ex for i in range(ex.first, ex.check + 1)})
+    last_setup = max((i for i, c in enumerate(key.cells) if "setup" in tags(c)), default=-1)
+    cells: list[RunCell] = []
+    for i, cell in enumerate(key.cells):
+        ex = span_of.get(i)
+        keep = chosen is None or ex is chosen or "setup" in tags(cell)
+        if cell.cell_type == "code" and keep and "demo" not in tags(cell):
+            exercise_id = ex.exercise_id if ex else None
+            if is_check(cell):
+                cells.append(RunCell(cell.source, "check", exercise_id))
+                out = results / f"{ex.exercise_id}.json"
+                source = harvest_source(package, ex, cell.source, seed, out, seconds)
+                cells.append(RunCell(source, "hidden", exercise_id))
+            elif STUB_TITLE_RE.search(cell.source):
+                cells.append(RunCell(mine.get(cell.get("id"), cell.source), "learner", exercise_id))
+            else:
+                cells.append(RunCell(cell.source, "course", exercise_id))
+        if keep:
+            extra = added.pop(cell.get("id"), [])
+            if i == last_setup:  # cells added above the setup cells run after them
+                extra = added.pop(None, []) + extra
+            cells += [RunCell(source, "learner", ex.exercise_id if ex else None) for source in extra]
+    return cells
 
 
-def run_nbval(notebook: Path, timeout: int = NOTEBOOK_TIMEOUT) -> list[dict] | str:
-    """Run nbval on one notebook in a fresh kernel; each code cell's record, or why it could not run."""
-    with tempfile.TemporaryDirectory(prefix="kvcourse-grade-") as tmp:
-        report = Path(tmp) / "cells.json"
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg", KVCOURSE_NBVAL_REPORT=str(report))
-        cmd = [
-            sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env",
-            "--nbval-sanitize-with", str(SANITIZE), f"--nbval-cell-timeout={CELL_TIMEOUT}",
-            "-p", "kvcourse.nbval_report", "-p", "no:cacheprovider", "-o", "addopts=", "-q", str(notebook),
-        ]  # fmt: skip
-        try:
-            subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return f"the notebook ran longer than {timeout} s"
-        if not report.exists():
-            return "the notebook could not be run (is it a valid notebook?)"
-        return json.loads(report.read_text(encoding="utf-8"))
+def run_nbval(
+    notebook: Path, workdir: Path, cell_timeout: int, box: Sandbox
+) -> tuple[list[dict] | str, bool]:
+    """Run nbval on one notebook in a fresh kernel, in the sandbox: each code cell's record (as far as
+    the run got) or why nothing could be read, and whether the run was stopped at ``NOTEBOOK_TIMEOUT``."""
+    report = workdir / "cells.json"
+    sanitize = workdir / SANITIZE.name
+    sanitize.write_bytes(SANITIZE.read_bytes())  # notebooks/ is covered in the sandbox
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "KVCOURSE_NBVAL"))
+    }
+    env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg", KVCOURSE_NBVAL_REPORT=str(report))
+    env.update(MPLCONFIGDIR=str(workdir / "mpl"), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"))
+    cmd = [
+        sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env",
+        "--nbval-sanitize-with", str(sanitize), f"--nbval-cell-timeout={cell_timeout}",
+        "-p", "kvcourse.nbval_report", "-p", "no:cacheprovider", "-o", "addopts=", "-q", str(notebook),
+    ]  # fmt: skip
+    argv, limits = box.wrap(cmd, workdir)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=limits,
+        start_new_session=True,
+    )  # fmt: skip
+    stopped = False
+    try:
+        proc.communicate(timeout=NOTEBOOK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        stopped = True
+    if not report.exists():
+        return "the notebook could not be run (is it a valid notebook?)", stopped
+    return json.loads(report.read_text(encoding="utf-8")), stopped
 
 
-def verdict(ex: Exercise, record: dict | None) -> Verdict:
-    """One exercise's verdict from its check cell's record."""
+def visible_verdict(record: dict | None) -> tuple[bool, str, list[str]]:
+    """(passed, summary, failing lines) of a check cell, from its record."""
     if record is None:
-        return Verdict(ex, False, "FAIL, its check cell did not run")
+        return False, "FAIL, its check cell did not run", []
     lines = record["text"].splitlines()
     cases = [line for line in lines if line.startswith("case ")]
     failing = [line for line in cases if not line.endswith(": ok")]
     if record["passed"]:
-        return Verdict(ex, True, "PASS")
+        return True, "PASS", []
+    if record["status"] in ("died", "dead"):
+        return False, "FAIL, the kernel died before its check cell finished", []
+    if record["status"] == "timeout":
+        return False, "FAIL, its check cell ran out of time", []
     if record["error"] and not cases:
-        return Verdict(ex, False, f"FAIL, the check cell raised {record['error'].splitlines()[0]}")
+        return False, f"FAIL, the check cell raised {record['error'].splitlines()[0]}", []
     if cases and all("raised NotImplementedError" in line for line in failing) and len(failing) == len(cases):
-        return Verdict(ex, False, "FAIL, not done yet (it raises NotImplementedError)")
-    ok = len(cases) - len(failing)
+        return False, "FAIL, not done yet (it raises NotImplementedError)", []
     if not failing:  # every case passed, yet the output differs: extra or missing lines
-        return Verdict(ex, False, "FAIL, its output differs from the expected one", lines)
-    return Verdict(ex, False, f"FAIL, {ok} of {len(cases)} cases pass", failing)
+        return False, "FAIL, its output differs from the expected one", lines
+    return False, f"FAIL, {len(cases) - len(failing)} of {len(cases)} cases pass", failing
+
+
+def what_happened(cells: list[RunCell], records: dict[int, dict], cell_timeout: int) -> list[str]:
+    """Notes on cells that did not end normally: a dead kernel, a cell out of time."""
+    notes = []
+    for index, record in sorted(records.items()):
+        cell = cells[index]
+        where = f"the cell of {cell.exercise_id}" if cell.exercise_id else f"code cell {index + 1}"
+        if cell.role == "hidden":
+            where = f"the hidden cases of {cell.exercise_id}"
+        if record["status"] == "died":
+            notes.append(f"kernel died in {where}")
+        elif record["status"] == "timeout":
+            notes.append(f"{cell.exercise_id or f'code cell {index + 1}'} timed out after {cell_timeout} s")
+    return notes
 
 
 def grade(
-    path: Path, only: str | None = None, timeout: int = NOTEBOOK_TIMEOUT, shown: str | None = None
+    path: Path,
+    only: str | None = None,
+    cell_timeout: int = CELL_TIMEOUT,
+    seed: int | None = None,
+    box: Sandbox | None = None,
+    shown: str | None = None,
 ) -> Grade:
     """Grade one notebook (``only``: one exercise id)."""
     shown = shown or str(path)
+    seed = random.SystemRandom().randrange(1, 100_000) if seed is None else seed
+    box = box or Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT)
     try:
         nb = read(path)
-        key = answer_key_for(nb, path)
+        key_path, key = answer_key_for(nb, path)
+        package = package_of(key_path.name)
     except Exception as e:  # not a notebook, or not one of the course's
         return Grade(shown, [], refused=f"cannot read it as a course notebook ({str(e).splitlines()[0]})")
     exercises = exercises_of(key)
-    edited = check_cells_edited(nb, key)
-    if edited:
-        return Grade(shown, [Verdict(e, False, "FAIL, refused") for e in exercises], refused=edited)
-    run, roles = build_run(nb, key, exercises, only)
-    with tempfile.TemporaryDirectory(prefix="kvcourse-grade-") as tmp:
-        target = Path(tmp) / path.name
-        target.write_text(render(run), encoding="utf-8")
-        records = run_nbval(target, timeout)
-    if isinstance(records, str):
-        return Grade(shown, [Verdict(e, False, "FAIL, not graded") for e in exercises], refused=records)
-    by_cell = {r["cell"]: r for r in records}
     graded = [e for e in exercises if only is None or e.exercise_id == only]
-    at = {ex_id: cell for cell, ex_id in roles.items()}
-    return Grade(shown, [verdict(e, by_cell.get(at[e.exercise_id])) for e in graded])
+    if not {c.get("id") for c in nb.cells} & {c.get("id") for c in key.cells}:
+        why = "its cells have no ids that match the exercise notebook's (was it saved by an old tool?)"
+        return Grade(shown, [Verdict(e, False, "FAIL, not graded") for e in graded], refused=why)
+    checks = importlib.import_module(f"{package}.checks")
+    with tempfile.TemporaryDirectory(prefix="kvcourse-grade-") as tmp:
+        workdir = Path(tmp)
+        results = workdir / "hidden"
+        results.mkdir()
+        # the hidden cases end on their own, well before nbval's cell limit would interrupt them
+        cells = build_run(nb, key, exercises, only, package, seed, results, max(1, cell_timeout // 2))
+        run = nbformat.v4.new_notebook(
+            cells=[nbformat.v4.new_code_cell(c.source) for c in cells], metadata=key.metadata
+        )
+        for cell, keyed in zip(run.cells, cells, strict=True):
+            if keyed.role == "check":  # the key's expected output, for nbval to compare
+                cell.outputs = next(c.outputs for c in key.cells if c.source == keyed.source)
+                cell.execution_count = 1
+        target = workdir / path.name
+        target.write_text(render(run), encoding="utf-8")
+        records, stopped = run_nbval(target, workdir, cell_timeout, box)
+        harvested = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in results.glob("*.json")}
+    if isinstance(records, str):
+        return Grade(
+            shown, [Verdict(e, False, "FAIL, not graded") for e in graded], refused=records, seed=seed
+        )
+    by_cell = {r["cell"]: r for r in records}
+    notes = [] if only else [n for n in [check_cells_edited(nb, key)] if n]
+    learner = [(c.exercise_id, c.source) for c in cells if c.role == "learner"]
+    findings = scan(learner, {e.exercise_id: checks.HIDDEN[e.exercise_id].answers for e in graded})
+    tampered = [f for f in findings if f.kind == "tamper"]
+    if tampered:
+        where = f" in the cell of {tampered[0].exercise_id}" if tampered[0].exercise_id else ""
+        notes.append(f"changes the grader ({tampered[0].what}{where}): nothing credited")
+    verdicts = []
+    for ex in graded:
+        check_at = next(
+            i for i, c in enumerate(cells) if c.role == "check" and c.exercise_id == ex.exercise_id
+        )
+        passed, summary, failures = visible_verdict(by_cell.get(check_at))
+        record = harvested.get(ex.exercise_id)
+        problems = hidden.judge(package, ex.exercise_id, seed, record)
+        aliased = [f.what for f in findings if f.kind == "alias" and f.exercise_id == ex.exercise_id]
+        aliased += [
+            f"runs {t.partition(':')[2]}, the stage's own answer" for t in (record or {}).get("aliased", [])
+        ]
+        if aliased:
+            notes.append(f"{ex.exercise_id} not credited: {aliased[0]}")
+            passed, summary = False, "FAIL, not credited: the answer uses the stage's own implementation"
+        elif tampered:
+            passed, summary = False, "FAIL, not credited: the notebook changes the grader"
+        elif passed and problems:
+            total = len(record["observations"]) if record else 0
+            passed, summary = (
+                False,
+                f"FAIL, the cases shown pass, {len(problems)} of {total} hidden cases fail",
+            )
+            failures = problems
+        verdicts.append(Verdict(ex, passed, summary, failures))
+    notes += what_happened(cells, by_cell, cell_timeout)
+    if stopped:
+        notes.append(f"the notebook ran past {NOTEBOOK_TIMEOUT} s in all and was stopped")
+    return Grade(shown, verdicts, notes=notes, seed=seed)
 
 
 def report(g: Grade) -> str:
@@ -250,32 +411,38 @@ def report(g: Grade) -> str:
     if failures:
         lines.append("")
         lines += [f"{v.exercise.exercise_id} {line}" for v, line in failures]
+    lines += [f"note: {note}" for note in g.notes]
+    if g.seed is not None:
+        lines.append(f"hidden cases: seed {g.seed} (SEED={g.seed} grades them again)")
     lines.append(f"graded {g.path}: {g.passed}/{len(g.verdicts)} exercises pass")
     return "\n".join(lines)
 
 
-def gradebook(folder: Path, timeout: int) -> Path:
-    """Grade every notebook in ``folder``, each in its own kernel and time limit; write gradebook.csv."""
+def gradebook(folder: Path, cell_timeout: int, seed: int | None, box: Sandbox) -> Path:
+    """Grade every notebook in ``folder``, each in its own sandboxed kernel; write gradebook.csv."""
     grades = []
     for nb in sorted(folder.glob("*.ipynb")):
-        g = grade(nb, timeout=timeout, shown=str(nb))
-        print(report(g), flush=True)
+        t0 = time.perf_counter()
+        g = grade(nb, cell_timeout=cell_timeout, seed=seed, box=box, shown=str(nb))
+        print(report(g), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         print()
         grades.append(g)
     columns = sorted({v.exercise.exercise_id for g in grades for v in g.verdicts}, key=_exercise_order)
     out = folder / "gradebook.csv"
     with out.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["notebook", *columns, "passed", "total", "note"])
+        writer.writerow(["notebook", *columns, "passed", "total", "seed", "note"])
         for g in grades:
             marks = {v.exercise.exercise_id: "pass" if v.passed else "fail" for v in g.verdicts}
             row = [Path(g.path).name, *(marks.get(c, "") for c in columns), g.passed, len(g.verdicts)]
-            writer.writerow([*row, g.refused or ""])
+            writer.writerow([*row, g.seed if g.seed is not None else "", g.note])
     width = max((len(Path(g.path).name) for g in grades), default=8)
     print(f"{'notebook':<{width}}  passed")
     for g in grades:
-        note = f"  (not graded: {g.refused})" if g.refused else ""
-        print(f"{Path(g.path).name:<{width}}  {g.passed}/{len(g.verdicts)}{note}")
+        print(
+            f"{Path(g.path).name:<{width}}  {g.passed}/{len(g.verdicts)}"
+            + (f"  ({g.note})" if g.note else "")
+        )
     print(f"wrote {out}")
     return out
 
@@ -285,33 +452,52 @@ def _exercise_order(exercise_id: str) -> tuple[int, int]:
     return int(stage), int(number)
 
 
+def known_exercises() -> list[str]:
+    """Every exercise id of the exercise notebooks: ``["L1.1", ..., "L6.4"]``."""
+    found = []
+    for key in sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb")):
+        found += [m[1] for cell in read(key).cells for m in STUB_TITLE_RE.finditer(cell.source)]
+    return sorted(found, key=_exercise_order)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcourse.grade", description=__doc__.splitlines()[0])
     parser.add_argument("notebook", nargs="*", help="notebooks to grade (default: every one in workspace/)")
     parser.add_argument("--exercise", help="grade one exercise only, e.g. L2.2")
     parser.add_argument("--dir", help="grade every notebook of a folder and write its gradebook.csv")
-    parser.add_argument("--timeout", type=int, default=NOTEBOOK_TIMEOUT, help="seconds per notebook")
+    parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="seconds one cell may run")
+    parser.add_argument("--seed", type=int, help="the hidden cases' seed (default: a new one each run)")
     args = parser.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    if args.timeout < 1:
+        return fail(f"--timeout must be >= 1 second, got {args.timeout}")
+    if args.exercise and args.exercise not in known_exercises():
+        return fail(f"no exercise {args.exercise!r}; the exercises are {', '.join(known_exercises())}")
+    box = Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT)
+    if box.warning():
+        print(box.warning(), file=sys.stderr)
     if args.dir:
         folder = Path(args.dir)
         if not folder.is_dir():
-            print(f"error: {folder} is not a folder", file=sys.stderr)
-            return 2
-        gradebook(folder, args.timeout)
+            return fail(f"{folder} is not a folder")
+        gradebook(folder, args.timeout, args.seed, box)
         return 0
     paths = [Path(p) for p in args.notebook] or sorted(WORKSPACE.glob("L[0-9]*_*.ipynb"))
     if not paths:
-        print(
-            "error: no notebooks in workspace/: run `make workspace` first, or give NB=path", file=sys.stderr
-        )
-        return 2
+        return fail("no notebooks in workspace/: run `make workspace` first, or give NB=path")
     missing = [p for p in paths if not p.is_file()]
     if missing:
-        print(f"error: {missing[0]} does not exist", file=sys.stderr)
-        return 2
+        return fail(f"{missing[0]} does not exist")
     status = 0
     for path in paths:
-        g = grade(path, only=args.exercise, timeout=args.timeout)
+        try:
+            g = grade(path, only=args.exercise, cell_timeout=args.timeout, seed=args.seed, box=box)
+        except ValueError as e:  # EX= names an exercise of another notebook
+            return fail(str(e))
         print(report(g), flush=True)
         status |= g.refused is not None or g.passed < len(g.verdicts)
     return 1 if status else 0

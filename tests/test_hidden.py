@@ -1,0 +1,117 @@
+"""Hidden cases (kvcourse/hidden.py) of every exercise: drawn, observed and judged as make grade does.
+
+For each exercise of each exercise notebook:
+
+- it has hidden cases (``HIDDEN`` in its stage's ``checks.py``) and an independent answer (``EXPECT``
+  in ``answers.py``);
+- the stage's own implementation agrees with that answer on cases drawn from several seeds, so the
+  two implementations hold each other in check;
+- an answer that calls the stage's own implementation is caught by the tripwires;
+- with the stage's own implementation broken (a mutant), the independent answer still passes and a
+  wrong answer still fails: the verdict does not depend on the code the exercise re-implements.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from kvcourse import hidden
+from kvcourse.exercises import NOTEBOOKS, read
+from kvcourse.grade import STUB_TITLE_RE, package_of
+
+SEEDS = range(5)
+
+
+def exercise_ids() -> list[tuple[str, str]]:
+    """(stage package, exercise id) for every stub of every exercise notebook."""
+    found = []
+    for path in sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb")):
+        for cell in read(path).cells:
+            found += [(package_of(path.name), m[1]) for m in STUB_TITLE_RE.finditer(cell.source)]
+    return found
+
+
+EXERCISES = exercise_ids()
+
+
+def spec(package: str, exercise_id: str) -> hidden.Hidden:
+    return importlib.import_module(f"{package}.checks").HIDDEN[exercise_id]
+
+
+def stage_function(package: str, exercise_id: str):
+    """The stage's own implementation, in the learner's signature (``STAGE_ADAPTERS`` of the stage's
+    answers module where the signatures differ)."""
+    adapters = getattr(importlib.import_module(f"{package}.answers"), "STAGE_ADAPTERS", {})
+    if exercise_id in adapters:
+        return adapters[exercise_id]
+    return hidden.resolve(spec(package, exercise_id).answers[0])[2]
+
+
+def harvested(package: str, exercise_id: str, fn, seed: int, tmp_path, *context) -> dict:
+    out = tmp_path / f"{exercise_id}-{seed}.json"
+    hidden.harvest(package, exercise_id, fn, *context, seed=seed, out=str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
+def test_every_exercise_has_hidden_cases_and_an_answer(package, exercise_id):
+    answers = importlib.import_module(f"{package}.answers")
+    assert exercise_id in answers.EXPECT
+    assert spec(package, exercise_id).answers, "no stage implementation named for the tripwires"
+    cases = spec(package, exercise_id).draw(hidden.rng_for(0, exercise_id))
+    assert len(cases) >= 4
+    assert cases != spec(package, exercise_id).draw(hidden.rng_for(1, exercise_id)), (
+        "the seed changes nothing"
+    )
+
+
+@pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
+def test_the_stage_agrees_with_the_independent_answer(package, exercise_id):
+    hid, fn = spec(package, exercise_id), stage_function(package, exercise_id)
+    for seed in SEEDS:
+        cases, wants = hidden.expected(package, exercise_id, seed)
+        for case, want in zip(cases, wants, strict=True):
+            got = hidden.to_json(hid.observe(fn, case))
+            assert hidden.compare(want, got, hid.atol) is None, (seed, hid.describe(case))
+
+
+@pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
+def test_an_answer_that_runs_the_stage_code_is_caught(package, exercise_id, tmp_path):
+    record = harvested(package, exercise_id, stage_function(package, exercise_id), 0, tmp_path)
+    assert record["aliased"], record
+    assert hidden.judge(package, exercise_id, 0, record), "an aliased answer was not failed"
+
+
+@pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
+def test_a_broken_stage_changes_no_verdict(package, exercise_id, tmp_path, monkeypatch):
+    answers = importlib.import_module(f"{package}.answers")
+    for target in spec(package, exercise_id).answers:  # the mutant: the stage's own code raises
+        owner, name, _ = hidden.resolve(target)
+        monkeypatch.setattr(owner, name, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("mutant")))
+    right = harvested(package, exercise_id, answers.ANSWERS[exercise_id], 0, tmp_path)
+    assert hidden.judge(package, exercise_id, 0, right) == []
+    wrong = harvested(package, exercise_id, lambda *a, **k: None, 1, tmp_path)
+    assert hidden.judge(package, exercise_id, 1, wrong)
+
+
+def test_judge_names_the_first_difference():
+    want = [{"call": "alloc_blocks(2)", "returned": [0, 1], "free": [2]}]
+    got = [{"call": "alloc_blocks(2)", "returned": [1, 0], "free": [2]}]
+    assert hidden.compare(want, got) == "after alloc_blocks(2): returned is [1, 0], expected [0, 1]"
+    assert hidden.compare([0.5, 1.0], [0.5, 1.0 + 1e-7], atol=1e-6) is None
+    assert hidden.compare([0.5], [float("nan")], atol=1.0) is not None
+    assert hidden.compare({"a": 1}, {"a": True}) is not None
+
+
+def test_a_case_that_never_ends_is_stopped(tmp_path):
+    def forever(self, n):
+        while True:
+            pass
+
+    out = tmp_path / "forever.json"
+    hidden.harvest("L2_token_flat", "L2.1", forever, seed=0, out=str(out), seconds=1)
+    record = json.loads(out.read_text())
+    assert record["observations"] == [{"error": "CaseTimeout: the hidden cases ran past their 1 s"}]
