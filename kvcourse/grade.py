@@ -32,7 +32,7 @@ noticed at once (``kvcourse/nbval_report.py``).
 An exercise passes when its check cell prints what the key holds (the cases the notebook shows) and
 every hidden case gives what the stage's independent answer gives; this grader process, which never
 runs the learner's code, makes that comparison. It is not credited, whatever it printed, when its
-answer runs the stage's own implementation (a tripwire fired, or the source imports it:
+answer runs the stage's own implementation (the hidden cases saw its code run, or the source imports it:
 ``kvcourse/integrity.py``); no exercise is credited when the learner's code changes the grader. The
 gradebook's note column says why, and what happened when a kernel died or a cell ran out of time.
 

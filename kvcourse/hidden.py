@@ -22,9 +22,10 @@ A ``Hidden`` holds:
   objects as in the visible check;
 - ``describe(case) -> str``: the case in words, for the report;
 - ``answers``: the stage's own implementation of the exercise, as ``"module:Qualified.name"``. While
-  the learner's function runs on hidden cases, each of these is swapped for a tripwire, so an answer
-  that calls or aliases the stage's code (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught
-  however it got hold of it, and the grader flags it instead of crediting it;
+  the learner's function runs on hidden cases, a profile hook watches for their code running
+  (``watching``), so an answer that calls, aliases or copies the stage's code
+  (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught however it got hold of it, and the grader
+  flags it instead of crediting it. ``observe`` itself must not run them;
 - ``atol``: the tolerance for floats (online softmax against a dense one), else exact.
 
 Observations are lists of steps, each a dict (``{"call": "alloc_blocks(2)", "returned": [0, 1],
@@ -42,6 +43,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -68,10 +70,6 @@ class Hidden:
     atol: float = 0.0
 
 
-class AliasedAnswer(Exception):
-    """Raised by a tripwire: the learner's function ran the stage's own implementation."""
-
-
 class CaseTimeout(Exception):
     """The hidden cases ran past their time."""
 
@@ -94,31 +92,38 @@ def resolve(target: str):
     return owner, name, getattr(owner, name)
 
 
-def _tripwire(*args, _target="", _caught=None, _error=Exception, **kwargs):
-    """What a tripped function runs instead of its code. It has no free variables and reads no
-    globals (it runs with the tripped function's), so it can take any function's place."""
-    _caught.append(_target)
-    raise _error(f"the answer runs the stage's own {_target.partition(':')[2]}")
+def code_identity(target: str) -> set[tuple[str, str]]:
+    """The (file, qualified name) pairs that the code of ``target`` runs under, e.g.
+    ``{("/repo/L2_token_flat/sequence.py", "reserve")}`` for ``"L2_token_flat.sequence:reserve"``."""
+    module_name, _, qualname = target.partition(":")
+    path = importlib.import_module(module_name).__file__
+    return {(path, qualname), (os.path.realpath(path), qualname)}
 
 
 @contextlib.contextmanager
-def tripwires(targets: tuple[str, ...], caught: list[str]):
-    """Make each target function raise ``AliasedAnswer`` (and record its name in ``caught``) while
-    the block runs, by swapping its code object: every alias of the function object trips too."""
-    saved = []
-    for target in targets:
-        *_, fn = resolve(target)
-        fn = getattr(fn, "__func__", fn)  # a classmethod's or a bound method's function
-        if fn.__code__.co_freevars:  # a closure: its code cannot be swapped; left unguarded
-            continue
-        saved.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
-        fn.__code__, fn.__defaults__ = _tripwire.__code__, None
-        fn.__kwdefaults__ = {"_target": target, "_caught": caught, "_error": AliasedAnswer}
+def watching(targets: tuple[str, ...], caught: list[str]):
+    """Record in ``caught`` every target whose code runs while the block runs.
+
+    A profile hook looks at each Python call's code object: its file and qualified name say whether
+    it is the stage's own implementation, whatever object it was reached through (the class
+    attribute, an alias taken earlier, a wrapper, a copy of the function). The learner's own code,
+    defined in the notebook, never matches, even when it has replaced the stage's attribute.
+    """
+    forbidden = {key: target for target in targets for key in code_identity(target)}
+
+    def hook(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            target = forbidden.get((code.co_filename, code.co_qualname))
+            if target is not None:
+                caught.append(target)
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
     try:
         yield
     finally:
-        for fn, code, defaults, kwdefaults in saved:
-            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
+        sys.setprofile(previous)
 
 
 @contextlib.contextmanager
@@ -170,7 +175,7 @@ def harvest(
                 contextlib.redirect_stdout(io.StringIO()),
                 time_limit(max(1, round(deadline - time.monotonic()))),
             ):
-                with tripwires(hidden.answers, caught):
+                with watching(hidden.answers, caught):
                     got = hidden.observe(fn, case, *context)
             observations.append({"ok": to_json(got)})
         except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
@@ -205,7 +210,10 @@ def judge(package: str, exercise_id: str, seed: int, record: dict | None) -> lis
     got = record.get("observations")
     if not isinstance(got, list):
         return ["hidden cases: the record is malformed"]
-    problems = []
+    problems = [
+        f"hidden cases: the answer runs {t.partition(':')[2]}, the stage's own"
+        for t in record.get("aliased", [])
+    ]
     for k, (case, want) in enumerate(zip(cases, wants, strict=False), start=1):
         if k > len(got):
             problems.append(f"hidden case {k} ({hidden.describe(case)}): did not run")

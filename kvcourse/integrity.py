@@ -13,14 +13,14 @@ the exercise notebook has them) and returns findings of two kinds:
 - **aliasing**, per exercise: importing the stage's own implementation of what the exercise asks
   (``from L2_token_flat.sequence import reserve``) or reading it off its class
   (``BlockAllocator.alloc_blocks``, ``super().alloc_blocks``). That exercise is not credited. The
-  hidden cases' tripwires catch the same thing at run time, however the code got hold of it.
+  hidden cases' watch catches the same thing at run time, however the code got hold of it.
 
 Example: ``scan([("L2.1", "alloc_blocks = BlockAllocator.alloc_blocks")], {"L2.1": (target,)})``
 with target ``"L2_token_flat.allocator:BlockAllocator.alloc_blocks"`` ->
 ``[Finding("L2.1", "alias", "reads BlockAllocator.alloc_blocks, the stage's own answer (line 1)")]``.
 
 Left out on purpose: code that hides what it does from a reader (it is caught, if at all, by the
-tripwires), and copying the stage's code by hand into the answer, which is the learner's own work
+watch), and copying the stage's code by hand into the answer, which is the learner's own work
 as far as any grader can tell.
 """
 
@@ -121,7 +121,7 @@ def aliasing(node, target: str) -> str | None:
 
     Examples for ``"L2_token_flat.sequence:reserve"``: ``from L2_token_flat.sequence import reserve``
     and ``sequence.reserve`` are found; ``allocator.reserve(...)`` on an object is not (a method of
-    the learner's objects may share the name; the tripwires see what actually runs).
+    the learner's objects may share the name; the hidden cases' watch sees what actually runs).
     """
     module, _, qualname = target.partition(":")
     *owners, name = qualname.split(".")

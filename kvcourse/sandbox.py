@@ -21,7 +21,7 @@ install it. Example::
 
 Left out on purpose: seccomp filters and cgroups (a container per submission, as Gradescope does, is
 the next step up), and hiding the stages' code (the notebooks import it; an answer that calls it is
-caught by the hidden cases' tripwires instead).
+caught by the hidden cases' watch instead).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ For each exercise of each exercise notebook:
   in ``answers.py``);
 - the stage's own implementation agrees with that answer on cases drawn from several seeds, so the
   two implementations hold each other in check;
-- an answer that calls the stage's own implementation is caught by the tripwires;
+- an answer that calls the stage's own implementation is caught by the hidden cases' watch;
 - with the stage's own implementation broken (a mutant), the independent answer still passes and a
   wrong answer still fails: the verdict does not depend on the code the exercise re-implements.
 """
@@ -60,7 +60,7 @@ def harvested(package: str, exercise_id: str, fn, seed: int, tmp_path, *context)
 def test_every_exercise_has_hidden_cases_and_an_answer(package, exercise_id):
     answers = importlib.import_module(f"{package}.answers")
     assert exercise_id in answers.EXPECT
-    assert spec(package, exercise_id).answers, "no stage implementation named for the tripwires"
+    assert spec(package, exercise_id).answers, "no stage implementation named for the watch"
     cases = spec(package, exercise_id).draw(hidden.rng_for(0, exercise_id))
     assert len(cases) >= 4
     assert cases != spec(package, exercise_id).draw(hidden.rng_for(1, exercise_id)), (
