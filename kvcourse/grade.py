@@ -234,14 +234,16 @@ def build_run(
                 source = harvest_source(package, ex, cell.source, seed, out, seconds)
                 cells.append(RunCell(source, "hidden", exercise_id))
             elif STUB_TITLE_RE.search(cell.source):
-                cells.append(RunCell(mine.get(cell.get("id"), cell.source), "learner", exercise_id))
+                if cell.get("id") in mine:  # deleted: the learner's answer may sit in a cell of their own
+                    cells.append(RunCell(mine[cell.get("id")], "learner", exercise_id))
             else:
                 cells.append(RunCell(cell.source, "course", exercise_id))
         if keep:
             extra = added.pop(cell.get("id"), [])
             if i == last_setup:  # cells added above the setup cells run after them
                 extra = added.pop(None, []) + extra
-            cells += [RunCell(source, "learner", ex.exercise_id if ex else None) for source in extra]
+            below = span_of.get(i + 1)  # an added cell belongs to the span it sits in
+            cells += [RunCell(source, "learner", below.exercise_id if below else None) for source in extra]
     return cells
 
 

@@ -29,6 +29,7 @@ import pytest
 import submissions
 
 from kvcourse import exercises
+from kvcourse import grade as grade_module
 from kvcourse.grading import CallLimit, Case, run_cases, tensor_problem
 from kvcourse.sandbox import Sandbox, bwrap_works
 from kvcourse.workspace import LINK_RE, make_workspace, relinked
@@ -426,3 +427,36 @@ def test_tensor_problem_names_the_rows():
     got[2, 1] = 0.5
     assert tensor_problem("K", expected, got) == "K differs at positions [2] (max abs diff 0.5)"
     assert tensor_problem("K", expected, got[:3]) == "K has shape (3, 2), expected (4, 2)"
+
+
+def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path):
+    """What make grade runs (no kernel here): the learner's exercise cells and added cells where the
+    learner put them; the key's setup and check cells whatever the learner did to them; a hidden-case
+    cell after each check cell; demo cells left out."""
+    key = exercises.read(ROOT / "notebooks" / "exercises" / "L2_token_flat.ipynb")
+    nb = exercises.put_back(key, {1: "return []\n"})
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[0].source = "print('my own setup')"  # an edited setup cell: the key's runs instead
+    checks = [c for c in code if exercises.CHECK_MARKER in c.source]
+    checks[0].source = "# NBVAL_CHECK_OUTPUT\nprint('5/5 passed')"  # an edited check cell: the key's runs
+    stub2 = next(c for c in code if '"Exercise L2.2' in c.source)
+    helper = nbformat.v4.new_code_cell("def helper():\n    return 1")
+    answer2 = nbformat.v4.new_code_cell("def free(self, blocks):\n    pass")
+    nb.cells.insert(nb.cells.index(stub2), helper)
+    nb.cells[nb.cells.index(stub2)] = answer2  # L2.2's stub cell deleted, its answer in a new cell
+    exs = grade_module.exercises_of(key)
+    cells = grade_module.build_run(nb, key, exs, None, "L2_token_flat", 5, tmp_path, 10)
+    roles = [(c.role, c.exercise_id) for c in cells]
+    sources = [c.source for c in cells]
+    key_code = [c for c in key.cells if c.cell_type == "code" and "demo" not in c.metadata.get("tags", [])]
+    assert sources[0] == key_code[0].source and "my own setup" not in "".join(sources)
+    assert "print('5/5 passed')" not in "".join(sources)
+    assert sources.count(helper.source) == 1 and sources.count(answer2.source) == 1
+    assert sources.index(helper.source) < sources.index(answer2.source)
+    assert not any('"Exercise L2.2' in s for s in sources)  # the deleted stub does not come back
+    assert roles.count(("check", "L2.1")) == 1 and roles.count(("hidden", "L2.3")) == 1
+    assert [r for r in roles if r[0] in ("check", "hidden")] == [
+        (kind, f"L2.{k}") for k in (1, 2, 3) for kind in ("check", "hidden")
+    ]
+    assert "seed=5" in sources[roles.index(("hidden", "L2.1"))]
+    assert roles[sources.index(answer2.source)] == ("learner", "L2.2")
