@@ -36,6 +36,7 @@ import pytest
 from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines
 
 from kvcourse.config import ModelConfig
+from kvcourse.prompts import encode
 from L1_contiguous import answers as l1_answers
 from L1_contiguous import checks as l1
 from L1_contiguous.engine import Engine as L1Engine
@@ -140,6 +141,18 @@ def test_l1_decode_loop_passes_the_independent_answer(capsys, l1_engine):
     (``test_l1.py`` checks ``Engine.generate`` against HF on the course model)."""
     l1.check_decode_loop(l1_answers.decode_loop, l1_engine)
     assert_passes(graded_lines(capsys))
+
+
+def test_l1_decode_pool_ends_where_the_draw_aims(model_dir):
+    """The hidden cases aim their budgets at the eos of the pool's chat prompts (``checks.POOL``): HF
+    ends each of those answers with eos after the number of tokens the pool says, and no other
+    prompt within ``POOL_BUDGET`` tokens."""
+    tok = l1._tokenizer(model_dir)
+    for entry in l1.POOL:
+        ids = encode(tok, l1.prompt_of({"prompt": entry}))
+        tokens = l1_answers.hf_tokens(tuple(ids))
+        ends = len(tokens) if tokens[-1] in ModelConfig.from_dir(model_dir).eos_token_ids else None
+        assert ends == entry["ends"], (entry, tokens)
 
 
 @pytest.fixture(scope="module")
