@@ -89,6 +89,22 @@ def test_l1_write_kv_fails_wrong_answers(capsys, wrong, case_name):
     assert_fails_hidden("L1_contiguous", "L1.1", wrong)
 
 
+def write_kv_then_refuse(k_cache, v_cache, start, k, v):
+    """Writes what fits, then raises: the ValueError the notebook's overflow case asks for, but the
+    cache is already changed (its case checks the error only; the hidden cases check the cache)."""
+    n = min(k.shape[0], k_cache.shape[0] - start)
+    k_cache[start : start + n] = k[:n]
+    v_cache[start : start + n] = v[:n]
+    if n < k.shape[0]:
+        raise ValueError(f"positions {start}..{start + k.shape[0] - 1} overflow max_model_len")
+
+
+def test_l1_write_kv_hidden_cases_catch_what_the_shown_ones_cannot(capsys):
+    l1.check_write_kv(write_kv_then_refuse)
+    assert_passes(graded_lines(capsys))
+    assert_fails_hidden("L1_contiguous", "L1.1", write_kv_then_refuse)
+
+
 def test_l1_write_kv_passes_the_independent_answer(capsys):
     """The checker's reference is ``KvCache.write``; the answer of ``answers.py`` is written apart from
     it, so each holds the other in check (``test_l1.py`` checks ``KvCache.write`` on fixed values)."""

@@ -445,6 +445,27 @@ def test_the_preempt_checker_gives_the_notebook_worked_example():
     assert len(victim.all_ids) == 10
 
 
+def attend_without_max(q, k_pool, v_pool, blocks, q_pos, scale):
+    """Sums exp(s) with no running max at all: right until a score passes 88, where float32's exp
+    overflows (inf / inf = NaN). The notebook's largest scores are 71, so its cases pass it."""
+    block_size = k_pool.shape[1]
+    l, acc = torch.zeros(q.shape[0]), torch.zeros(q.shape)
+    for j, block in enumerate(blocks):
+        s = (q @ k_pool[block].T) * scale  # (Tq, block_size)
+        k_pos = j * block_size + torch.arange(block_size)
+        p = torch.exp(s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf")))
+        l, acc = l + p.sum(dim=-1), acc + p @ v_pool[block]
+    return acc / l[:, None]
+
+
+def test_the_hidden_cases_catch_what_the_shown_ones_cannot(capsys):
+    """A loop without the running max passes the eight cases the notebook shows and fails the hidden
+    ones, whose scores go past exp's range."""
+    lines, passed, total = graded(capsys, l4_checks.check_attend_blocks, attend_without_max)
+    assert passed == total, "\n".join(lines)
+    assert_fails_hidden("L4_paged_kernel", "L4.2", attend_without_max)
+
+
 def test_a_stub_fails_every_case(capsys):
     """What an untouched exercise notebook hands the checker: every case raises NotImplementedError."""
 
