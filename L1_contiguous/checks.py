@@ -12,6 +12,10 @@ one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised
 then ``k/n passed``. The reference notebook stores those lines as the check cell's output and
 ``make grade`` compares them. The references are the stage's own code, never a copy kept here.
 
+Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
+(``kvcourse/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
+the independent answers of ``answers.py``, never against this stage's code.
+
 Left out on purpose: partial credit and hints; a loop that never stops is cut off by a call budget.
 """
 
@@ -25,6 +29,8 @@ import torch
 
 from kvcourse.config import ModelConfig
 from kvcourse.grading import CallLimit, Case, run_cases, tensor_problem
+from kvcourse.hidden import Hidden
+from kvcourse.prompts import Prompt, encode
 
 from .cache import KvCache
 
@@ -92,8 +98,6 @@ def check_decode_loop(decode_loop: Callable, engine) -> None:
     On the course model case 1 ends with eos after 8 tokens; the learner's loop gets the engine behind
     a wrapper that raises once ``decode_step`` runs more often than the budget allows.
     """
-    from kvcourse.prompts import Prompt, encode
-
     tok = _tokenizer(engine.model_dir)
 
     def case(prompt: Prompt, budget: int) -> Callable[[], str | None]:
@@ -156,3 +160,250 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, cfg: ModelConfig) -> 
             Case("tiny test model (2 layers, 2 KV heads, head_dim 16), fp32", case(tiny, 4)),
         ]
     )
+
+
+# Hidden cases (kvcourse/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py.
+
+
+def draw_writes(rng) -> list[dict]:
+    """Random small caches and runs of writes into them: a prefill (now and then of 0 tokens), then
+    decode tokens, chunks, a new request writing from position 0 again, writes that end exactly at
+    max_model_len and writes that would run past it (in two cases or more)."""
+    cases = []
+    for c in range(7):
+        max_model_len = rng.randint(1, 12)
+        pos = rng.randint(0, max_model_len)
+        writes = [[0, pos]]  # the prefill
+        for _ in range(rng.randint(2, 5)):
+            kind = rng.choice(["decode", "decode", "chunk", "restart", "to the end", "past the end"])
+            if kind == "restart":
+                start, n = 0, rng.randint(1, max_model_len)
+            elif kind == "to the end":
+                start = rng.randint(0, max_model_len - 1)
+                n = max_model_len - start
+            elif kind == "past the end":
+                start = rng.choice([pos, max_model_len - 1, max_model_len])
+                n = max_model_len - start + rng.randint(1, 3)
+            else:
+                start, n = pos, 1 if kind == "decode" else rng.randint(2, 4)
+            writes.append([start, n])
+            if start + n <= max_model_len:
+                pos = start + n
+        if c < 2 and all(start + n <= max_model_len for start, n in writes):  # two cases or more overflow
+            start = rng.choice([pos, max_model_len])
+            writes.insert(rng.randint(1, len(writes)), [start, max_model_len - start + rng.randint(1, 3)])
+        cases.append(
+            {
+                "max_model_len": max_model_len,
+                "heads": rng.randint(1, 3),
+                "dim": rng.randint(1, 4),
+                "seed": rng.randrange(10**6),
+                "writes": writes,
+            }
+        )
+    return cases
+
+
+def row_labels(cache: torch.Tensor, old: torch.Tensor, written: dict[str, torch.Tensor]) -> list[str]:
+    """What each position of ``cache`` (S, H_kv, D) holds, in words: ``"."`` its earlier content,
+    ``"w2:0"`` token 0 of write 2 (``written`` maps such names to (H_kv, D) rows), ``"old 3"`` the
+    earlier content of position 3, ``"?"`` anything else. Example: a write of 2 tokens at start 1 into
+    a cache of 4 -> ``[".", "w0:0", "w0:1", "."]``."""
+    labels = []
+    for pos, row in enumerate(cache):
+        if torch.equal(row, old[pos]):
+            labels.append(".")
+            continue
+        names = [name for name, r in written.items() if torch.equal(row, r)]
+        names += [f"old {p}" for p in range(len(old)) if torch.equal(row, old[p])]
+        labels.append(names[0] if names else "?")
+    return labels
+
+
+def observe_writes(fn, case) -> list[dict]:
+    """Run a case's writes through ``fn`` on one layer's cache; after each record whether it raised
+    ValueError and what every position of K and of V holds (``row_labels``)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape = (case["max_model_len"], case["heads"], case["dim"])
+    k_old, v_old = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)  # (S, H_kv, D)
+    k_cache, v_cache = k_old.clone(), v_old.clone()
+    written_k, written_v = {}, {}  # "w2:0" -> (H_kv, D)
+    steps = []
+    for w, (start, n) in enumerate(case["writes"]):
+        k = torch.randn(n, *shape[1:], generator=gen)  # (T, H_kv, D)
+        v = torch.randn(n, *shape[1:], generator=gen)
+        call = f"write_kv(start={start}, T={n}) into max_model_len {shape[0]}"
+        try:
+            fn(k_cache, v_cache, start, k.clone(), v.clone())
+            raised = None
+        except ValueError:
+            raised = "ValueError"
+        written_k.update({f"w{w}:{i}": k[i] for i in range(n)})
+        written_v.update({f"w{w}:{i}": v[i] for i in range(n)})
+        swapped_k = {f"V of {name}": r for name, r in written_v.items()}  # K and V mixed up
+        swapped_v = {f"K of {name}": r for name, r in written_k.items()}
+        steps.append(
+            {
+                "call": call,
+                "raised": raised,
+                "K": row_labels(k_cache, k_old, {**written_k, **swapped_k}),
+                "V": row_labels(v_cache, v_old, {**written_v, **swapped_v}),
+            }
+        )
+    return steps
+
+
+def describe_writes(case: dict) -> str:
+    writes = ", ".join(f"(start {s}, T {n})" for s, n in case["writes"])
+    return f"max_model_len {case['max_model_len']}, H_kv {case['heads']}, D {case['dim']}: writes {writes}"
+
+
+# L1.2: a fixed pool of prompts, each with the number of new tokens after which the course model
+# ends it with eos (None: not within POOL_BUDGET). The lengths only aim the drawn budgets at the
+# boundaries; the expected tokens come from HF (answers.py), up to POOL_BUDGET per prompt.
+POOL_BUDGET = 14
+POOL = [
+    {"messages": [["user", "What is the capital of Japan?"]], "ends": 8},
+    {"messages": [["user", "Hi!"]], "ends": 10},
+    {"messages": [["user", "What is the capital of Italy?"]], "ends": 9},
+    {"messages": [["user", "What is 2 + 2?"]], "ends": 12},
+    {"text": "The", "ends": None},  # a prompt of one token
+    {"text": "Hello", "ends": None},
+    {"text": "The KV cache stores", "ends": None},
+    {"text": "Once upon a time", "ends": None},
+    {"text": "1, 2, 3, 4,", "ends": None},
+]
+
+
+def draw_decode(rng) -> list[dict]:
+    """Six (prompt, max_new_tokens) cases from ``POOL``: a chat prompt whose answer ends with eos
+    inside the budget, one whose budget ends exactly at the eos or one token before it, a budget of
+    1, a one-token prompt, a raw text prompt, and one more of any kind; budgets up to POOL_BUDGET."""
+    ending = [p for p in POOL if p["ends"]]
+    short = [p for p in POOL if "text" in p and len(p["text"].split()) == 1]
+    text = [p for p in POOL if "text" in p]
+    eos, edge = rng.sample(ending, 2)
+    picks = [
+        (eos, rng.randint(eos["ends"] + 1, POOL_BUDGET)),
+        (edge, edge["ends"] - rng.randint(0, 1)),
+        (rng.choice(POOL), 1),
+        (rng.choice(short), rng.randint(2, 6)),
+        (rng.choice(text), rng.randint(2, 6)),
+        (rng.choice(POOL), rng.randint(1, 5)),
+    ]
+    return [
+        {"prompt": {k: v for k, v in p.items() if k != "ends"}, "max_new_tokens": budget}
+        for p, budget in picks
+    ]
+
+
+def prompt_of(case: dict):
+    """The case's prompt as a ``kvcourse.prompts.Prompt``."""
+    p = case["prompt"]
+    if "messages" in p:
+        return Prompt(messages=tuple((role, content) for role, content in p["messages"]))
+    return Prompt(text=p["text"])
+
+
+def decode_call(case: dict) -> str:
+    """The step's name: ``decode_loop(engine, chat 'Hi!', 5)``."""
+    return f"decode_loop(engine, {prompt_of(case).label!r}, {case['max_new_tokens']})"
+
+
+def decode_observation(call: str, tokens) -> list[dict]:
+    """One step: how many tokens came back and which (a token that is not a Python int shows as
+    its repr, as the visible check refuses it too)."""
+    if not isinstance(tokens, list | tuple):
+        return [{"call": call, "count": None, "returned": repr(tokens)}]
+    returned = [t if type(t) is int else repr(t) for t in tokens]
+    return [{"call": call, "count": len(returned), "returned": returned}]
+
+
+def observe_decode(fn, case, engine) -> list[dict]:
+    """Run ``fn(engine, prompt ids, max_new_tokens)`` on the notebook's engine, behind a wrapper that
+    stops a loop running past its budget."""
+    ids = encode(_tokenizer(engine.model_dir), prompt_of(case))
+    budget = case["max_new_tokens"]
+    limited = CallLimit(engine, "decode_step", budget, "does the loop stop at max_new_tokens?")
+    return decode_observation(decode_call(case), fn(limited, list(ids), budget))
+
+
+def describe_decode(case: dict) -> str:
+    return f"{prompt_of(case).label}, max_new_tokens {case['max_new_tokens']}"
+
+
+DTYPE_BYTES = [1, 2, 4, 8]
+
+
+def draw_configs(rng) -> list[dict]:
+    """Random model shapes: grouped-query (KV heads dividing the query heads), multi-query (one KV
+    head) and plain multi-head attention, head_dim not always hidden_size / num_heads, a few dtype
+    sizes each."""
+    cases = []
+    for _ in range(8):
+        num_heads = rng.choice([1, 2, 4, 8, 9, 12, 16, 32, 64])
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        num_kv_heads = rng.choice([1, num_heads, rng.choice(divisors)])
+        head_dim = rng.choice([16, 32, 64, 80, 96, 128, 256])
+        hidden = num_heads * head_dim * rng.choice([1, 1, 2]) // rng.choice([1, 2])
+        config = {
+            "model_type": rng.choice(["llama", "qwen3"]),
+            "vocab_size": rng.randint(1000, 160_000),
+            "hidden_size": hidden,
+            "intermediate_size": 4 * hidden,
+            "num_layers": rng.randint(1, 80),
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": rng.random() < 0.5,
+            "max_position_embeddings": rng.choice([2048, 8192, 32768]),
+            "eos_token_ids": [2],
+        }
+        cases.append({"config": config, "dtype_bytes": rng.sample(DTYPE_BYTES, rng.randint(2, 4))})
+    return cases
+
+
+def as_count(value):
+    """An int for any whole number (``46080.0`` -> 46080, as the visible check's ``==`` accepts it),
+    else the value's repr."""
+    try:
+        return int(value) if value == int(value) else repr(value)
+    except (TypeError, ValueError, OverflowError):
+        return repr(value)
+
+
+def observe_config(fn, case, *context) -> list[dict]:
+    """``fn(cfg, dtype_bytes)`` for each of the case's dtype sizes (the notebook's ``cfg``, passed as
+    context, is not needed: the case builds its own)."""
+    cfg = ModelConfig(**{**case["config"], "eos_token_ids": tuple(case["config"]["eos_token_ids"])})
+    return [
+        {"call": f"kv_bytes_per_token(cfg, {b})", "returned": as_count(fn(cfg, b))}
+        for b in case["dtype_bytes"]
+    ]
+
+
+def describe_config(case: dict) -> str:
+    c = case["config"]
+    return (
+        f"{c['num_layers']} layers, {c['num_heads']} query heads, {c['num_kv_heads']} KV heads, "
+        f"head_dim {c['head_dim']}, hidden {c['hidden_size']}; dtype bytes {case['dtype_bytes']}"
+    )
+
+
+HIDDEN = {
+    "L1.1": Hidden(
+        draw_writes, observe_writes, describe_writes, answers=("L1_contiguous.cache:KvCache.write",)
+    ),
+    "L1.2": Hidden(
+        draw_decode, observe_decode, describe_decode, answers=("L1_contiguous.engine:Engine.generate",)
+    ),
+    "L1.3": Hidden(
+        draw_configs,
+        observe_config,
+        describe_config,
+        answers=("kvcourse.config:ModelConfig.kv_bytes_per_token",),
+    ),
+}

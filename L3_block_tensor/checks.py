@@ -12,6 +12,10 @@ deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` a
 ``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
 compares them. The references are the stage's own code, never a copy kept here.
 
+Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
+(``kvcourse/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
+the independent answers of ``answers.py``, never against this stage's code.
+
 Left out on purpose: partial credit and hints; ``plan_step`` is graded with plenty of free blocks,
 so preemption is not part of it (``check_preempt`` grades it alone, one preemption at a time, not the
 retry loop around it).
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvcourse.grading import Case, run_cases
+from kvcourse.hidden import Hidden
 
 from .allocator import BlockAllocator
 from .scheduler import Scheduler
@@ -258,3 +263,231 @@ def check_preempt(preempt: Callable) -> None:
             ),
         ]
     )
+
+
+# Hidden cases (kvcourse/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py.
+
+
+def draw_slots(rng) -> list[dict]:
+    """Random block tables (shuffled ids of a larger pool, sometimes longer than the positions asked
+    for) and ranges of positions: a whole prefill, one decode token, a chunk crossing block edges,
+    a range starting or ending on an edge, an empty range."""
+    cases = []
+    for _ in range(8):
+        block_size = rng.choice([1, 2, 3, 4, 5, 7, 8, 16])
+        table = rng.sample(range(rng.randint(1, 12) + 4), rng.randint(1, 5))
+        capacity = len(table) * block_size  # positions the table has room for
+        ranges = []
+        for _ in range(rng.randint(2, 4)):
+            edge = rng.randrange(len(table)) * block_size  # the first position of a block
+            start = rng.choice([0, edge, rng.randrange(capacity)])
+            end = rng.choice([start, start + 1, rng.randint(start, capacity), capacity])
+            ranges.append([start, end])
+        cases.append({"block_table": table, "block_size": block_size, "ranges": ranges})
+    return cases
+
+
+def as_ids(value) -> list[int] | str:
+    """A list or tuple of whole numbers as a list of ints (``(3, 4)`` -> [3, 4], as the visible check
+    takes them), anything else as its repr."""
+    if not isinstance(value, list | tuple):
+        return repr(value)
+    try:
+        return [int(x) for x in value]
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def observe_slots(fn, case) -> list[dict]:
+    steps = []
+    for start, end in case["ranges"]:
+        got = fn(list(case["block_table"]), start, end, case["block_size"])
+        steps.append({"call": f"slots(start={start}, end={end})", "returned": as_ids(got)})
+    return steps
+
+
+def describe_slots(case: dict) -> str:
+    ranges = ", ".join(f"{s}..{e - 1}" if e > s else f"none at {s}" for s, e in case["ranges"])
+    return f"block table {case['block_table']}, block_size {case['block_size']}: positions {ranges}"
+
+
+def draw_plans(rng) -> list[dict]:
+    """Queues for one step, three aimed and seven random: a long prompt that does not fit the budget
+    left in front of a short one that does (nobody jumps the queue), more waiting prompts that fit
+    than free seats (``max_num_seqs``), a budget that runs out among the running requests. Running
+    requests are mostly decoding (1 token), some in the middle of a prefill; waiting prompts of any
+    length; chunking off, of 1 token, or of a few."""
+
+    def plan(running, waiting, budget, chunk, max_num_seqs) -> dict:
+        return {
+            "running": running,
+            "waiting": waiting,
+            "max_num_batched_tokens": budget,
+            "prefill_chunk_size": chunk,
+            "max_num_seqs": max(1, max_num_seqs),
+        }
+
+    decodes, left = [1] * rng.randint(0, 3), rng.randint(2, 10)
+    long_first = [left + rng.randint(1, 8), rng.randint(1, left), rng.randint(1, 6)]
+    seats = [1] * rng.randint(0, 3)
+    prefills = [rng.randint(3, 12) for _ in range(3)]
+    cases = [
+        plan(decodes, long_first, len(decodes) + left, None, len(decodes) + 3),
+        plan(
+            seats,
+            [rng.randint(1, 4) for _ in range(4)],
+            64,
+            rng.choice([None, 8]),
+            len(seats) + rng.randint(0, 2),
+        ),
+        plan(prefills, [rng.randint(1, 8)], rng.randint(1, sum(prefills) - 1), rng.randint(2, 6), 4),
+    ]
+    for _ in range(7):
+        running = [1 if rng.random() < 0.6 else rng.randint(2, 20) for _ in range(rng.randint(0, 5))]
+        waiting = [rng.randint(1, 24) for _ in range(rng.randint(0 if running else 1, 4))]
+        budget = rng.randint(1, sum(running) + sum(waiting) + 2)
+        chunk = rng.choice([None, None, 1, rng.randint(2, 8), rng.randint(2, 16)])
+        cases.append(plan(running, waiting, budget, chunk, len(running) + rng.randint(0, 3)))
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_plan(fn, case) -> list[dict]:
+    args = [list(case["running"]), list(case["waiting"])]
+    got = fn(*args, case["max_num_batched_tokens"], case["prefill_chunk_size"], case["max_num_seqs"])
+    if isinstance(got, list | tuple) and len(got) == 2:
+        returned = [as_ids(got[0]), as_ids(got[1])]
+    else:
+        returned = repr(got)
+    return [{"call": f"plan_step({describe_plan(case)})", "returned": returned}]
+
+
+def describe_plan(case: dict) -> str:
+    return (
+        f"running {case['running']}, waiting {case['waiting']}, budget {case['max_num_batched_tokens']}, "
+        f"chunk {case['prefill_chunk_size']}, max_num_seqs {case['max_num_seqs']}"
+    )
+
+
+def draw_preemptions(rng) -> list[dict]:
+    """Queues at the moment the free list runs dry (the state ``check_preempt`` builds, see
+    ``_preempt_state``), one aimed and seven random. The aimed one has priorities: the oldest running
+    request has the lowest and goes, with tokens generated that it must keep, and a newer request of
+    its priority waits, behind which it must go back. The random ones: 1 to 4 running requests,
+    decoding or in the middle of a prefill, shuffled request ids, now and then priorities; waiting
+    requests new or preempted before (with generated tokens). Block sizes 1 to 8; a few free blocks
+    and retired ones, so the free list is out of id order."""
+
+    def running_request(rid: int, priority: int, decoding: bool) -> list[int]:
+        prompt_len, generated = rng.randint(1, 12), rng.choice([0, 0, rng.randint(1, 6)])
+        generated = max(generated, 2 - prompt_len, int(decoding))  # >= 2 tokens: one cached, one not yet
+        num_tokens = prompt_len + generated
+        computed = num_tokens - 1 if decoding else rng.randint(1, num_tokens - 1)  # or mid-prefill
+        return [rid, prompt_len, generated, computed, priority]
+
+    def preemption(block_size: int, running: list, waiting: list) -> dict:
+        retired = rng.randint(0, 3)
+        needed = sum(-(-computed // block_size) for *_, computed, _ in running)
+        return {
+            "block_size": block_size,
+            "num_blocks": needed + retired + rng.randint(0, 3),
+            "running": running,
+            "waiting": waiting,
+            "retired": retired,
+        }
+
+    oldest, middle, newest, waits_behind, waits_ahead = sorted(rng.sample(range(12), 5))
+    running = [
+        running_request(oldest, 0, True),
+        running_request(middle, 1, False),
+        running_request(newest, 2, True),
+    ]
+    waiting = [
+        [waits_ahead, rng.randint(1, 10), 0, 1],
+        [waits_behind, rng.randint(1, 10), rng.randint(0, 3), 0],
+    ]
+    cases = [preemption(rng.choice([2, 3, 4]), running, waiting)]
+    for _ in range(7):
+        n_running, n_waiting = rng.randint(1, 4), rng.randint(0, 3)
+        ids = rng.sample(range(12), n_running + n_waiting)  # request ids, in no particular order
+        prioritized = rng.random() < 0.4
+        running = [
+            running_request(rid, rng.randint(0, 2) * prioritized, rng.random() < 0.6)
+            for rid in ids[:n_running]
+        ]
+        waiting = [
+            [rid, rng.randint(1, 10), rng.choice([0, 0, rng.randint(1, 5)]), rng.randint(0, 2) * prioritized]
+            for rid in ids[n_running:]
+        ]
+        cases.append(preemption(rng.choice([1, 2, 3, 4, 5, 8]), running, waiting))
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_preempt(fn, case) -> list[dict]:
+    """Build the case's queues and allocator, call ``fn(running, waiting, allocator)``, and record
+    the victim and its fields, both queues, the free list, the blocks handed out, and the state of
+    every sequence (the others must not change)."""
+    allocator, running, waiting = _preempt_state(
+        case["block_size"], case["num_blocks"], case["running"], case["waiting"], case["retired"]
+    )
+    everyone = sorted(running + waiting, key=lambda s: s.request_id)
+    got = fn(running, waiting, allocator)
+    victim = next((seq for seq in everyone if seq is got), None)
+
+    def state(seq: Sequence | None) -> dict:
+        if seq is None:
+            return dict.fromkeys(("block_table", "num_computed_tokens", "status", "prompt_ids", "output_ids"))
+        return {
+            "block_table": list(seq.block_table),
+            "num_computed_tokens": seq.num_computed_tokens,
+            "status": seq.status.value if isinstance(seq.status, Status) else repr(seq.status),
+            "prompt_ids": list(seq.prompt_ids),
+            "output_ids": list(seq.output_ids),
+        }
+
+    return [
+        {
+            "call": "preempt(running, waiting, allocator)",
+            "victim": victim.request_id if victim else f"returned {got!r}, not one of the sequences",
+            **{f"victim's {key}": value for key, value in state(victim).items()},
+            "running": [seq.request_id for seq in running],
+            "waiting": [seq.request_id for seq in waiting],
+            "free list": list(allocator.free_blocks),
+            "handed out": sorted(allocator.owned),
+            "every sequence": {str(seq.request_id): state(seq) for seq in everyone},
+        }
+    ]
+
+
+def describe_preempt(case: dict) -> str:
+    running = ", ".join(
+        f"request {rid} (prompt {n}, {gen} generated, {c} computed, priority {p})"
+        for rid, n, gen, c, p in case["running"]
+    )
+    waiting = ", ".join(f"request {rid} (priority {p})" for rid, _, _, p in case["waiting"]) or "none"
+    return (
+        f"block_size {case['block_size']}, {case['num_blocks']} blocks ({case['retired']} retired); "
+        f"running {running}; waiting {waiting}"
+    )
+
+
+HIDDEN = {
+    "L3.1": Hidden(draw_slots, observe_slots, describe_slots, answers=("L3_block_tensor.sequence:slots",)),
+    "L3.2": Hidden(
+        draw_plans,
+        observe_plan,
+        describe_plan,
+        answers=(
+            "L3_block_tensor.scheduler:Scheduler.schedule",
+            "L3_block_tensor.scheduler:Scheduler._num_new_tokens",
+        ),
+    ),
+    "L3.3": Hidden(
+        draw_preemptions,
+        observe_preempt,
+        describe_preempt,
+        answers=("L3_block_tensor.scheduler:Scheduler._preempt",),
+    ),
+}

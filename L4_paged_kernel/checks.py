@@ -16,6 +16,10 @@ one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised
 then ``k/n passed``. The reference notebook stores those lines as the check cell's output and
 ``make grade`` compares them.
 
+Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
+(``kvcourse/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
+the independent answers of ``answers.py``, never against this stage's code.
+
 Left out on purpose: GQA and batches of sequences (the exercises take one sequence and one KV head;
 the stage's kernel adds those axes), timing (the check cannot tell whether the learner gathered), and
 the splits of a prefill chunk (``kv_splits`` is graded on decode queries; ``paged_attention`` cuts a
@@ -30,6 +34,7 @@ from unittest import mock
 import torch
 
 from kvcourse.grading import Case, close_problem, run_cases
+from kvcourse.hidden import Hidden
 
 from . import paged_attention as kernel
 from .paged_attention import attend_blocks as ref_attend_blocks
@@ -250,3 +255,217 @@ def check_kv_splits(kv_splits: Callable) -> None:
             Case("a table longer than the history: its tail is never read", case(_shuffled(6, 7), 17, 8, 2)),
         ]
     )
+
+
+# Hidden cases (kvcourse/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py (dense, float64) within
+# a tolerance. A right float32 answer differs from them by float32 rounding: below 1e-6 in a merge
+# (its inputs are the same float32 partials), and in the block loop by the rounding of scores in the
+# hundreds (|s| * 2^-24): 3e-5 at most for the notebook's solution over 8,000 drawn cases with such
+# scores. The tolerances leave room for that, and none for a missing rescale or mask.
+
+
+def row_steps(call: str, value, row_names: list[str]) -> list[dict]:
+    """A float result as steps: its shape after ``call``, then each row's values under its name (NaN
+    and inf kept: they never match), so a difference is reported by the row it is in. Anything but
+    a tensor is its repr. Example: ``row_steps("merge(...)", torch.ones(2, 1), ["row 0", "row 1"])`` ->
+    ``[{"call": "merge(...)", "shape": [2, 1]}, {"call": "row 0", "out": [1.0]}, {"call": "row 1",
+    "out": [1.0]}]``."""
+    if not isinstance(value, torch.Tensor):
+        return [{"call": call, "shape": f"not a tensor: {value!r}"}]
+    rows = value.tolist() if value.dim() else []
+    return [{"call": call, "shape": list(value.shape)}] + [
+        {"call": name, "out": row} for name, row in zip(row_names, rows, strict=False)
+    ]
+
+
+def draw_merges(rng) -> list[dict]:
+    """Eight pairs of partials: 1 to 5 query rows, D 1 to 8, 1 to 8 keys a side, each key visible to a
+    row or not. In two cases every row sees keys on both sides; in four a row may see nothing on one
+    side; in one a whole side sees nothing, in one a side has no keys at all (never both sides).
+    Two cases or more have scores in the hundreds, where exponentiating a max on its own overflows."""
+    kinds = ["both", "both", "any", "any", "any", "any", "one side blind", "one side empty"]
+    sizes = [100.0, 100.0] + [rng.choice([1.0, 1.0, 3.0, 40.0]) for _ in range(6)]  # scales the scores
+    rng.shuffle(kinds)
+    rng.shuffle(sizes)
+    cases = []
+    for kind, size in zip(kinds, sizes, strict=True):
+        rows, n1, n2 = rng.randint(1, 5), rng.randint(1, 8), rng.randint(1, 8)
+        if kind == "one side empty":
+            n1, n2 = rng.choice([(0, n2), (n1, 0)])
+        keys = {1: range(n1), 2: range(n1, n1 + n2)}  # the columns of each side
+        seen_by_all = {"both": (1, 2), "one side blind": (rng.choice([1, 2]),)}.get(kind)
+        p = rng.choice([1.0, 0.7, 0.4])  # how often a row sees a key of a side it looks at
+        visible = []
+        for _ in range(rows):
+            sides = seen_by_all or rng.choice([(1, 2), (1, 2), (1,), (2,)])
+            sides = [side for side in sides if keys[side]] or [side for side in (1, 2) if keys[side]]
+            row = [0] * (n1 + n2)
+            for side in sides:
+                for c in keys[side]:
+                    row[c] = int(rng.random() < p)
+                row[rng.choice(keys[side])] = 1  # at least one key of each side it looks at
+            visible.append(row)
+        cases.append(
+            {
+                "rows": rows,
+                "n1": n1,
+                "n2": n2,
+                "dim": rng.randint(4 if size > 1 else 1, 8),
+                "seed": rng.randrange(10**6),
+                "size": size,
+                "visible": visible,
+            }
+        )
+    return cases
+
+
+def observe_merge(fn, case) -> list[dict]:
+    """Random q, keys and values from the case's seed; each side's partial (``_partial``) over its
+    keys as the case's visibility allows; ``fn`` merges them."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    n1, n = case["n1"], case["n1"] + case["n2"]
+    q = torch.randn(case["rows"], case["dim"], generator=gen) * case["size"]  # (R, D)
+    k = torch.randn(n, case["dim"], generator=gen)  # (n1 + n2, D)
+    v = torch.randn(n, case["dim"], generator=gen)
+    visible = torch.tensor(case["visible"], dtype=torch.bool).reshape(case["rows"], n)  # (R, n1 + n2)
+    m1, l1, acc1 = _partial(q, k[:n1], v[:n1], visible[:, :n1])
+    m2, l2, acc2 = _partial(q, k[n1:], v[n1:], visible[:, n1:])
+    out = fn(m1, l1, acc1, m2, l2, acc2)
+    return row_steps("merge(m1, l1, acc1, m2, l2, acc2)", out, [f"row {r}" for r in range(case["rows"])])
+
+
+def describe_merge(case: dict) -> str:
+    return (
+        f"{case['rows']} rows, {case['n1']} + {case['n2']} keys, D {case['dim']}, scores x{case['size']:g}, "
+        f"visible {case['visible']}"
+    )
+
+
+def draw_attends(rng) -> list[dict]:
+    """Random sequences in a shuffled pool: block sizes 1 to 16 (odd ones too), 1 to 6 blocks with
+    the last one partly stale, decode queries, prefill chunks and whole prompts. Two cases or more
+    have scores above 88 (and 8 keys or more), where exp overflows unless the running max is taken
+    off."""
+    cases = []
+    sizes = [100.0, 100.0] + [rng.choice([1.0, 1.0, 5.0, 60.0]) for _ in range(6)]  # scales the scores
+    rng.shuffle(sizes)
+    for size in sizes:
+        block_size, n_blocks = rng.choice([1, 2, 3, 4, 5, 7, 8, 16]), rng.randint(1, 6)
+        least = max((n_blocks - 1) * block_size + 1, 8 if size > 1 else 1)
+        n_blocks = max(n_blocks, -(-least // block_size))
+        context_len = rng.randint(least, n_blocks * block_size)
+        q_len = rng.choice([1, 1, rng.randint(1, min(8, context_len)), min(context_len, 16)])
+        cases.append(
+            {
+                "block_size": block_size,
+                "context_len": context_len,
+                "q_len": q_len,
+                "dim": rng.choice([1, 2, 4, 8, 16]),
+                "spare_blocks": rng.randint(0, 3),
+                "seed": rng.randrange(10**6),
+                "size": size,
+            }
+        )
+    return cases
+
+
+def observe_attend(fn, case) -> list[dict]:
+    """A pool of random K/V whose blocks the sequence holds in shuffled order (with spare blocks
+    nobody holds), the last ``q_len`` positions as queries; ``fn`` attends."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    block_size, context_len, dim = case["block_size"], case["context_len"], case["dim"]
+    n_blocks = -(-context_len // block_size)
+    num_blocks = n_blocks + case["spare_blocks"]
+    k_pool = torch.randn(num_blocks, block_size, dim, generator=gen)  # (N, B, D)
+    v_pool = torch.randn(num_blocks, block_size, dim, generator=gen)
+    blocks = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()
+    q = torch.randn(case["q_len"], dim, generator=gen) * case["size"]  # (Tq, D)
+    q_pos = torch.arange(context_len - case["q_len"], context_len)  # (Tq,)
+    out = fn(q, k_pool, v_pool, blocks, q_pos, dim**-0.5)
+    call = f"attend_blocks(q, k_pool, v_pool, {blocks}, q_pos, scale)"
+    return row_steps(call, out, [f"the query at position {p}" for p in q_pos.tolist()])
+
+
+def describe_positions(case: dict) -> str:
+    first, last = case["context_len"] - case["q_len"], case["context_len"] - 1
+    return f"{first}..{last}" if last > first else f"{last}"
+
+
+def describe_attend(case: dict) -> str:
+    return (
+        f"block_size {case['block_size']}, {case['context_len']} keys, queries at positions "
+        f"{describe_positions(case)}, D {case['dim']}, scores x{case['size']:g}"
+    )
+
+
+def draw_splits(rng) -> list[dict]:
+    """Decode queries, one aimed and nine random. The aimed one has one block more than splits (3 to
+    8 splits), so ceil(n_blocks / num_splits) = 2 and there are fewer splits than asked, and its last
+    block is partly stale. The random ones: block sizes 1 to 16, 1 to 12 blocks of history (the last
+    one full or not), 1 split, a few, as many as the blocks, or more. Tables hold shuffled ids and
+    are sometimes longer than the history."""
+
+    def splits(block_size: int, n_blocks: int, num_splits: int, stale: bool) -> dict:
+        """``stale``: the last block is not full (needs block_size > 1)."""
+        full = n_blocks * block_size
+        context_len = rng.randint(full - block_size + 1, full - 1) if stale else full
+        table_len = n_blocks + rng.choice([0, 0, 1, 3])
+        return {
+            "block_table": rng.sample(range(table_len + 4), table_len),
+            "context_len": context_len,
+            "block_size": block_size,
+            "num_splits": num_splits,
+        }
+
+    fewer = rng.randint(3, 8)
+    cases = [splits(rng.choice([3, 4, 16]), fewer + 1, fewer, stale=True)]
+    for _ in range(9):
+        block_size, n_blocks = rng.choice([1, 2, 3, 4, 5, 7, 8, 16]), rng.randint(1, 12)
+        num_splits = rng.choice([1, 2, 3, 4, rng.randint(1, n_blocks + 3), n_blocks, n_blocks + 2])
+        cases.append(splits(block_size, n_blocks, num_splits, stale=block_size > 1 and rng.random() < 0.5))
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_splits(fn, case) -> list[dict]:
+    got = fn(list(case["block_table"]), case["context_len"], case["block_size"], case["num_splits"])
+    try:
+        returned = [[int(first), [int(b) for b in blocks], int(keys)] for first, blocks, keys in got]
+    except (TypeError, ValueError):
+        returned = repr(got)
+    return [{"call": f"kv_splits({describe_splits(case)})", "returned": returned}]
+
+
+def describe_splits(case: dict) -> str:
+    return (
+        f"block table {case['block_table']}, context_len {case['context_len']}, "
+        f"block_size {case['block_size']}, num_splits {case['num_splits']}"
+    )
+
+
+HIDDEN = {
+    "L4.1": Hidden(
+        draw_merges,
+        observe_merge,
+        describe_merge,
+        answers=("L4_paged_kernel.paged_attention:merge_partials",),
+        atol=2e-5,
+    ),
+    "L4.2": Hidden(
+        draw_attends,
+        observe_attend,
+        describe_attend,
+        answers=(
+            "L4_paged_kernel.paged_attention:attend_blocks",
+            "L4_paged_kernel.paged_attention:online_softmax_update",
+        ),
+        atol=1e-4,
+    ),
+    "L4.3": Hidden(
+        draw_splits,
+        observe_splits,
+        describe_splits,
+        answers=("L4_paged_kernel.paged_attention:paged_attention",),
+    ),
+}

@@ -10,8 +10,8 @@ new in the stage, files gone) and then one unified diff per changed file, 3 line
 ``a/L2_token_flat/x.py`` and ``b/L3_block_tensor/x.py`` as git writes them.
 
 Compared: the stage's engine modules and its C++ kernel source (``*.cpp``). Left out: ``__init__.py`` (a package marker naming the stage),
-the smoke script (``lN_smoke.py``) and the exercise checkers (``checks.py``), which are each stage's
-own harness, not its lesson. L6 is not diffed against L5: it is a rewrite in JAX, and its chapter
+the smoke script (``lN_smoke.py``), the exercise checkers (``checks.py``) and the grader's independent
+answers (``answers.py``), which are each stage's own harness, not its lesson. L6 is not diffed against L5: it is a rewrite in JAX, and its chapter
 maps L5's names to Levanter's instead.
 
 ``--check`` writes nothing and exits 1 if a committed diff is out of date (the tests run it).
@@ -28,7 +28,7 @@ from kvcourse.generated import sync
 
 ROOT = Path(__file__).resolve().parent.parent
 DIFFED = ("L1_contiguous", "L2_token_flat", "L3_block_tensor", "L4_paged_kernel", "L5_clones")
-NOT_COMPARED = ("__init__.py", "checks.py")
+NOT_COMPARED = ("__init__.py", "checks.py", "answers.py")
 
 
 def lesson_files(stage_dir: Path) -> dict[str, str]:

@@ -10,9 +10,13 @@ Each runs in process on its checker, with the printed lines captured: the summar
     ...
     0/5 passed
 
-The other half: each checker gets the stage's own implementation (``KvCache.write``,
-``Engine.generate``, ``BlockAllocator.free``, ``allocate_for_seq``, ``update_kv``, ...), adapted to
-the exercise's signature where they differ, and every case must print ``ok``.
+The other half: each checker gets a right answer and every case must print ``ok``. For L1 that is the
+independent answer of ``L1_contiguous/answers.py``: the checker's reference is the stage's own code
+(``KvCache.write``, ``Engine.generate``, ``ModelConfig.kv_bytes_per_token``), so the two hold each
+other in check, and the stage's code is checked on fixed values (here and in ``test_l1.py``). For L2
+and L6 it is the stage's own implementation (``BlockAllocator.free``, ``allocate_for_seq``,
+``update_kv``, ...), adapted to the exercise's signature where they differ. Each wrong L1 answer also
+fails the hidden cases the grader draws (``kvcourse/hidden.py``).
 
 L1's decode-loop checker needs an engine whose model ends case 1 with eos: the course model, built once
 for this module with a short ``max_model_len``. Everything else runs on small arrays in well under a
@@ -23,15 +27,18 @@ Left out on purpose: the notebooks themselves (``tests/test_grading.py`` grades 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checker_asserts import assert_fails, assert_passes, graded_lines
+from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines
 
 from kvcourse.config import ModelConfig
+from kvcourse.prompts import encode
+from L1_contiguous import answers as l1_answers
 from L1_contiguous import checks as l1
-from L1_contiguous.cache import KvCache
 from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat import checks as l2
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
@@ -41,13 +48,6 @@ from L6_tpu_jax.kv_cache import update_kv
 from L6_tpu_jax.page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
 
 # ---- L1: write_kv, the decode loop, KV bytes per token ----
-
-
-def kvcache_write(k_cache, v_cache, start, k, v):
-    """L1.1 by the stage's own code: a one-layer ``KvCache`` whose storage is the given tensors."""
-    cache = KvCache(1, k_cache.shape[0], *k_cache.shape[1:])
-    cache.k, cache.v = k_cache[None], v_cache[None]  # views: the write lands in the caller's tensors
-    cache.write(0, start, k, v)
 
 
 def write_kv_one_too_far(k_cache, v_cache, start, k, v):
@@ -86,10 +86,29 @@ def write_kv_k_only(k_cache, v_cache, start, k, v):
 def test_l1_write_kv_fails_wrong_answers(capsys, wrong, case_name):
     l1.check_write_kv(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert_fails_hidden("L1_contiguous", "L1.1", wrong)
 
 
-def test_l1_write_kv_passes_kvcache_write(capsys):
-    l1.check_write_kv(kvcache_write)
+def write_kv_then_refuse(k_cache, v_cache, start, k, v):
+    """Writes what fits, then raises: the ValueError the notebook's overflow case asks for, but the
+    cache is already changed (its case checks the error only; the hidden cases check the cache)."""
+    n = min(k.shape[0], k_cache.shape[0] - start)
+    k_cache[start : start + n] = k[:n]
+    v_cache[start : start + n] = v[:n]
+    if n < k.shape[0]:
+        raise ValueError(f"positions {start}..{start + k.shape[0] - 1} overflow max_model_len")
+
+
+def test_l1_write_kv_hidden_cases_catch_what_the_shown_ones_cannot(capsys):
+    l1.check_write_kv(write_kv_then_refuse)
+    assert_passes(graded_lines(capsys))
+    assert_fails_hidden("L1_contiguous", "L1.1", write_kv_then_refuse)
+
+
+def test_l1_write_kv_passes_the_independent_answer(capsys):
+    """The checker's reference is ``KvCache.write``; the answer of ``answers.py`` is written apart from
+    it, so each holds the other in check (``test_l1.py`` checks ``KvCache.write`` on fixed values)."""
+    l1.check_write_kv(l1_answers.write_kv)
     assert_passes(graded_lines(capsys))
 
 
@@ -130,11 +149,26 @@ def decode_one_step_too_many(engine, prompt, max_new_tokens):
 def test_l1_decode_loop_fails_wrong_answers(capsys, l1_engine, wrong, case_name):
     l1.check_decode_loop(wrong, l1_engine)
     assert_fails(graded_lines(capsys), case_name)
+    assert_fails_hidden("L1_contiguous", "L1.2", wrong, l1_engine, seeds=(0,))  # each seed has both edges
 
 
-def test_l1_decode_loop_passes_engine_generate(capsys, l1_engine):
-    l1.check_decode_loop(lambda engine, prompt, n: engine.generate([prompt], n)[0], l1_engine)
+def test_l1_decode_loop_passes_the_independent_answer(capsys, l1_engine):
+    """The checker's reference is ``Engine.generate``, the answer of ``answers.py`` a loop of its own
+    (``test_l1.py`` checks ``Engine.generate`` against HF on the course model)."""
+    l1.check_decode_loop(l1_answers.decode_loop, l1_engine)
     assert_passes(graded_lines(capsys))
+
+
+def test_l1_decode_pool_ends_where_the_draw_aims(model_dir):
+    """The hidden cases aim their budgets at the eos of the pool's chat prompts (``checks.POOL``): HF
+    ends each of those answers with eos after the number of tokens the pool says, and no other
+    prompt within ``POOL_BUDGET`` tokens."""
+    tok = l1._tokenizer(model_dir)
+    for entry in l1.POOL:
+        ids = encode(tok, l1.prompt_of({"prompt": entry}))
+        tokens = l1_answers.hf_tokens(tuple(ids))
+        ends = len(tokens) if tokens[-1] in ModelConfig.from_dir(model_dir).eos_token_ids else None
+        assert ends == entry["ends"], (entry, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +193,12 @@ def bytes_with_query_heads(cfg, dtype_bytes=4):
 def test_l1_kv_bytes_fails_wrong_answers(capsys, course_cfg, wrong, case_name):
     l1.check_kv_bytes_per_token(wrong, course_cfg)
     assert_fails(graded_lines(capsys), case_name)
+    assert_fails_hidden("L1_contiguous", "L1.3", wrong, course_cfg)
 
 
-def test_l1_kv_bytes_passes_model_config(capsys, course_cfg):
-    l1.check_kv_bytes_per_token(lambda cfg, dtype_bytes=4: cfg.kv_bytes_per_token(dtype_bytes), course_cfg)
+def test_l1_kv_bytes_passes_the_independent_answer(capsys, course_cfg):
+    """The checker's reference is ``ModelConfig.kv_bytes_per_token``, checked on fixed values below."""
+    l1.check_kv_bytes_per_token(l1_answers.kv_bytes_per_token, course_cfg)
     assert_passes(graded_lines(capsys))
 
 
@@ -462,5 +498,11 @@ def test_l6_format_rows_docstring():
 
 
 def test_course_config_matches_the_kv_bytes_docstring(course_cfg):
-    """The L1 fixture is the course model: its own answer is the checker docstring's 46,080 bytes."""
+    """The L1 fixture is the course model: its own answer is the checker docstring's 46,080 bytes; the
+    checker's other shapes by hand: 2 x 32 layers x 8 KV heads x 128 x 2 bytes, 2 x 2 x 2 x 16 x 4."""
     assert course_cfg.kv_bytes_per_token(4) == 46_080
+    assert course_cfg.kv_bytes_per_token(2) == 23_040
+    llama8b = dataclasses.replace(course_cfg, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+    assert llama8b.kv_bytes_per_token(2) == 131_072
+    tiny = dataclasses.replace(course_cfg, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    assert tiny.kv_bytes_per_token(4) == 512

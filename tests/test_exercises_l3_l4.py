@@ -6,9 +6,14 @@ kv_splits):
 - plausible wrong answers (an off-by-one, the wrong victim, a missing reset, a forgotten rescale, the
   wrong block index, ...) fail: the summary line is not ``n/n passed`` and the case built to catch the
   mistake is reported ``WRONG`` or ``raised``;
+- the same wrong answers fail the hidden cases the grader draws (``kvcourse/hidden.py``), on three
+  seeds each;
 - the reference solution of the reference notebook (the code between its solution markers, run as the
-  notebook runs it) passes every case, and so does the stage's own code wherever it has the same
-  function (``slots``, ``merge_partials``, ``attend_blocks``, ``Scheduler._preempt``).
+  notebook runs it) passes every case, and so does the independent answer of each stage's
+  ``answers.py``. The checkers' references are the stages' own code (``slots``, ``Scheduler``,
+  ``merge_partials``, ``attend_blocks``, ``paged_attention``), so the answers and the stage hold each
+  other in check; the stage's code is also checked on worked examples with hand-computed results
+  (here, and in ``test_l3.py`` and ``test_l4_kernels.py``).
 
 Every checker here runs on tiny tensors and hand-built queues: no model is loaded. The grader's
 end-to-end runs over whole notebooks are in ``test_grading.py``.
@@ -23,14 +28,14 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from checker_asserts import assert_fails_hidden
 
+from L3_block_tensor import answers as l3_answers
 from L3_block_tensor import checks as l3_checks
-from L3_block_tensor.scheduler import Scheduler
-from L3_block_tensor.sequence import Sequence, Status
-from L3_block_tensor.sequence import slots as stage_slots
+from L3_block_tensor.sequence import Sequence, Status, slots
+from L4_paged_kernel import answers as l4_answers
 from L4_paged_kernel import checks as l4_checks
-from L4_paged_kernel.paged_attention import attend_blocks as stage_attend_blocks
-from L4_paged_kernel.paged_attention import merge_partials
+from L4_paged_kernel.paged_attention import attend_blocks, merge_partials
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SUMMARY_RE = re.compile(r"^(\d+)/(\d+) passed$")
@@ -178,16 +183,6 @@ def preempt_bypasses_allocator(running, waiting, allocator):
     return victim
 
 
-def preempt_by_stage_scheduler(running, waiting, allocator):
-    """The stage's own ``Scheduler._preempt`` on the checker's queues, victim ``running[-1]`` as its
-    ``_reserve_or_preempt`` picks it."""
-    sched = Scheduler(allocator, max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=1)
-    sched.running, sched.waiting = running, waiting
-    victim = sched.running[-1]
-    sched._preempt(victim)
-    return victim
-
-
 # ---------------------------------------------------------------------------------------------------
 # L4.1 merge
 
@@ -199,10 +194,6 @@ def merge_without_rescale(m1, l1, acc1, m2, l2, acc2):
 def merge_exp_of_max(m1, l1, acc1, m2, l2, acc2):
     w1, w2 = torch.exp(m1), torch.exp(m2)  # overflows for large scores
     return (w1[:, None] * acc1 + w2[:, None] * acc2) / (w1 * l1 + w2 * l2)[:, None]
-
-
-def merge_by_stage(m1, l1, acc1, m2, l2, acc2):
-    return merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -238,13 +229,6 @@ def attend_positions_without_block_index(q, k_pool, v_pool, blocks, q_pos, scale
 
 def attend_unmasked(q, k_pool, v_pool, blocks, q_pos, scale):
     return block_loop(q, k_pool, v_pool, blocks, q_pos, scale, mask=False)
-
-
-def attend_by_stage(q, k_pool, v_pool, blocks, q_pos, scale):
-    m, l, acc = stage_attend_blocks(
-        q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
-    )
-    return acc[0, 0] / l[0, 0][:, None]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,6 +351,17 @@ WRONG = [
 ]
 
 
+# The exercise each checker grades: (stage package, exercise id), for its hidden cases.
+EXERCISE_OF = {
+    l3_checks.check_slots: ("L3_block_tensor", "L3.1"),
+    l3_checks.check_plan_step: ("L3_block_tensor", "L3.2"),
+    l3_checks.check_preempt: ("L3_block_tensor", "L3.3"),
+    l4_checks.check_merge: ("L4_paged_kernel", "L4.1"),
+    l4_checks.check_attend_blocks: ("L4_paged_kernel", "L4.2"),
+    l4_checks.check_kv_splits: ("L4_paged_kernel", "L4.3"),
+}
+
+
 @pytest.mark.parametrize(("checker", "wrong", "case_name"), WRONG, ids=[w.__name__ for _, w, _ in WRONG])
 def test_wrong_answer_fails(capsys, checker, wrong, case_name):
     lines, passed, total = graded(capsys, checker, wrong)
@@ -378,6 +373,7 @@ def test_wrong_answer_fails(capsys, checker, wrong, case_name):
         if f" ({case_name}): " in line and re.search(r"\): (WRONG — |raised )", line)
     ]
     assert caught, f"case {case_name!r} did not catch {wrong.__name__}:\n" + "\n".join(lines)
+    assert_fails_hidden(*EXERCISE_OF[checker], wrong)
 
 
 REFERENCES = [
@@ -399,19 +395,75 @@ def test_reference_notebook_solution_passes(capsys, checker, notebook, name):
     assert not any("WRONG" in line or "raised" in line for line in lines)
 
 
-STAGE_CODE = [
-    (l3_checks.check_slots, stage_slots),
-    (l3_checks.check_preempt, preempt_by_stage_scheduler),
-    (l4_checks.check_merge, merge_by_stage),
-    (l4_checks.check_attend_blocks, attend_by_stage),
+INDEPENDENT = [
+    (l3_checks.check_slots, l3_answers.slots),
+    (l3_checks.check_plan_step, l3_answers.plan_step),
+    (l3_checks.check_preempt, l3_answers.preempt),
+    (l4_checks.check_merge, l4_answers.merge),
+    (l4_checks.check_attend_blocks, l4_answers.attend_blocks),
+    (l4_checks.check_kv_splits, l4_answers.kv_splits),
 ]
 
 
-@pytest.mark.parametrize(("checker", "stage_fn"), STAGE_CODE, ids=[c.__name__ for c, _ in STAGE_CODE])
-def test_stage_code_passes(capsys, checker, stage_fn):
-    lines, passed, total = graded(capsys, checker, stage_fn)
+@pytest.mark.parametrize(("checker", "answer"), INDEPENDENT, ids=[c.__name__ for c, _ in INDEPENDENT])
+def test_the_independent_answer_passes(capsys, checker, answer):
+    """The checker compares with the stage's code, the answer is written apart from it: a stage that
+    went wrong would fail the answer here."""
+    lines, passed, total = graded(capsys, checker, answer)
     assert passed == total > 0, "\n".join(lines)
     assert lines[-1] == f"{total}/{total} passed"
+
+
+def test_the_checkers_references_give_the_worked_examples():
+    """What the checkers take from the stage's code, on the examples their docstrings and the
+    notebook work out by hand."""
+    assert slots([7, 2], 2, 6, 4) == [30, 31, 8, 9]
+    assert l4_checks._kernel_splits([7, 2, 9, 4, 0], 18, 4, 2) == [(0, [7, 2, 9], 12), (3, [4, 0], 6)]
+    assert l4_checks._kernel_splits([3, 1], 20, 16, 4) == [(0, [3], 16), (1, [1], 4)]
+    m = torch.tensor([0.0, float(torch.log(torch.tensor(3.0)))])  # one key per side, scores 0 and ln 3
+    out = merge_partials(m[:, None], torch.ones(2, 1), torch.tensor([[[1.0]], [[5.0]]]))
+    assert torch.allclose(out, torch.tensor([[4.0]]))
+    # all-zero keys: every visible key weighs the same, so each query gets the mean of its values
+    k_pool, v_pool = torch.zeros(3, 2, 1), torch.arange(6.0).reshape(3, 2, 1)  # values 0..5
+    m, l, acc = attend_blocks(
+        torch.ones(1, 1, 2, 1), k_pool[:, :, None], v_pool[:, :, None], [2, 0], 0, torch.tensor([0, 2]), 1.0
+    )  # blocks [2, 0]: positions 0..3 hold values 4, 5, 0, 1
+    assert (acc[0, 0] / l[0, 0][:, None]).flatten().tolist() == [4.0, 3.0]  # 4; (4 + 5 + 0) / 3
+
+
+def test_the_preempt_checker_gives_the_notebook_worked_example():
+    """The notebook's worked example, block_size 4: request 1 (blocks [1, 3, 4]) is preempted; its
+    blocks join the free list [5] at the back; it waits in front of request 2, with its 2 tokens."""
+    allocator, running, waiting = l3_checks._preempt_state(
+        4, 6, [(0, 6, 2, 7, 0), (1, 8, 2, 9, 0)], [(2, 5, 0, 0)], 0
+    )
+    assert [s.block_table for s in running] == [[0, 2], [1, 3, 4]] and list(allocator.free_blocks) == [5]
+    victim = l3_answers.scheduler_preempt(running, waiting, allocator)
+    assert victim.request_id == 1 and [s.request_id for s in running] == [0]
+    assert list(allocator.free_blocks) == [5, 1, 3, 4] and [s.request_id for s in waiting] == [1, 2]
+    assert victim.block_table == [] and victim.num_computed_tokens == 0 and victim.status is Status.WAITING
+    assert len(victim.all_ids) == 10
+
+
+def attend_without_max(q, k_pool, v_pool, blocks, q_pos, scale):
+    """Sums exp(s) with no running max at all: right until a score passes 88, where float32's exp
+    overflows (inf / inf = NaN). The notebook's largest scores are 71, so its cases pass it."""
+    block_size = k_pool.shape[1]
+    l, acc = torch.zeros(q.shape[0]), torch.zeros(q.shape)
+    for j, block in enumerate(blocks):
+        s = (q @ k_pool[block].T) * scale  # (Tq, block_size)
+        k_pos = j * block_size + torch.arange(block_size)
+        p = torch.exp(s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf")))
+        l, acc = l + p.sum(dim=-1), acc + p @ v_pool[block]
+    return acc / l[:, None]
+
+
+def test_the_hidden_cases_catch_what_the_shown_ones_cannot(capsys):
+    """A loop without the running max passes the eight cases the notebook shows and fails the hidden
+    ones, whose scores go past exp's range."""
+    lines, passed, total = graded(capsys, l4_checks.check_attend_blocks, attend_without_max)
+    assert passed == total, "\n".join(lines)
+    assert_fails_hidden("L4_paged_kernel", "L4.2", attend_without_max)
 
 
 def test_a_stub_fails_every_case(capsys):

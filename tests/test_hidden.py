@@ -9,10 +9,14 @@ For each exercise of each exercise notebook:
 - an answer that calls the stage's own implementation is caught by the hidden cases' watch;
 - with the stage's own implementation broken (a mutant), the independent answer still passes and a
   wrong answer still fails: the verdict does not depend on the code the exercise re-implements.
+
+An exercise whose check cell passes more than the function (L1.2's ``engine``) gets those objects
+from ``CONTEXT`` in its stage's answers module, built once per test process.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 
@@ -50,6 +54,14 @@ def stage_function(package: str, exercise_id: str):
     return hidden.resolve(spec(package, exercise_id).answers[0])[2]
 
 
+@functools.cache
+def context(package: str, exercise_id: str) -> tuple:
+    """What the exercise's check cell passes after the function (L1.2's engine), built once: the
+    ``CONTEXT`` of the stage's answers module, or nothing."""
+    made = getattr(importlib.import_module(f"{package}.answers"), "CONTEXT", {}).get(exercise_id)
+    return made() if made else ()
+
+
 def harvested(package: str, exercise_id: str, fn, seed: int, tmp_path, *context) -> dict:
     out = tmp_path / f"{exercise_id}-{seed}.json"
     hidden.harvest(package, exercise_id, fn, *context, seed=seed, out=str(out))
@@ -74,13 +86,14 @@ def test_the_stage_agrees_with_the_independent_answer(package, exercise_id):
     for seed in SEEDS:
         cases, wants = hidden.expected(package, exercise_id, seed)
         for case, want in zip(cases, wants, strict=True):
-            got = hidden.to_json(hid.observe(fn, case))
+            got = hidden.to_json(hid.observe(fn, case, *context(package, exercise_id)))
             assert hidden.compare(want, got, hid.atol) is None, (seed, hid.describe(case))
 
 
 @pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
 def test_an_answer_that_runs_the_stage_code_is_caught(package, exercise_id, tmp_path):
-    record = harvested(package, exercise_id, stage_function(package, exercise_id), 0, tmp_path)
+    fn = stage_function(package, exercise_id)
+    record = harvested(package, exercise_id, fn, 0, tmp_path, *context(package, exercise_id))
     assert record["aliased"], record
     assert hidden.judge(package, exercise_id, 0, record), "an aliased answer was not failed"
 
@@ -91,9 +104,10 @@ def test_a_broken_stage_changes_no_verdict(package, exercise_id, tmp_path, monke
     for target in spec(package, exercise_id).answers:  # the mutant: the stage's own code raises
         owner, name, _ = hidden.resolve(target)
         monkeypatch.setattr(owner, name, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("mutant")))
-    right = harvested(package, exercise_id, answers.ANSWERS[exercise_id], 0, tmp_path)
+    extra = context(package, exercise_id)
+    right = harvested(package, exercise_id, answers.ANSWERS[exercise_id], 0, tmp_path, *extra)
     assert hidden.judge(package, exercise_id, 0, right) == []
-    wrong = harvested(package, exercise_id, lambda *a, **k: None, 1, tmp_path)
+    wrong = harvested(package, exercise_id, lambda *a, **k: None, 1, tmp_path, *extra)
     assert hidden.judge(package, exercise_id, 1, wrong)
 
 
