@@ -24,7 +24,8 @@ A ``Hidden`` holds:
 - ``answers``: the stage's own implementation of the exercise, as ``"module:Qualified.name"``. While
   the learner's function runs on hidden cases, each of these is swapped for a tripwire, so an answer
   that calls or aliases the stage's code (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught
-  however it got hold of it, and the grader flags it instead of crediting it;
+  however it got hold of it, and the grader flags it instead of crediting it. A dict constant (L6's
+  ``SPECS``) trips when one of its values is used;
 - ``atol``: the tolerance for floats (online softmax against a dense one), else exact.
 
 Observations are lists of steps, each a dict (``{"call": "alloc_blocks(2)", "returned": [0, 1],
@@ -101,24 +102,50 @@ def _tripwire(*args, _target="", _caught=None, _error=Exception, **kwargs):
     raise _error(f"the answer runs the stage's own {_target.partition(':')[2]}")
 
 
+class Tripped:
+    """What each value of a tripped constant (a dict, such as L6's ``SPECS``) is while the block runs:
+    reading an attribute of it, or iterating it, records the target in ``caught`` and raises."""
+
+    def __init__(self, target: str, caught: list[str]):
+        self.__dict__.update(_target=target, _caught=caught)
+
+    def __getattr__(self, name):
+        _tripwire(_target=self._target, _caught=self._caught, _error=AliasedAnswer)
+
+    def __iter__(self):
+        _tripwire(_target=self._target, _caught=self._caught, _error=AliasedAnswer)
+
+
 @contextlib.contextmanager
 def tripwires(targets: tuple[str, ...], caught: list[str]):
     """Make each target function raise ``AliasedAnswer`` (and record its name in ``caught``) while
-    the block runs, by swapping its code object: every alias of the function object trips too."""
-    saved = []
+    the block runs, by swapping its code object: every alias of the function object trips too.
+
+    A target that is a dict (a constant the exercise asks for) keeps its keys, and its values become
+    ``Tripped``: a copy of the dict or of a value trips when it is used. JAX's caches are cleared, since
+    ``jit`` runs a function it traced before from its cache, without running the code swapped in."""
+    saved, constants = [], []
     for target in targets:
         *_, fn = resolve(target)
+        if isinstance(fn, dict):
+            constants.append((fn, dict(fn)))
+            fn.update({key: Tripped(target, caught) for key in fn})
+            continue
         fn = getattr(fn, "__func__", fn)  # a classmethod's or a bound method's function
         if fn.__code__.co_freevars:  # a closure: its code cannot be swapped; left unguarded
             continue
         saved.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
         fn.__code__, fn.__defaults__ = _tripwire.__code__, None
         fn.__kwdefaults__ = {"_target": target, "_caught": caught, "_error": AliasedAnswer}
+    if saved and "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
     try:
         yield
     finally:
         for fn, code, defaults, kwdefaults in saved:
             fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
+        for constant, values in constants:
+            constant.update(values)
 
 
 @contextlib.contextmanager
