@@ -1,10 +1,19 @@
 """Assertions on what an exercise checker prints, shared by the tests/test_exercises_*.py files.
 
 A checker prints one line per case (``case k (name): ok`` or ``WRONG — ...`` or ``raised ...``), then
-``k/n passed``.
+``k/n passed``. ``hidden_problems`` says what ``make grade`` makes of the same function on the
+exercise's hidden cases (``kvcourse/hidden.py``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+from pathlib import Path
+
+from kvcourse import hidden
 
 
 def graded_lines(capsys) -> list[str]:
@@ -26,3 +35,14 @@ def assert_passes(lines: list[str]) -> None:
     cases = [line for line in lines if line.startswith("case ")]
     assert cases and all(line.endswith(": ok") for line in cases), lines
     assert lines[-1] == f"{len(cases)}/{len(cases)} passed", lines
+
+
+def hidden_problems(package: str, exercise_id: str, fn, *context, seed: int = 0) -> list[str]:
+    """The hidden cases ``fn`` fails, in the grader's words (empty when all pass): harvested as in the
+    learner's kernel (tripwires on the stage's own code), judged as in the grader's process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{exercise_id}.json"
+        with contextlib.redirect_stdout(io.StringIO()):  # harvest's one line; the checker's stay captured
+            hidden.harvest(package, exercise_id, fn, *context, seed=seed, out=str(out))
+        record = json.loads(out.read_text(encoding="utf-8"))
+    return hidden.judge(package, exercise_id, seed, record)
