@@ -122,8 +122,9 @@ def tripwires(targets: tuple[str, ...], caught: list[str]):
     the block runs, by swapping its code object: every alias of the function object trips too.
 
     A target that is a dict (a constant the exercise asks for) keeps its keys, and its values become
-    ``Tripped``: a copy of the dict or of a value trips when it is used. JAX's caches are cleared, since
-    ``jit`` runs a function it traced before from its cache, without running the code swapped in."""
+    ``Tripped``: a copy of the dict or of a value trips when it is used. When a target is written with
+    JAX, JAX's caches are cleared: ``jit`` runs a function it traced before from its cache, without
+    running the code swapped in."""
     saved, constants = [], []
     for target in targets:
         *_, fn = resolve(target)
@@ -137,7 +138,7 @@ def tripwires(targets: tuple[str, ...], caught: list[str]):
         saved.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
         fn.__code__, fn.__defaults__ = _tripwire.__code__, None
         fn.__kwdefaults__ = {"_target": target, "_caught": caught, "_error": AliasedAnswer}
-    if saved and "jax" in sys.modules:
+    if any("jax" in fn.__globals__ for fn, *_ in saved):  # a target whose module imports jax
         sys.modules["jax"].clear_caches()
     try:
         yield
