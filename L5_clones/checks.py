@@ -17,6 +17,10 @@ one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised
 then ``k/n passed``. The reference notebook stores those lines as the check cell's output and
 ``make grade`` compares them. The references are the stage's own code, never a copy kept here.
 
+The hidden cases (``HIDDEN``, at the end; ``kvcourse/hidden.py``) run the learner's function on cases
+drawn per grading run: runs of admissions, forks, frees and matches on pools of every block size.
+They are judged in the grader's process against the independent answers of ``answers.py``.
+
 Left out on purpose: partial credit and hints; the fork is graded on its bookkeeping only (the caller
 copies the partial block's K/V with ``KvPool.copy_block``), with enough free blocks for every case;
 ``check_free`` frees only blocks that are held (refusing a bad id or a double free is L2's exercise, and
@@ -25,11 +29,13 @@ L5's ``free`` does it the same way).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
 
 from kvcourse.grading import Case, run_cases
+from kvcourse.hidden import Hidden
 
 from . import prefix_cache
 from .allocator import BlockAllocator, blocks_needed
@@ -413,3 +419,343 @@ def check_match_prefix(match_prefix: Callable) -> None:
             ),
         ]
     )
+
+
+# Hidden cases (kvcourse/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py.
+
+BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 16)  # 1 (every block full) and odd sizes next to the usual ones
+
+
+def draw_fork(rng) -> list[dict]:
+    """Parents of up to 6 blocks with scattered ids and every block size, ending mid-block, exactly on
+    a boundary, or holding only a partial block; full blocks already shared (ref_count 2 or 3), other
+    blocks in use that the fork must leave alone, n = 1 .. 5; fresh ids from a shuffled free list."""
+    kinds = ["partial", "full", "only partial", "partial", "full", "partial", "partial", "full"]
+    cases = []
+    for kind, block_size in zip(kinds, [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), 4], strict=True):
+        kind = "full" if block_size == 1 else kind  # with block_size 1 every block is full
+        full = 0 if kind == "only partial" else rng.randint(1, 5)
+        tail = 0 if kind == "full" else rng.randint(1, block_size - 1)
+        ids = rng.sample(range(48), 48)
+        parent = ids[: full + (tail > 0)]
+        others = ids[len(parent) : len(parent) + rng.randint(0, 3)]
+        counts = [[b, rng.choice([1, 1, 2, 3])] for b in parent[:full]] + [[b, 1] for b in parent[full:]]
+        counts += [[b, rng.randint(1, 3)] for b in others]
+        n = rng.randint(1, 5)
+        fresh = ids[len(parent) + len(others) :][: 2 * n]  # twice what a fork takes
+        cases.append(
+            {"block_size": block_size, "num_tokens": full * block_size + tail, "parent": parent,
+             "ref_counts": counts, "n": n, "fresh": fresh}
+        )  # fmt: skip
+    return cases
+
+
+def observe_fork(fn, case) -> list[dict]:
+    """``fn`` forks the parent once; what it returns, every ref count after, and how often it called
+    ``alloc()`` (which hands out the case's fresh ids in order)."""
+    counts = {b: c for b, c in case["ref_counts"]}
+    fresh, taken = list(case["fresh"]), []
+
+    def alloc() -> int:
+        if not fresh:
+            raise RuntimeError(f"alloc() called more than {len(case['fresh'])} times")
+        taken.append(fresh.pop(0))
+        counts[taken[-1]] = 1
+        return taken[-1]
+
+    call = (
+        f"fork_table({case['parent']}, num_tokens={case['num_tokens']}, "
+        f"block_size={case['block_size']}, n={case['n']})"
+    )
+    got = fn(list(case["parent"]), case["num_tokens"], case["block_size"], case["n"], counts, alloc)
+    return [{"call": call, "returned": got, "ref_counts": dict(counts), "alloc() calls": len(taken)}]
+
+
+def describe_fork(case: dict) -> str:
+    shared = {b: c for b, c in case["ref_counts"]}
+    return (
+        f"block_size {case['block_size']}, parent {case['parent']} holding {case['num_tokens']} tokens, "
+        f"n = {case['n']}, ref counts {shared}"
+    )
+
+
+def _prompt(rng, bases: list[list[int]], vocab: list[int], block_size: int) -> list[int]:
+    """A prompt that often shares whole leading blocks with one of ``bases`` (a hit), sometimes only
+    part of a block or nothing, then a tail of its own; never empty."""
+    base = rng.choice(bases)
+    cut = rng.choice([len(base), len(base) // block_size * block_size, rng.randint(0, len(base))])
+    tokens = base[:cut] + [rng.choice(vocab) for _ in range(rng.randint(0, 2 * block_size))]
+    return tokens or [rng.choice(vocab)]
+
+
+def _budget(ops: list[list], needs: list[int], rng) -> int:
+    """The pool for a run of ops: what every allocation could take at most, and 0 .. 3 to spare.
+    Each ``drain`` op leaves exactly what the allocations after it could take."""
+    for k, op in enumerate(ops):
+        if op[0] == "drain":
+            op[2] = sum(needs[k + 1 :])
+    return max(1, sum(needs) + rng.randint(0, 3))
+
+
+def draw_free(rng) -> list[dict]:
+    """Runs of a scheduler's calls on one pool: requests admitted through the prefix cache (their
+    prompts share whole blocks, and with 2 or 3 token ids equal blocks follow different prefixes),
+    forks of 1 .. 3 children, another user taking every free block but what later calls need (which
+    hands freed blocks out again, oldest first), and block tables given back in any order, shared or
+    not; every block size."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([1, 4])]:
+        vocab = list(range(3, 3 + rng.choice([2, 3, 50])))
+        bases = [[rng.choice(vocab) for _ in range(rng.randint(1, 4 * block_size))] for _ in range(2)]
+        live, ops, needs, count = {}, [], [], 0  # live: name -> tokens held (None: not a sequence)
+        for _ in range(rng.randint(5, 10)):
+            kind = rng.choices(["admit", "fork", "free", "drain"], [4, 2, 4, 1])[0] if live else "admit"
+            seqs = [name for name, n in live.items() if n is not None]
+            if kind == "admit" or (kind == "fork" and not seqs):
+                name, tokens = f"R{count}", _prompt(rng, bases, vocab, block_size)
+                ops.append(["admit", name, tokens])
+                live[name], need = len(tokens), blocks_needed(len(tokens), block_size)
+            elif kind == "fork":
+                parent = rng.choice(seqs)
+                children = [f"C{count}.{k}" for k in range(1, rng.randint(2, 4))]
+                ops.append(["fork", parent, live[parent], children])
+                live.update({c: live[parent] for c in children})
+                need = len(children) * (live[parent] % block_size > 0)
+            elif kind == "free":
+                name = rng.choice(sorted(live))
+                ops.append(["free", name])
+                del live[name]
+                need = 0
+            else:
+                name = f"X{count}"
+                ops.append(["drain", name, 0])  # its count is set by _budget
+                live[name], need = None, 0
+            count += 1
+            needs.append(need)
+        for name in rng.sample(sorted(live), rng.randint(0, len(live))):  # some finish at the end
+            ops.append(["free", name])
+            needs.append(0)
+        num_blocks = _budget(ops, needs, rng)
+        cases.append({"block_size": block_size, "num_blocks": num_blocks, "ops": ops})
+    return cases
+
+
+def _books_json(allocator: BlockAllocator) -> dict:
+    """An allocator's books as JSON: ref counts, free list, the blocks keeping a key, the blocks the
+    index points at, and a digest of every block's key and tokens and of the index."""
+    books = [(b.hash, b.token_ids) for b in allocator.blocks], sorted(allocator.hash_to_block.items())
+    return {
+        "ref_counts": [b.ref_count for b in allocator.blocks],
+        "free": list(allocator.free_blocks),
+        "keyed": [b.block_id for b in allocator.blocks if b.hash is not None],
+        "index": sorted(allocator.hash_to_block.values()),
+        "keys": hashlib.sha256(repr(books).encode()).hexdigest()[:16],
+    }
+
+
+def observe_free(fn, case) -> list[dict]:
+    """Run a case's calls on a ``BlockAllocator`` with ``fn`` as its ``free`` (every table given back
+    goes through it); after each, the table the call made (if any) and the allocator's books."""
+    allocator = type("YourFree", (BlockAllocator,), {"free": fn})(case["num_blocks"], case["block_size"])
+    tables, steps = {}, []
+    for op in case["ops"]:
+        if op[0] == "admit":
+            call, made = f"admitting {op[1]} ({len(op[2])} tokens)", _admit(allocator, op[2])
+            tables[op[1]] = made
+        elif op[0] == "fork":
+            call = f"forking {op[1]} ({op[2]} tokens) into {', '.join(op[3]) or 'nothing new'}"
+            made, _ = allocator.fork(list(tables[op[1]]), op[2], len(op[3]))
+            tables.update(zip(op[3], made, strict=True))
+        elif op[0] == "drain":
+            call = f"{op[1]} takes every free block but {op[2]}"
+            made = tables[op[1]] = allocator.alloc_blocks(max(0, allocator.num_free - op[2]))
+        else:
+            table = tables.pop(op[1])
+            call, made = f"free({table}) ({op[1]})", None
+            allocator.free(list(table))
+        steps.append({"call": call, "table": made, **_books_json(allocator)})
+    return steps
+
+
+def describe_ops(case: dict) -> str:
+    words = {
+        "admit": lambda op: f"admit {op[1]} ({len(op[2])} tokens)",
+        "fork": lambda op: f"fork {op[1]} x{len(op[3])}",
+        "drain": lambda op: f"{op[1]} takes all but {op[2]}",
+        "free": lambda op: f"free {op[1]}",
+        "free_split": lambda op: f"free {op[1]}, its first {op[2]} blocks first",
+        "match": lambda op: f"match {len(op[1])} tokens",
+        "collide": lambda op: "a forced key collision",
+    }
+    steps = ", ".join(words[op[0]](op) for op in case["ops"])
+    return f"block_size {case['block_size']}, {case['num_blocks']} blocks: {steps}"
+
+
+def draw_block_hashes(rng) -> list[dict]:
+    """Token lists for every block size: empty, shorter than one block, exact multiples, a block
+    repeated (its copies must get different keys), a tail left over, ids up to 49151."""
+    kinds = ["empty", "short", "exact", "repeated", "tail", "tail", "repeated", "exact", "tail"]
+    sizes = [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([2, 4]), rng.choice([1, 3])]
+    cases = []
+    for kind, block_size in zip(kinds, sizes, strict=False):
+        high = rng.choice([9, 49151])
+        if kind == "repeated":
+            block = [rng.randint(0, high) for _ in range(block_size)]
+            tokens = block * rng.randint(2, 4) + block[: rng.randint(0, block_size - 1)]
+        else:
+            blocks = {"empty": 0, "short": 0, "exact": rng.randint(1, 5), "tail": rng.randint(0, 5)}[kind]
+            tail = rng.randint(1, block_size - 1) if kind in ("short", "tail") and block_size > 1 else 0
+            tokens = [rng.randint(0, high) for _ in range(blocks * block_size + tail)]
+        cases.append({"block_size": block_size, "tokens": tokens})
+    return cases
+
+
+def observe_block_hashes(fn, case) -> list[dict]:
+    call = f"block_hashes({len(case['tokens'])} tokens, block_size={case['block_size']})"
+    return [{"call": call, "returned": fn(list(case["tokens"]), case["block_size"])}]
+
+
+def describe_block_hashes(case: dict) -> str:
+    tokens = case["tokens"]
+    shown = f"{tokens[:8]}"[:-1] + (", ...]" if len(tokens) > 8 else "]")
+    return f"block_size {case['block_size']}, {len(tokens)} tokens {shown}"
+
+
+def draw_match_prefix(rng) -> list[dict]:
+    """Runs of calls on one pool: requests admitted through the learner's ``match_prefix``, finished
+    (tables given back whole, or head first so that a request's first block is handed out before the
+    rest), another user taking every free block but what later calls need, a forced key collision, and
+    prompts to match: the cached ones again, cut on a block boundary, one token past it, with a block
+    repeated, with one token changed, strangers; every block size."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([1, 4])]:
+        vocab = list(range(3, 3 + rng.choice([2, 3, 50])))
+        bases = [[rng.choice(vocab) for _ in range(rng.randint(1, 4 * block_size))] for _ in range(2)]
+        seen, live, ops, needs = [], {}, [], []
+        for count in range(rng.randint(6, 11)):
+            kind = rng.choices(["admit", "match", "free", "drain", "collide"], [3, 4, 2, 1, 1])[0]
+            if kind in ("match", "collide") and not seen or kind == "free" and not live:
+                kind = "admit"
+            if kind == "admit":
+                tokens = _prompt(rng, bases + seen, vocab, block_size)
+                live[f"R{count}"] = tokens
+                seen.append(tokens)
+                op, need = ["admit", f"R{count}", tokens], blocks_needed(len(tokens), block_size)
+            elif kind == "match":
+                op, need = ["match", _query(rng, rng.choice(seen), vocab, block_size)], 0
+            elif kind == "free":
+                name = rng.choice(sorted(live))
+                blocks = blocks_needed(len(live.pop(name)), block_size)
+                split = blocks > 1 and rng.random() < 0.5
+                op, need = (["free_split", name, rng.randint(1, blocks - 1)] if split else ["free", name]), 0
+            elif kind == "drain":
+                op, need = ["drain", f"X{count}", 0], 0  # its count is set by _budget
+            else:  # a block holding other tokens under the key of a seen prompt's first block ...
+                prompt = rng.choice(seen)
+                if len(prompt) < block_size:
+                    continue
+                ops.append(_collision(prompt, block_size))
+                needs.append(1)
+                op, need = ["match", prompt], 0  # ... and that prompt, whose other blocks may still hit
+            ops.append(op)
+            needs.append(need)
+        longest = max(seen, key=len)
+        if len(cases) % 2 and len(longest) > 2 * block_size:  # a miss at block 0, then blocks that hit
+            ops += [_collision(longest, block_size), ["match", longest]]
+            needs += [1, 0]
+        else:
+            ops.append(["match", _query(rng, rng.choice(seen), vocab, block_size)])
+            needs.append(0)
+        num_blocks = _budget(ops, needs, rng)
+        cases.append({"block_size": block_size, "num_blocks": num_blocks, "ops": ops})
+    return cases
+
+
+def _collision(prompt: list[int], block_size: int) -> list:
+    """The op that registers a fresh block under the key of ``prompt``'s first block, holding other
+    tokens (each id + 1): a 64-bit key collision, forced."""
+    return ["collide", prompt[:block_size], [t + 1 for t in prompt[:block_size]]]
+
+
+def _query(rng, prompt: list[int], vocab: list[int], block_size: int) -> list[int]:
+    """A prompt to match against one already seen: the same, cut on a block boundary (the last token's
+    block must not match), one token past a boundary, a stranger's tail, its first block twice, or one
+    token changed; never empty."""
+    full = len(prompt) // block_size
+    k = rng.randint(1, full) if full else 0
+    stranger = [rng.choice(vocab) + 50 for _ in range(rng.randint(1, block_size + 1))]
+    pick = rng.choice(["same", "boundary", "past", "stranger", "twice", "changed"])
+    tokens = {
+        "same": prompt,
+        "boundary": prompt[: k * block_size],
+        "past": prompt[: k * block_size + 1],
+        "stranger": prompt[: k * block_size] + stranger,
+        "twice": prompt[:block_size] * 2 + stranger[:1],
+        "changed": prompt[:],
+    }[pick]
+    if pick == "changed":
+        at = rng.randrange(len(tokens))
+        tokens[at] += 50
+    return tokens or stranger
+
+
+def observe_match_prefix(fn, case) -> list[dict]:
+    """Run a case's calls on a ``BlockAllocator``; every request is admitted with the blocks ``fn``
+    finds, and every "match" only asks ``fn``. After each call: what ``fn`` returned, whether that call
+    left the allocator as it was, the block table a call made, and the free list."""
+    allocator = BlockAllocator(case["num_blocks"], case["block_size"])
+    tables, steps = {}, []
+    for op in case["ops"]:
+        returned = unchanged = made = None
+        if op[0] in ("admit", "match"):
+            tokens = op[2] if op[0] == "admit" else op[1]
+            before = _books(allocator)
+            returned = fn(list(tokens), allocator)
+            unchanged = _books(allocator) == before
+            call = f"match_prefix({len(tokens)} tokens{' of ' + op[1] if op[0] == 'admit' else ''})"
+            if op[0] == "admit":
+                seq = Sequence(0, list(tokens), 1)
+                reserve(seq, allocator, len(tokens), list(returned))  # the request takes what was found
+                made = tables[op[1]] = seq.block_table
+        elif op[0] in ("free", "free_split"):
+            table = tables.pop(op[1])
+            head = op[2] if op[0] == "free_split" else len(table)
+            call = (
+                f"free({table[:head]})" + (f", free({table[head:]})" if table[head:] else "") + f" ({op[1]})"
+            )
+            allocator.free(table[:head])
+            if table[head:]:
+                allocator.free(table[head:])
+        elif op[0] == "drain":
+            call = f"{op[1]} takes every free block but {op[2]}"
+            made = allocator.alloc_blocks(max(0, allocator.num_free - op[2]))
+        else:
+            (block,) = made = allocator.alloc_blocks(1)
+            call = f"block {block} registered under the key of {op[1]}, holding {op[2]}"
+            allocator.register(block, block_hash(None, op[1]), op[2])
+        steps.append({"call": call, "returned": returned, "unchanged": unchanged, "table": made,
+                      "free": list(allocator.free_blocks)})  # fmt: skip
+    return steps
+
+
+HIDDEN = {
+    "L5.1": Hidden(
+        draw_fork, observe_fork, describe_fork, answers=("L5_clones.allocator:BlockAllocator.fork",)
+    ),
+    "L5.2": Hidden(
+        draw_free, observe_free, describe_ops, answers=("L5_clones.allocator:BlockAllocator.free",)
+    ),
+    "L5.3": Hidden(
+        draw_block_hashes,
+        observe_block_hashes,
+        describe_block_hashes,
+        answers=("L5_clones.prefix_cache:register_full_blocks",),
+    ),
+    "L5.4": Hidden(
+        draw_match_prefix,
+        observe_match_prefix,
+        describe_ops,
+        answers=("L5_clones.prefix_cache:match_prefix",),
+    ),
+}

@@ -25,6 +25,11 @@ deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` a
 ``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
 compares them. The references are the stage's own code, never a copy kept here.
 
+The hidden cases (``HIDDEN``, at the end; ``kvcourse/hidden.py``) run the learner's function on cases
+drawn per grading run (batches in a row on tables of a few shapes, KV writes through one jit, specs
+laid on abstract meshes of 1 to 16 devices) and are judged in the grader's process against the
+independent answers of ``answers.py``.
+
 Left out on purpose: the all-or-nothing path when the pool is short (every allocation case has enough
 free pages), padding tokens (slot -1) in the NumPy exercises, jit for the NumPy exercises (they run
 eagerly), and duplicate destinations in the KV write (two tokens never share a row).
@@ -33,6 +38,7 @@ eagerly), and duplicate destinations in the KV write (two tokens never share a r
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,11 +46,13 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
 
 from kvcourse.grading import Case, arrays_problem, run_cases
+from kvcourse.hidden import Hidden
 
 from .kv_cache import update_kv
-from .page_table import INVALID, PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
+from .page_table import INVALID, PageTable, SequenceTable, allocate_for_seq, cdiv, free_pages_for_finished
 
 # What JAX raises when Python code needs the value of a traced array: ``if x > 0``, ``int(x)``,
 # ``np.asarray(x)``, ``x[x >= 0]``. Under jit each one is a case failure, named, not a crash.
@@ -428,3 +436,363 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
             Case("4 devices, 2 clones of each prompt sharing their full pages", case(4, 2)),
         ]
     )
+
+
+# Hidden cases (kvcourse/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py.
+
+# (max_seqs, pages_per_seq, num_pages, page_size) of the NumPy exercises' hidden cases: a few shapes,
+# so that the stage's jit'd functions, which the tests hold them against, compile a few times only.
+TABLE_SHAPES = ((2, 3, 8, 4), (3, 4, 12, 1), (4, 3, 12, 3), (3, 2, 8, 16), (5, 3, 16, 2))
+
+
+def _draw_pages(rng, shape: tuple[int, int, int, int], clone: bool = False) -> dict:
+    """Slots in use on scattered pages (an empty slot, a partly filled last page, a clone sharing a
+    slot's full pages with a page of its own; with ``clone``, slot 1 is slot 0's), each with room to
+    grow, and some pages left free. ``shape`` is one of ``TABLE_SHAPES``.
+
+    Example, page_size 4: slot 0 holds 6 tokens on pages [5, 2], slot 1 is its clone on [5, 7]:
+    refs of pages 5, 2, 7 are 2, 1, 1.
+    """
+    max_seqs, pages_per_seq, num_pages, page_size = shape
+    order = rng.sample(range(num_pages), num_pages)  # pages taken in this order: scattered ids
+    table, lens = [[INVALID] * pages_per_seq for _ in range(max_seqs)], [0] * max_seqs
+    spare = rng.randint(2, max(2, num_pages // 2))  # free pages kept for the batches
+    for s in range(max_seqs):
+        kind = ["long", "clone"][s] if clone and s < 2 else rng.choice(["empty", "used", "used", "clone"])
+        parents = [p for p in range(s) if lens[p] >= page_size]
+        if kind == "clone" and parents:
+            parent = rng.choice(parents)
+            full = lens[parent] // page_size
+            shared, own = table[parent][:full], cdiv(lens[parent], page_size) - full
+            length = lens[parent]
+        elif kind == "empty":
+            continue
+        else:
+            length = rng.randint(page_size if kind == "long" else 1, pages_per_seq * page_size - 1)
+            shared, own = [], cdiv(length, page_size)
+        if own > len(order) - spare:
+            continue
+        table[s][: len(shared) + own] = shared + [order.pop() for _ in range(own)]
+        lens[s] = length
+    refs = [sum(row.count(page) for row in table) for page in range(num_pages)]
+    return {"page_size": page_size, "refs": refs, "table": table, "lens": lens}
+
+
+def draw_allocate(rng) -> list[dict]:
+    """Tables from ``_draw_pages``, then 1 .. 3 batches in a row: decodes, chunks and prefills of
+    several slots (a page boundary crossed or not, pages taken from a scattered free list, now and
+    then the slots out of order or an empty batch), always with enough free pages."""
+    cases = []
+    for k in range(8):
+        max_seqs, pages_per_seq, num_pages, page_size = shape = TABLE_SHAPES[k % len(TABLE_SHAPES)]
+        case = _draw_pages(rng, shape, clone=k % 3 == 1)
+        lens, free = list(case["lens"]), case["refs"].count(0)
+        batches = []
+        for _ in range(rng.randint(1, 3)):
+            slots, pos = [], []
+            chosen = rng.sample(range(max_seqs), rng.randint(0 if k == 0 and not batches else 1, max_seqs))
+            for s in chosen if rng.random() < 0.25 else sorted(chosen):  # the order of the slots
+                room = pages_per_seq * page_size - lens[s]
+                grow = min(room, rng.choice([1, 1, rng.randint(1, max(1, room))]))  # decode, chunk, prefill
+                while grow > 0 and cdiv(lens[s] + grow, page_size) - cdiv(lens[s], page_size) > free:
+                    grow -= 1
+                if grow:
+                    free -= cdiv(lens[s] + grow, page_size) - cdiv(lens[s], page_size)
+                    slots += [s] * grow
+                    pos += range(lens[s], lens[s] + grow)
+                    lens[s] += grow
+            batches.append({"slots": slots, "pos": pos})
+        cases.append({**case, "batches": batches})
+    return cases
+
+
+def _ints(arrays, names: tuple[str, ...], dtypes: tuple) -> dict:
+    """What a NumPy exercise returned, as plain lists in the stage's dtypes (as ``arrays_problem``
+    compares them), by name; a return value that is not one array per name raises TypeError."""
+    if not isinstance(arrays, list | tuple) or len(arrays) != len(names):
+        raise TypeError(f"returned {type(arrays).__name__}, expected {len(names)} arrays")
+    return {
+        name: np.asarray(a).astype(dtype).tolist()
+        for name, a, dtype in zip(names, arrays, dtypes, strict=True)
+    }
+
+
+def _batch_words(slots: list[int], pos: list[int]) -> str:
+    """``_batch_words([0, 2, 2, 2], [3, 0, 1, 2]) -> 'slot 0 at 3, slot 2 at 0..2'``."""
+    runs = []
+    for s, p in zip(slots, pos, strict=True):
+        if runs and runs[-1][0] == s:
+            runs[-1][2] = p
+        else:
+            runs.append([s, p, p])
+    return ", ".join(f"slot {s} at {a}" + (f"..{b}" if b > a else "") for s, a, b in runs) or "no tokens"
+
+
+def observe_allocate(fn, case) -> list[dict]:
+    """Each batch in turn through ``fn``, which gets the tables ``fn`` itself returned for the batch
+    before; after each, the four arrays it returned and whether it left its inputs alone."""
+    names = ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests")
+    refs, table, lens = (np.asarray(case[key], np.int32) for key in ("refs", "table", "lens"))
+    steps = []
+    for batch in case["batches"]:
+        slots, pos = np.asarray(batch["slots"], np.int32), np.asarray(batch["pos"], np.int32)
+        inputs = (refs, table, lens, slots, pos)
+        copies = [a.copy() for a in inputs]
+        got = _ints(fn(*copies, case["page_size"]), names, (np.int32,) * 4)
+        unchanged = all(np.array_equal(a, b) for a, b in zip(inputs, copies, strict=True))
+        steps.append({"call": f"allocate({_batch_words(batch['slots'], batch['pos'])})", **got,
+                      "inputs unchanged": unchanged})  # fmt: skip
+        refs, table, lens = (np.asarray(got[name], np.int32) for name in names[:3])
+    return steps
+
+
+def describe_tables(case: dict) -> str:
+    ps, rows = case["page_size"], case["table"]
+    held = [f"slot {s}: {n} tokens on {rows[s][: cdiv(n, ps)]}" for s, n in enumerate(case["lens"]) if n]
+    return f"page_size {ps}, {len(case['refs'])} pages, {', '.join(held) or 'no slot holds tokens'}"
+
+
+def describe_allocate(case: dict) -> str:
+    batches = "; ".join(_batch_words(b["slots"], b["pos"]) for b in case["batches"])
+    return f"{describe_tables(case)}; batches: {batches}"
+
+
+def draw_free_finished(rng) -> list[dict]:
+    """Tables from ``_draw_pages`` (clones share pages), then 1 .. 3 steps in a row, each finishing
+    some slots: none, all, one of the slots sharing a page (the page stays), a slot not in use."""
+    cases = []
+    for k in range(8):
+        shape = TABLE_SHAPES[k % len(TABLE_SHAPES)]
+        case = _draw_pages(rng, shape, clone=k % 2 == 1)
+        case["used"] = [n > 0 or rng.random() < 0.2 for n in case["lens"]]  # used, no tokens yet
+        sharing = [
+            s for s, row in enumerate(case["table"]) if any(case["refs"][p] > 1 for p in row if p >= 0)
+        ]
+        steps = []
+        for step in range(rng.randint(1, 3)):
+            pick = rng.choice(["some", "some", "none", "all", "one sharing"])
+            if sharing and (pick == "one sharing" or step == 0 and k % 2):  # its shared pages stay
+                one = rng.choice(sharing)
+                steps.append([s == one for s in range(shape[0])])
+            else:
+                steps.append(
+                    [pick == "all" or pick == "some" and rng.random() < 0.5 for _ in range(shape[0])]
+                )
+        cases.append({**case, "finished": steps})
+    return cases
+
+
+def observe_free_finished(fn, case) -> list[dict]:
+    """Each finished mask in turn through ``fn``, which gets the tables it returned the step before;
+    after each, the four arrays it returned and whether it left its inputs alone."""
+    names = ("page_ref_counts", "page_indices", "seq_lens", "used_mask")
+    arrays = [np.asarray(case[key], np.int32) for key in ("refs", "table", "lens")]
+    arrays.append(np.asarray(case["used"], bool))
+    steps = []
+    for mask in case["finished"]:
+        inputs = (*arrays, np.asarray(mask, bool))
+        copies = [a.copy() for a in inputs]
+        got = _ints(fn(*copies), names, (np.int32, np.int32, np.int32, bool))
+        unchanged = all(np.array_equal(a, b) for a, b in zip(inputs, copies, strict=True))
+        finished = [s for s, f in enumerate(mask) if f]
+        steps.append(
+            {"call": f"free_finished(slots {finished} finished)", **got, "inputs unchanged": unchanged}
+        )
+        arrays = [
+            np.asarray(got[name], dtype) for name, dtype in zip(names, (np.int32,) * 3 + (bool,), strict=True)
+        ]
+    return steps
+
+
+def describe_free_finished(case: dict) -> str:
+    finished = "; ".join(str([s for s, f in enumerate(mask) if f]) for mask in case["finished"])
+    return f"{describe_tables(case)}, used {case['used']}; finished in turn: {finished}"
+
+
+# (num_pages, page_size, H_kv, D) of the KV write's hidden cases: page sizes 1, 3 (odd), 4 and 16.
+POOL_SHAPES = ((6, 4, 2, 3), (5, 1, 3, 2), (3, 16, 1, 4), (7, 3, 2, 2))
+
+
+def draw_write_kv_pages(rng) -> list[dict]:
+    """Batches of one shape per case, 1 to 3 of them through one jit: distinct rows in any order
+    (the pool's first and last rows too), padding (-1) anywhere among them, no padding, all padding."""
+    cases = []
+    for k in range(6):
+        shape = POOL_SHAPES[k % len(POOL_SHAPES)]
+        rows = shape[0] * shape[1]
+        width = rng.choice([1, 3, 4, 8, 16])
+        batches = []
+        for _ in range(rng.randint(1, 3)):
+            real = rng.choice([width, rng.randint(0, width), 0 if k == 2 else width])
+            real = min(real, rows)
+            ends = [0, rows - 1] if real >= 2 and rng.random() < 0.5 else []
+            dests = ends + rng.sample([r for r in range(rows) if r not in ends], real - len(ends))
+            dests += [INVALID] * (width - real)
+            rng.shuffle(dests)
+            batches.append(dests)
+        cases.append({"seed": rng.randint(0, 2**31 - 1), "shape": list(shape), "batches": batches})
+    return cases
+
+
+def observe_write_kv_pages(fn, case) -> list[dict]:
+    """Every batch of a case through one jit of ``fn`` behind a trace counter (as the visible check
+    does), each on a fresh seeded pool; after each, the pool's shape, the rows that changed and the
+    values of the first two, a digest of the whole pool (float32), the traces so far, and the jit
+    error's type if it refused."""
+    jitted, traces = counted_jit(fn)
+    n_pages, ps, n_kv, dim = case["shape"]
+    rng = np.random.default_rng(case["seed"])
+    steps = []
+    for b, dests in enumerate(case["batches"]):
+        pool = rng.standard_normal((n_pages, ps, 2 * n_kv, dim)).astype(np.float32)  # old K/V everywhere
+        k = rng.standard_normal((len(dests), n_kv, dim)).astype(np.float32)  # (T, H_kv, D)
+        v = rng.standard_normal((len(dests), n_kv, dim)).astype(np.float32)  # (T, H_kv, D)
+        step = {"call": f"batch {b + 1}: dests {dests}", "raised": None, "shape": None, "changed rows": None,
+                "first rows": None, "pool": None}  # fmt: skip
+        try:
+            got = np.asarray(
+                jitted(jnp.asarray(pool), jnp.asarray(dests, jnp.int32), jnp.asarray(k), jnp.asarray(v))
+            )
+        except TRACER_ERRORS as e:
+            steps.append({**step, "raised": type(e).__name__, "traces": traces["write"]})
+            break
+        step["shape"] = list(got.shape)
+        if got.shape == pool.shape:
+            got = got.astype(np.float32)
+            flat_old, flat_new = pool.reshape(n_pages * ps, -1), got.reshape(n_pages * ps, -1)
+            step["changed rows"] = np.flatnonzero(np.any(flat_old != flat_new, axis=1)).tolist()
+            step["first rows"] = flat_new[step["changed rows"][:2]].tolist()  # their K/V, for the report
+            step["pool"] = hashlib.sha256(got.tobytes()).hexdigest()[:16]
+        steps.append({**step, "traces": traces["write"]})
+    return steps
+
+
+def describe_write_kv_pages(case: dict) -> str:
+    n_pages, ps, n_kv, dim = case["shape"]
+    return f"{n_pages} pages of {ps} rows, H_kv {n_kv}, D {dim}, batches of dests {case['batches']}"
+
+
+def draw_mesh(rng) -> list[dict]:
+    """Meshes of 1, 2 and 4 devices (the notebook's), 3, 8 and 16 too, and pools, tables and models of
+    several shapes (vocabularies up to 49152, Qwen3's q/k norms, biases): shapes only, no arrays."""
+    devices = [1, 2, 4, *rng.sample([2, 3, 4, 8, 16], 3)]
+    rng.shuffle(devices)
+    cases = []
+    for d in devices:
+        n_heads = rng.choice([1, 2, 4, 9])
+        n_kv = rng.choice([h for h in (1, 2, 3, 4) if n_heads % h == 0])
+        model = {
+            "vocab": rng.choice([97, 128, 49152]), "hidden": rng.choice([8, 24, 64, 576]), "heads": n_heads,
+            "kv_heads": n_kv, "head_dim": rng.choice([2, 4, 16, 64]), "inter": rng.choice([16, 48, 1536]),
+            "layers": rng.randint(1, 3), "max_positions": rng.choice([64, 2048]),
+            "qk_norm": rng.random() < 0.5, "bias": rng.random() < 0.3,
+        }  # fmt: skip
+        page_size = rng.choice([1, 4, 16])
+        cases.append(
+            {"devices": d, "num_pages": d * rng.randint(1, 8), "max_seqs": d * rng.randint(1, 4),
+             "page_size": page_size, "max_model_len": page_size * rng.randint(1, 6), "model": model}
+        )  # fmt: skip
+    return cases
+
+
+def _model_shapes(m: dict):
+    """The engine's ``Params`` pytree for a model of these sizes, as shapes (``jax.ShapeDtypeStruct``)."""
+    from kvcourse.jax_model import LayerParams, Params
+
+    def shape(*dims):
+        return jax.ShapeDtypeStruct(dims, jnp.float32)
+
+    q, kv, h, inter = m["heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"], m["hidden"], m["inter"]
+    norm = shape(m["head_dim"]) if m["qk_norm"] else None
+    layer = LayerParams(
+        input_norm=shape(h), q_proj=shape(h, q), k_proj=shape(h, kv), v_proj=shape(h, kv),
+        o_proj=shape(q, h), post_norm=shape(h), gate_proj=shape(h, inter), up_proj=shape(h, inter),
+        down_proj=shape(inter, h), q_norm=norm, k_norm=norm, q_bias=shape(q) if m["bias"] else None,
+        k_bias=shape(kv) if m["bias"] else None, v_bias=shape(kv) if m["bias"] else None, o_bias=None,
+    )  # fmt: skip
+    rope = shape(m["max_positions"], m["head_dim"])
+    return Params(
+        embed=shape(m["vocab"], h), layers=(layer,) * m["layers"], final_norm=shape(h),
+        lm_head=shape(h, m["vocab"]), rope_cos=rope, rope_sin=rope,
+    )  # fmt: skip
+
+
+def _held(mesh, spec, tree) -> str | list:
+    """What one device of ``mesh`` holds of ``tree`` laid out as ``NamedSharding(mesh, spec)`` (as
+    ``Engine`` lays out its inputs): ``"whole"`` when it holds every leaf whole, else the leaves it
+    holds a piece of, as ``"path: piece of shape"`` (at most 3)."""
+    sharding = NamedSharding(mesh, spec)
+    pieces = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        piece = tuple(sharding.shard_shape(leaf.shape))
+        if piece != tuple(leaf.shape):
+            pieces.append(f"{jax.tree_util.keystr(path)}: {piece} of {tuple(leaf.shape)}")
+    return pieces[:3] or "whole"
+
+
+def observe_mesh(fn, case) -> list[dict]:
+    """The learner's specs on an abstract mesh of ``case["devices"]`` devices (no devices needed):
+    what one device holds of the params, of the decode state and of one layer's KV pool."""
+    from .decode_state import DecodeState
+    from .multihost import DATA
+
+    specs = fn()
+    if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
+        raise TypeError(
+            f"returned {type(specs).__name__}, expected a dict with keys params, decode_state, kv_pages"
+        )
+    d, m, ps = case["devices"], case["model"], case["page_size"]
+    mesh = AbstractMesh((d,), (DATA,))
+    pages_per_seq = cdiv(case["max_model_len"], ps)
+    state = jax.eval_shape(
+        lambda: DecodeState.init(
+            case["max_seqs"], pages_per_seq, case["num_pages"], ps, case["max_model_len"], [2], d
+        )
+    )
+    pool = jax.ShapeDtypeStruct((case["num_pages"], ps, 2 * m["kv_heads"], m["head_dim"]), jnp.float32)
+    inputs = {"params": _model_shapes(m), "decode_state": state, "kv_pages": pool}
+    steps = []
+    for name, tree in inputs.items():
+        step = {"call": f"{name} over {d} devices", "raised": None, "held": None}
+        try:
+            if name == "kv_pages":  # the piece of the pool each device holds, by its shape
+                step["held"] = list(NamedSharding(mesh, specs[name]).shard_shape(pool.shape))
+            else:
+                step["held"] = _held(mesh, specs[name], tree)
+        except Exception as e:  # noqa: BLE001 - a spec JAX refuses for these shapes: named, not a crash
+            step["raised"] = type(e).__name__
+        steps.append(step)
+    return steps
+
+
+def describe_mesh(case: dict) -> str:
+    m = case["model"]
+    return (
+        f"{case['devices']} devices, {case['num_pages']} pages of {case['page_size']}, "
+        f"{case['max_seqs']} slots, a {m['layers']}-layer model (vocab {m['vocab']}, hidden {m['hidden']}, "
+        f"{m['heads']} heads, {m['kv_heads']} KV heads of {m['head_dim']})"
+    )
+
+
+HIDDEN = {
+    "L6.1": Hidden(
+        draw_allocate,
+        observe_allocate,
+        describe_allocate,
+        answers=("L6_tpu_jax.page_table:allocate_for_seq",),
+    ),
+    "L6.2": Hidden(
+        draw_free_finished,
+        observe_free_finished,
+        describe_free_finished,
+        answers=("L6_tpu_jax.page_table:free_pages_for_finished",),
+    ),
+    "L6.3": Hidden(
+        draw_write_kv_pages,
+        observe_write_kv_pages,
+        describe_write_kv_pages,
+        answers=("L6_tpu_jax.kv_cache:update_kv",),
+    ),
+    "L6.4": Hidden(draw_mesh, observe_mesh, describe_mesh, answers=("L6_tpu_jax.engine:SPECS",)),
+}

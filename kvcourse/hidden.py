@@ -25,7 +25,8 @@ A ``Hidden`` holds:
   the learner's function runs on hidden cases, a profile hook watches for their code running
   (``watching``), so an answer that calls, aliases or copies the stage's code
   (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught however it got hold of it, and the grader
-  flags it instead of crediting it. ``observe`` itself must not run them;
+  flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
+  ``SPECS``) is caught when one of its values is used;
 - ``atol``: the tolerance for floats (online softmax against a dense one), else exact.
 
 Observations are lists of steps, each a dict (``{"call": "alloc_blocks(2)", "returned": [0, 1],
@@ -100,6 +101,29 @@ def code_identity(target: str) -> set[tuple[str, str]]:
     return {(path, qualname), (os.path.realpath(path), qualname)}
 
 
+class AliasedAnswer(Exception):
+    """Raised when the answer uses a value of a watched constant (see ``Tripped``)."""
+
+
+class Tripped:
+    """What each value of a watched constant (a dict, such as L6's ``SPECS``) is while the hidden cases
+    run: reading an attribute of it, or iterating it, records the target in ``caught`` and raises (a
+    constant runs no code a profile hook could see)."""
+
+    def __init__(self, target: str, caught: list[str]):
+        self.__dict__.update(_target=target, _caught=caught)
+
+    def _trip(self):
+        self._caught.append(self._target)
+        raise AliasedAnswer(f"the answer uses the stage's own {self._target.partition(':')[2]}")
+
+    def __getattr__(self, name):
+        self._trip()
+
+    def __iter__(self):
+        self._trip()
+
+
 @contextlib.contextmanager
 def watching(targets: tuple[str, ...], caught: list[str]):
     """Record in ``caught`` every target whose code runs while the block runs.
@@ -108,8 +132,21 @@ def watching(targets: tuple[str, ...], caught: list[str]):
     it is the stage's own implementation, whatever object it was reached through (the class
     attribute, an alias taken earlier, a wrapper, a copy of the function). The learner's own code,
     defined in the notebook, never matches, even when it has replaced the stage's attribute.
+
+    A target that is a dict (a constant the exercise asks for) keeps its keys, and its values become
+    ``Tripped`` until the block ends. JAX's caches are cleared first: ``jit`` runs a function it traced
+    before from its cache, without running its Python code again.
     """
-    forbidden = {key: target for target in targets for key in code_identity(target)}
+    forbidden, constants = {}, []
+    for target in targets:
+        *_, value = resolve(target)
+        if isinstance(value, dict):
+            constants.append((value, dict(value)))
+            value.update({key: Tripped(target, caught) for key in value})
+        else:
+            forbidden.update({key: target for key in code_identity(target)})
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
 
     def hook(frame, event, arg):
         if event == "call":
@@ -124,6 +161,8 @@ def watching(targets: tuple[str, ...], caught: list[str]):
         yield
     finally:
         sys.setprofile(previous)
+        for constant, values in constants:
+            constant.update(values)
 
 
 @contextlib.contextmanager

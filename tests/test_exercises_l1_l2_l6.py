@@ -10,13 +10,15 @@ Each runs in process on its checker, with the printed lines captured: the summar
     ...
     0/5 passed
 
-The other half: each checker gets a right answer and every case must print ``ok``. For L1 that is the
-independent answer of ``L1_contiguous/answers.py``: the checker's reference is the stage's own code
-(``KvCache.write``, ``Engine.generate``, ``ModelConfig.kv_bytes_per_token``), so the two hold each
-other in check, and the stage's code is checked on fixed values (here and in ``test_l1.py``). For L2
-and L6 it is the stage's own implementation (``BlockAllocator.free``, ``allocate_for_seq``,
-``update_kv``, ...), adapted to the exercise's signature where they differ. Each wrong L1 answer also
-fails the hidden cases the grader draws (``kvcourse/hidden.py``).
+The other half: each checker gets a right answer and every case must print ``ok``: the independent
+answer of the stage's ``answers.py`` (``L1_contiguous/``, ``L2_token_flat/``, ``L6_tpu_jax/``). The
+checker's reference is the stage's own code (``KvCache.write``, ``Engine.generate``,
+``ModelConfig.kv_bytes_per_token``, ``BlockAllocator.free``, ``reserve``, ``allocate_for_seq``,
+``update_kv``, ...), so the two hold each other in check, and the stage's code is held to fixed values
+here and in ``test_l1.py``, ``test_l2.py``, ``test_l6_state.py`` and ``test_l6_attention.py``. Every
+wrong answer also fails the hidden cases the grader draws (``kvcourse/hidden.py``). L6.4's visible check
+needs the notebook's 4 devices and runs only when a notebook is graded; its hidden cases need none and
+run here.
 
 L1's decode-loop checker needs an engine whose model ends case 1 with eos: the course model, built once
 for this module with a short ``max_model_len``. Everything else runs on small arrays in well under a
@@ -28,24 +30,28 @@ Left out on purpose: the notebooks themselves (``tests/test_grading.py`` grades 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines
+from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines, hidden_problems
+from jax.sharding import PartitionSpec as P
 
+from kvcourse import hidden
 from kvcourse.config import ModelConfig
 from kvcourse.prompts import encode
 from L1_contiguous import answers as l1_answers
 from L1_contiguous import checks as l1
 from L1_contiguous.engine import Engine as L1Engine
+from L2_token_flat import answers as l2_answers
 from L2_token_flat import checks as l2
-from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
-from L2_token_flat.sequence import reserve as l2_reserve
+from L2_token_flat.allocator import OutOfBlocksError
+from L6_tpu_jax import answers as l6_answers
 from L6_tpu_jax import checks as l6
 from L6_tpu_jax.kv_cache import update_kv
-from L6_tpu_jax.page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
+from L6_tpu_jax.multihost import DATA
 
 # ---- L1: write_kv, the decode loop, KV bytes per token ----
 
@@ -232,10 +238,11 @@ def alloc_then_check(self, n):
 def test_l2_alloc_blocks_fails_wrong_answers(capsys, wrong, case_name):
     l2.check_alloc_blocks(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert_fails_hidden("L2_token_flat", "L2.1", wrong)
 
 
-def test_l2_alloc_blocks_passes_block_allocator(capsys):
-    l2.check_alloc_blocks(BlockAllocator.alloc_blocks)
+def test_l2_alloc_blocks_passes_the_independent_answer(capsys):
+    l2.check_alloc_blocks(l2_answers.alloc_blocks)
     assert_passes(graded_lines(capsys))
 
 
@@ -261,10 +268,11 @@ def free_trusting(self, blocks):
 def test_l2_free_fails_wrong_answers(capsys, wrong, case_name):
     l2.check_free(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert_fails_hidden("L2_token_flat", "L2.2", wrong)
 
 
-def test_l2_free_passes_block_allocator(capsys):
-    l2.check_free(BlockAllocator.free)
+def test_l2_free_passes_the_independent_answer(capsys):
+    l2.check_free(l2_answers.free)
     assert_passes(graded_lines(capsys))
 
 
@@ -295,33 +303,15 @@ def reserve_block_ids_as_slots(seq, allocator, target_len):
 def test_l2_reserve_fails_wrong_answers(capsys, wrong, case_name):
     l2.check_reserve(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert_fails_hidden("L2_token_flat", "L2.3", wrong)
 
 
-def test_l2_reserve_passes_stage_reserve(capsys):
-    l2.check_reserve(l2_reserve)
+def test_l2_reserve_passes_the_independent_answer(capsys):
+    l2.check_reserve(l2_answers.reserve)
     assert_passes(graded_lines(capsys))
 
 
 # ---- L6: allocate, free finished, the jit'd KV write ----
-
-
-def tables(refs, page_indices, seq_lens, page_size, used=None):
-    """A ``SequenceTable`` and ``PageTable`` holding these NumPy arrays (used: slots with tokens)."""
-    used = np.asarray(seq_lens) > 0 if used is None else used
-    seqs = SequenceTable(
-        seq_lens=jnp.asarray(seq_lens, jnp.int32),
-        page_indices=jnp.asarray(page_indices, jnp.int32),
-        used_mask=jnp.asarray(used, bool),
-        page_size=page_size,
-    )
-    return seqs, PageTable(jnp.asarray(refs, jnp.int32))
-
-
-def allocate_by_stage(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
-    """L6.1 by ``allocate_for_seq``."""
-    seqs, pages = tables(page_ref_counts, page_indices, seq_lens, page_size)
-    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.asarray(slot_ids), jnp.asarray(positions))
-    return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, info.new_token_dests
 
 
 def allocate_highest_free_first(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
@@ -368,18 +358,12 @@ def allocate_length_off_by_one(page_ref_counts, page_indices, seq_lens, slot_ids
 def test_l6_allocate_fails_wrong_answers(capsys, wrong, case_name):
     l6.check_allocate(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L6_tpu_jax", "L6.1", wrong)
 
 
-def test_l6_allocate_passes_allocate_for_seq(capsys):
-    l6.check_allocate(allocate_by_stage)
+def test_l6_allocate_passes_the_independent_answer(capsys):
+    l6.check_allocate(l6_answers.allocate)
     assert_passes(graded_lines(capsys))
-
-
-def free_by_stage(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
-    """L6.2 by ``free_pages_for_finished``."""
-    seqs, pages = tables(page_ref_counts, page_indices, seq_lens, 4, used=used_mask)
-    seqs, pages = free_pages_for_finished(seqs, pages, jnp.asarray(finished_mask))
-    return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, seqs.used_mask
 
 
 def free_zeroing_shared_pages(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
@@ -413,10 +397,11 @@ def free_keeping_used(page_ref_counts, page_indices, seq_lens, used_mask, finish
 def test_l6_free_finished_fails_wrong_answers(capsys, wrong, case_name):
     l6.check_free_finished(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L6_tpu_jax", "L6.2", wrong)
 
 
-def test_l6_free_finished_passes_free_pages_for_finished(capsys):
-    l6.check_free_finished(free_by_stage)
+def test_l6_free_finished_passes_the_independent_answer(capsys):
+    l6.check_free_finished(l6_answers.free_finished)
     assert_passes(graded_lines(capsys))
 
 
@@ -471,6 +456,7 @@ def test_l6_write_kv_pages_fails_wrong_answers(capsys, wrong, case_name, says):
     lines = graded_lines(capsys)
     assert_fails(lines, case_name)
     assert any(case_name in line and says in line for line in lines), lines
+    assert hidden_problems("L6_tpu_jax", "L6.3", wrong)
 
 
 def test_l6_write_kv_pages_counts_traces(capsys):
@@ -478,18 +464,69 @@ def test_l6_write_kv_pages_counts_traces(capsys):
 
     def write_and_forget_the_compile(kv_pages, dests, k, v):
         jax.clear_caches()  # the next call of the same shape traces again
-        return update_kv(kv_pages, dests, k, v)
+        return l6_answers.write_kv_pages(kv_pages, dests, k, v)
 
     l6.check_write_kv_pages(write_and_forget_the_compile)
     lines = graded_lines(capsys)
     assert_fails(lines, "one trace: 3 batches of one shape")
     assert "WRONG — traced 3 times for one shape" in lines[-2], lines
     assert lines[-1] == "5/6 passed", lines
+    problems = hidden_problems("L6_tpu_jax", "L6.3", write_and_forget_the_compile)
+    assert problems and all("traces is 2, expected 1" in p for p in problems), problems
 
 
-def test_l6_write_kv_pages_passes_update_kv(capsys):
-    l6.check_write_kv_pages(update_kv)
+def test_l6_a_jitted_update_kv_trips_though_jit_traced_every_shape_before(tmp_path):
+    """``jit`` runs a function it traced before from its cache, without its code; the hidden cases
+    clear that cache first, so an answer that jits the stage's ``update_kv`` is caught all the same."""
+    jitted = jax.jit(update_kv)
+    for case in l6.HIDDEN["L6.3"].draw(hidden.rng_for(0, "L6.3")):
+        l6.HIDDEN["L6.3"].observe(jitted, case)  # every shape of seed 0 traced, nothing tripped
+    out = tmp_path / "L6.3.json"
+    hidden.harvest("L6_tpu_jax", "L6.3", jitted, seed=0, out=str(out))
+    assert json.loads(out.read_text())["aliased"] == ["L6_tpu_jax.kv_cache:update_kv"]
+
+
+def test_l6_write_kv_pages_passes_the_independent_answer(capsys):
+    l6.check_write_kv_pages(l6_answers.write_kv_pages)
     assert_passes(graded_lines(capsys))
+
+
+WHOLE, PAGES = P(), P(DATA)
+
+
+def mesh_specs(kv_pages=PAGES, decode_state=WHOLE, params=WHOLE):
+    """An L6.4 answer: a dict of the three specs (the right ones by default)."""
+    return lambda: {"params": params, "decode_state": decode_state, "kv_pages": kv_pages}
+
+
+@pytest.mark.parametrize(
+    ("wrong", "says"),
+    [
+        (mesh_specs(kv_pages=P()), "after kv_pages over 4 devices: held is [24, "),  # the whole pool on each
+        (mesh_specs(kv_pages=P(None, DATA)), "after kv_pages over 4 devices"),  # cut along page rows
+        (mesh_specs(decode_state=P(DATA)), "after decode_state over 4 devices: raised is"),  # scalars
+        (mesh_specs(params=P(DATA)), "after params over 4 devices"),  # each device a piece of the model
+        (lambda: (P(), P(), P(DATA)), "raised TypeError: returned tuple"),
+    ],
+)
+def test_l6_mesh_specs_hidden_cases_fail_wrong_answers(wrong, says):
+    """L6.4's visible check needs 4 devices (the notebook's); its hidden cases lay the specs on
+    abstract meshes, so they run here on one. A learner's right answer spelled otherwise passes."""
+    problems = hidden_problems("L6_tpu_jax", "L6.4", wrong, seed=3)
+    assert any(says in p for p in problems), problems
+    assert hidden_problems("L6_tpu_jax", "L6.4", mesh_specs(kv_pages=P(DATA, None, None)), seed=3) == []
+
+
+def test_l6_mesh_specs_copied_from_the_engine_is_not_credited(tmp_path):
+    """An answer that hands back the engine's own ``SPECS`` (or a copy) trips at run time."""
+    from L6_tpu_jax import engine
+
+    out = tmp_path / "L6.4.json"
+    hidden.harvest("L6_tpu_jax", "L6.4", lambda: dict(engine.SPECS), seed=0, out=str(out))
+    record = json.loads(out.read_text())
+    assert record["aliased"] == ["L6_tpu_jax.engine:SPECS"]
+    assert hidden.judge("L6_tpu_jax", "L6.4", 0, record)
+    assert engine.SPECS == {"params": P(), "decode_state": P(), "kv_pages": P(DATA)}  # put back
 
 
 def test_l6_format_rows_docstring():

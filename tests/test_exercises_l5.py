@@ -1,4 +1,4 @@
-"""The L5 exercise checkers fail wrong answers and pass the stage's own code.
+"""The L5 exercise checkers and hidden cases fail wrong answers and pass independent ones.
 
 Every exercise of ``notebooks/L5_clones.ipynb`` (L5.1 fork, L5.2 refcounted free, L5.3 block keys,
 L5.4 match_prefix) gets plausible wrong solutions: the partial block shared by a fork, a count raised
@@ -13,24 +13,26 @@ should catch the mistake must say ``WRONG`` or ``raised``. Example::
     ...
     6/9 passed
 
-The other half: each checker gets the stage's own code (``BlockAllocator.fork``,
-``BlockAllocator.free``, ``register_full_blocks``, ``prefix_cache.match_prefix``), adapted to the
-exercise's signature where they differ, and the reference notebook's solution cells; every case must
-print ``ok``. Everything runs on small allocators, well under a second per checker.
+Each wrong solution must also fail the exercise's hidden cases, as ``make grade`` judges them.
+
+The other half: each checker gets the independent answer of ``L5_clones/answers.py`` (written apart
+from the stage; the checker compares it with the stage's own code, so the two hold each other in
+check) and the reference notebook's solution cells; every case must print ``ok``. The stage's own
+functions are held to hard-coded examples in ``tests/test_l5.py``. Everything runs on small
+allocators, well under a second per checker.
 
 Left out on purpose: running the notebook (``tests/test_grading.py`` grades it).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import pytest
-from checker_asserts import assert_fails, assert_passes, graded_lines
+from checker_asserts import assert_fails, assert_passes, graded_lines, hidden_problems
 
 from kvcourse.exercises import read
-from L5_clones import checks, prefix_cache
+from L5_clones import answers, checks, prefix_cache
 from L5_clones.allocator import BlockAllocator
 from L5_clones.prefix_cache import block_hash, register_full_blocks
 
@@ -38,20 +40,6 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipy
 
 
 # ---- L5.1: fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) ----
-
-
-def fork_by_stage(parent_table, num_tokens, block_size, n, ref_counts, alloc):
-    """L5.1 by ``BlockAllocator.fork``: an allocator holding the same counts, whose fresh blocks come
-    from ``alloc()``; the counts of the parent's blocks are copied back into ``ref_counts``."""
-    allocator = BlockAllocator(max(ref_counts) + 1, block_size)
-    for block, count in ref_counts.items():
-        allocator.blocks[block].ref_count = count
-    allocator.free_blocks = deque(range(n))  # fork only reads its length: fresh blocks come from alloc()
-    allocator._take_free = alloc
-    tables, _ = allocator.fork(list(parent_table), num_tokens, n)
-    for block in parent_table:
-        ref_counts[block] = allocator.blocks[block].ref_count
-    return tables
 
 
 def fork_shares_partial(parent_table, num_tokens, block_size, n, ref_counts, alloc):
@@ -88,10 +76,11 @@ def fork_always_copies_last(parent_table, num_tokens, block_size, n, ref_counts,
 def test_fork_table_fails_wrong_answers(capsys, wrong, case_name):
     checks.check_fork_table(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L5_clones", "L5.1", wrong)
 
 
-def test_fork_table_passes_the_stage(capsys):
-    checks.check_fork_table(fork_by_stage)
+def test_fork_table_passes_the_independent_answer(capsys):
+    checks.check_fork_table(answers.fork_table)
     assert_passes(graded_lines(capsys))
 
 
@@ -153,23 +142,15 @@ def free_forgets_keys(self, blocks):
 def test_free_fails_wrong_answers(capsys, wrong, case_name):
     checks.check_free(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L5_clones", "L5.2", wrong)
 
 
-def test_free_passes_the_stage(capsys):
-    checks.check_free(BlockAllocator.free)
+def test_free_passes_the_independent_answer(capsys):
+    checks.check_free(answers.free)
     assert_passes(graded_lines(capsys))
 
 
 # ---- L5.3: block_hashes(token_ids, block_size) ----
-
-
-def hashes_by_stage(token_ids, block_size):
-    """L5.3 by ``register_full_blocks``: the keys it gives the full blocks of one table."""
-    full = len(token_ids) // block_size
-    allocator = BlockAllocator(max(full, 1), block_size)
-    table = allocator.alloc_blocks(full)
-    register_full_blocks(allocator, table, list(token_ids), 0, len(token_ids))
-    return [allocator.blocks[b].hash for b in table]
 
 
 def hashes_unchained(token_ids, block_size):
@@ -199,11 +180,21 @@ def hashes_with_tail(token_ids, block_size):
 def test_block_hashes_fails_wrong_answers(capsys, wrong, case_name):
     checks.check_block_hashes(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L5_clones", "L5.3", wrong)
 
 
-def test_block_hashes_passes_the_stage(capsys):
-    checks.check_block_hashes(hashes_by_stage)
+def test_block_hashes_passes_the_independent_answer(capsys):
+    checks.check_block_hashes(answers.block_hashes)
     assert_passes(graded_lines(capsys))
+
+
+def test_register_full_blocks_gives_the_documented_chained_keys():
+    """The stage's own chain, on hard-coded keys (``block_hash``'s docstring): block_size 2, tokens
+    [1, 2, 3, 4, 5] in blocks [3, 5, 8] -> blocks 3 and 5 keyed, the partial block 8 not."""
+    allocator = BlockAllocator(9, 2)
+    register_full_blocks(allocator, [3, 5, 8], [1, 2, 3, 4, 5], 0, 5)
+    assert [allocator.blocks[b].hash for b in (3, 5, 8)] == [10878768257076693884, 11438315679022258796, None]
+    assert answers.block_hashes([1, 2, 3, 4, 5], 2) == [10878768257076693884, 11438315679022258796]
 
 
 # ---- L5.4: match_prefix(token_ids, allocator) ----
@@ -278,10 +269,11 @@ def match_and_take(token_ids, allocator):
 def test_match_prefix_fails_wrong_answers(capsys, wrong, case_name):
     checks.check_match_prefix(wrong)
     assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L5_clones", "L5.4", wrong)
 
 
-def test_match_prefix_passes_the_stage(capsys):
-    checks.check_match_prefix(prefix_cache.match_prefix)
+def test_match_prefix_passes_the_independent_answer(capsys):
+    checks.check_match_prefix(answers.match_prefix)
     assert_passes(graded_lines(capsys))
 
 
