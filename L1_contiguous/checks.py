@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 
 import torch
 
 from kvcourse.config import ModelConfig
-from kvcourse.grading import CallLimit, Case, run_cases, tensor_problem
+from kvcourse.grading import CallLimit, Case, first_line, run_cases, tensor_problem
 from kvcourse.hidden import Hidden
 from kvcourse.prompts import Prompt, encode
 
@@ -63,12 +64,12 @@ def check_write_kv(write_kv: Callable) -> None:
     def overflow() -> str | None:
         k_cache = torch.zeros(max_model_len, heads, dim)  # (S_max, H_kv, D)
         v_cache = torch.zeros_like(k_cache)
-        k = torch.ones(2, heads, dim)  # (2, H_kv, D): positions 15 and 16, one past the end
+        k = torch.ones(3, heads, dim)  # (3, H_kv, D): positions 15, 16 and 17, two past the end
         try:
             write_kv(k_cache, v_cache, max_model_len - 1, k, k.clone())
-        except ValueError:
-            return None
-        return f"no ValueError for positions 15..16 with max_model_len={max_model_len}"
+        except ValueError as e:
+            return overflow_message_problem(str(e), 15, 17, max_model_len)
+        return f"no ValueError for positions 15..17 with max_model_len={max_model_len}"
 
     run_cases(
         [
@@ -76,9 +77,20 @@ def check_write_kv(write_kv: Callable) -> None:
             Case("decode: 1 token at start 5 after a 5-token prefill", case(5, 1, 5)),
             Case("chunk: 3 tokens at start 9, positions 0..8 filled", case(9, 3, 9)),
             Case("last slot: 1 token at start 15 of 16", case(15, 1, 15)),
-            Case("overflow: 2 tokens at start 15 of 16 must raise ValueError", overflow),
+            Case("overflow: 3 tokens at start 15 of 16 must raise ValueError naming 15..17 and 16", overflow),
         ]
     )
+
+
+def overflow_message_problem(message: str, first: int, last: int, max_model_len: int) -> str | None:
+    """None if an overflow's message names the positions and the limit (as numbers), else what is
+    missing. ``overflow_message_problem("positions 15..17 overflow max_model_len=16", 15, 17, 16)`` ->
+    None; ``overflow_message_problem("bad", 15, 17, 16)`` -> ``"the ValueError says 'bad': name the
+    positions 15..17 and max_model_len=16"``."""
+    numbers = {int(n) for n in re.findall(r"\d+", message)}
+    if {first, last, max_model_len} <= numbers:
+        return None
+    return f"the ValueError says {first_line(message)!r}: name the positions {first}..{last} and max_model_len={max_model_len}"
 
 
 @functools.lru_cache(maxsize=2)
@@ -86,6 +98,16 @@ def _tokenizer(model_dir):
     from kvcourse.prompts import load_tokenizer
 
     return load_tokenizer(model_dir)
+
+
+def position_hint(pos: int, got: int, expected: int) -> str:
+    """A hint for the usual slip when the prefill's token is right and a decoded one is not: a decode
+    step runs at the wrong position (RoPE is relative, so a position one off may change a token only
+    a few steps later). ``position_hint(2, 4, 4)`` -> the hint; ``position_hint(0, 4, 4)`` (the
+    prefill's token) and ``position_hint(3, 3, 4)`` (stopped early) -> ``""``."""
+    if pos < 1 or pos >= min(got, expected):
+        return ""
+    return "; are the decode positions right? the first decode step runs the prefill's token at position len(prompt)"
 
 
 def check_decode_loop(decode_loop: Callable, engine) -> None:
@@ -118,7 +140,10 @@ def check_decode_loop(decode_loop: Callable, engine) -> None:
                 (i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
                 min(len(got), len(expected)),
             )
-            return f"first difference at new token {pos} (expected {len(expected)} tokens, got {len(got)})"
+            hint = position_hint(pos, len(got), len(expected))
+            return (
+                f"first difference at new token {pos} (expected {len(expected)} tokens, got {len(got)}){hint}"
+            )
 
         return run
 
@@ -237,8 +262,13 @@ def observe_writes(fn, case) -> list[dict]:
         try:
             fn(k_cache, v_cache, start, k.clone(), v.clone())
             raised = None
-        except ValueError:
-            raised = "ValueError"
+        except ValueError as e:  # its message must name the positions and the limit
+            named = overflow_message_problem(str(e), start, start + n - 1, shape[0]) is None
+            raised = (
+                "ValueError"
+                if named
+                else "ValueError whose message does not name the positions and the limit"
+            )
         written_k.update({f"w{w}:{i}": k[i] for i in range(n)})
         written_v.update({f"w{w}:{i}": v[i] for i in range(n)})
         swapped_k = {f"V of {name}": r for name, r in written_v.items()}  # K and V mixed up

@@ -72,6 +72,22 @@ def write_kv_no_overflow_check(k_cache, v_cache, start, k, v):
     v_cache[start : start + n] = v[:n]
 
 
+def write_kv_vague_error(k_cache, v_cache, start, k, v):
+    """Right positions, and it refuses an overflow, but its message names neither the positions nor
+    the limit (the notebook asks for both)."""
+    end = start + k.shape[0]
+    if end > k_cache.shape[0]:
+        raise ValueError("bad")
+    k_cache[start:end] = k
+    v_cache[start:end] = v
+
+
+def test_l1_write_kv_says_what_a_vague_error_lacks(capsys):
+    l1.check_write_kv(write_kv_vague_error)
+    lines = graded_lines(capsys)
+    assert "the ValueError says 'bad': name the positions 15..17 and max_model_len=16" in lines[4], lines
+
+
 def write_kv_k_only(k_cache, v_cache, start, k, v):
     """K is stored twice, V never."""
     end = start + k.shape[0]
@@ -85,8 +101,9 @@ def write_kv_k_only(k_cache, v_cache, start, k, v):
     ("wrong", "case_name"),
     [
         (write_kv_one_too_far, "decode: 1 token at start 5"),
-        (write_kv_no_overflow_check, "overflow: 2 tokens at start 15"),
+        (write_kv_no_overflow_check, "overflow: 3 tokens at start 15"),
         (write_kv_k_only, "prefill: 5 tokens at start 0"),
+        (write_kv_vague_error, "overflow: 3 tokens at start 15"),
     ],
 )
 def test_l1_write_kv_fails_wrong_answers(capsys, wrong, case_name):
@@ -102,7 +119,7 @@ def write_kv_then_refuse(k_cache, v_cache, start, k, v):
     k_cache[start : start + n] = k[:n]
     v_cache[start : start + n] = v[:n]
     if n < k.shape[0]:
-        raise ValueError(f"positions {start}..{start + k.shape[0] - 1} overflow max_model_len")
+        raise ValueError(f"positions {start}..{start + k.shape[0] - 1} overflow max_model_len={len(k_cache)}")
 
 
 def test_l1_write_kv_hidden_cases_catch_what_the_shown_ones_cannot(capsys):
@@ -145,10 +162,28 @@ def decode_one_step_too_many(engine, prompt, max_new_tokens):
     return out
 
 
+def decode_one_position_late(engine, prompt, max_new_tokens):
+    """The classic slip: the first decode step runs at len(prompt) + 1, one past where it belongs."""
+    eos = engine.model.cfg.eos_token_ids
+    out = [int(engine.prefill(prompt).argmax())]
+    pos = len(prompt) + 1
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        out.append(int(engine.decode_step(out[-1], pos).argmax()))
+        pos += 1
+    return out
+
+
+def test_l1_decode_loop_hints_at_the_position(capsys, l1_engine):
+    l1.check_decode_loop(decode_one_position_late, l1_engine)
+    lines = graded_lines(capsys)
+    assert any("first difference at new token" in x and "at position len(prompt)" in x for x in lines), lines
+
+
 @pytest.mark.parametrize(
     ("wrong", "case_name"),
     [
         (decode_ignoring_eos, "chat prompt, budget 12: stops after eos"),
+        (decode_one_position_late, "raw text prompt, budget 4: stops at the budget"),
         (decode_one_step_too_many, "raw text prompt, budget 4: stops at the budget"),
     ],
 )
