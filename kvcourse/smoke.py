@@ -4,9 +4,10 @@
 
 For each model (the ones given, ``--model DIR`` once each; by default the course model and a seeded
 random tiny Qwen3), every prompt is run through HF greedy ``generate`` (the independent reference,
-cached), the previous stage, and each configuration of this stage. One row per prompt and configuration says whether the tokens
-match HF and the previous stage, where they first differ, and what the stage wrote, after a line
-saying how the engine was set up (device, kernel, pool and batch sizes). The last line is
+cached), the previous stage, and each configuration of this stage. One row per prompt and
+configuration says whether the tokens match HF and the previous stage, where they first differ, and
+what the stage wrote, after a line saying how the engine was set up (device, kernel, pool and batch
+sizes). The last line is
 
     LN smoke: K/K prompts match L(N-1) and HF (T new tokens)
 
@@ -138,7 +139,7 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         action="append",
-        help=f"local HF Llama/Qwen3 directory, or several --model DIR (default: ${MODEL_ENV} or the course model)",
+        help=f"local HF Llama/Qwen3 directory, repeatable (default: ${MODEL_ENV} or the course model)",
     )
     p.add_argument("--prompts", help="JSONL prompt file (default: the course prompt set)")
     p.add_argument(

@@ -266,24 +266,22 @@ def test_the_gpu_check_refuses_without_a_gpu_in_one_line():
 
 def test_the_gpu_check_plan(monkeypatch, tmp_path, capsys):
     """Every stage's smoke with --device cuda; the course model where it is prepared, else the
-    SmolLM2-shaped one; L6 on the two tiny models."""
-    course = tmp_path / "course"
-    for prepared in (course, None):
+    SmolLM2-shaped one; L6 on the two tiny models only."""
+    tiny = [gpu_check.TINY_QWEN3, gpu_check.TINY_LLAMA]
+    for prepared, expected in [
+        (tmp_path / "course", [gpu_check.COURSE, *tiny]),
+        (None, [*tiny, gpu_check.SMOLLM2_SHAPED]),
+    ]:
         monkeypatch.setattr(gpu_check, "prepared_default_model", lambda p=prepared: p)
         folders = gpu_check.model_folders(tmp_path)
-        big = gpu_check.COURSE if prepared else gpu_check.SMOLLM2_SHAPED
-        assert list(folders) == ([big] if prepared else []) + [gpu_check.TINY_QWEN3, gpu_check.TINY_LLAMA] + (
-            [] if prepared else [big]
-        )
+        assert list(folders) == expected
         steps = gpu_check.plan(folders, 32)
         assert [s.name for s in steps] == ["L4/L5 kernels", "L1", "L2", "L3", "L4", "L5", "L6"]
         for step in steps[1:]:
-            assert step.command[2:6] == ["--device", "cuda", "--max-new-tokens", "32"]
-            models = step.command[7::2]
-            assert models == [
-                str(p) for t, p in folders.items() if step.name != "L6" or t in gpu_check.L6_MODELS
-            ]
             assert (REPO_ROOT / step.command[1]).exists()
+            assert step.command[2:6] == ["--device", "cuda", "--max-new-tokens", "32"]
+            models = tiny if step.name == "L6" else expected
+            assert step.command[6:] == [arg for t in models for arg in ("--model", str(folders[t]))]
     assert gpu_check.main(["--plan"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 7
 
