@@ -23,6 +23,7 @@ from cpp_kernel import needs_cpp
 from smoke_runs import run_smoke_in_process, smoke_module
 
 from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_name, build_problem, load_cpp_kernel
+from kvcourse.devices import resolve_device
 from kvcourse.kernel_cases import TRITON_CASES, cases, dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 from L4_paged_kernel import engine as l4_engine
@@ -170,13 +171,20 @@ def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability):
                   "BLOCK_D": 64}  # fmt: skip
     types = {name: "*fp32" for name in pointers} | {name: "*i32" for name in ints} | {"scale": "fp32"}
     types |= {name: "i32" for name in strides} | dict.fromkeys(constexprs, "constexpr")
-    compiled, _ = l4.KERNELS[False]
-    source = ASTSource(compiled, signature={n: types[n] for n in compiled.arg_names}, constexprs=constexprs)
-    binary = triton.compile(
-        source, target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": False}
-    )
-    assert binary.asm["cubin"], "no GPU binary"
-    assert f"sm_{capability}" in binary.asm["ptx"]
+    merge_constexprs = {"NUM_SPLITS": 4, "HEAD_DIM": 64, "BLOCK_D": 64}
+    types |= {"stride_ot": "i32", "stride_oh": "i32"}
+    for kernel, constants in zip(l4.KERNELS[False], (constexprs, merge_constexprs), strict=True):
+        source = ASTSource(kernel, signature={n: types[n] for n in kernel.arg_names}, constexprs=constants)
+        binary = triton.compile(
+            source, target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": False}
+        )
+        assert binary.asm["cubin"], f"{kernel.fn.__name__}: no GPU binary"
+        assert f"sm_{capability}" in binary.asm["ptx"]
+
+
+def gpu():
+    """The CUDA device, resolved as every course process resolves it (TF32 off: dense attention in fp32)."""
+    return resolve_device("cuda")
 
 
 @pytest.mark.cuda
@@ -187,7 +195,7 @@ def test_triton_kernel_on_a_gpu_matches_dense(
     block_size, n_heads, n_kv, context_lens, q_lens, num_splits, head_dim
 ):
     """The compiled kernel of L4 and of L5 on CUDA tensors against dense attention on the same GPU."""
-    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim, device="cuda")
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim, device=gpu())
     expected = dense_reference(*args)
     for module in triton_kernels():
         got = module.triton_paged_attention(*args, num_splits=num_splits)
@@ -199,7 +207,7 @@ def test_triton_kernel_on_a_gpu_matches_dense(
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
 def test_torch_kernel_on_a_gpu_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits):
-    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, device="cuda")
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, device=gpu())
     got = paged_attention(*args, num_splits=num_splits)
     assert got.device.type == "cuda"
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
