@@ -10,6 +10,7 @@ EX ?=
 DIR ?=
 TIMEOUT ?=
 SEED ?=
+DEVICE ?=
 JUPYTER_ARGS ?=
 
 # Offline by construction: nothing may reach a model hub at run time.
@@ -20,7 +21,7 @@ export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup smoke test lint workspace notebooks grade exercises diffs bench clean
+.PHONY: setup smoke test lint workspace notebooks grade exercises diffs bench gpu-check clean
 
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
@@ -33,12 +34,14 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 # Every stage's smoke check, then L6 as two JAX processes; full output, then one summary line each.
+# make smoke DEVICE=cuda runs the stages' smokes on the GPU (--device cuda; or set KVCOURSE_DEVICE).
 SMOKES = $(wildcard L[0-9]_*/l[0-9]_smoke.py) L6_tpu_jax/l6_multihost.py
 smoke: setup
 	@mkdir -p .cache/smoke; status=0; \
 	for script in $(SMOKES); do \
 	  name=$$(basename $$script .py); echo "### $$script"; \
-	  $(PY) $$script 2>&1 | tee .cache/smoke/$$name.log; \
+	  case $$script in *_smoke.py) args="$(if $(DEVICE),--device $(DEVICE))";; *) args="";; esac; \
+	  $(PY) $$script $$args 2>&1 | tee .cache/smoke/$$name.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	done; \
 	echo; echo "== smoke summary =="; \
@@ -87,6 +90,11 @@ diffs: $(STAMP)
 
 bench: setup
 	$(PY) -m bench.run
+
+# Every stage on a CUDA GPU, with the kernel cases, ending with one line per stage (kvcourse/gpu_check.py).
+# Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.gpu_check.
+gpu-check: setup
+	$(PY) -m kvcourse.gpu_check
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

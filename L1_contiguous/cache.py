@@ -15,11 +15,12 @@ import torch
 
 
 class KvCache:
-    """Per-layer K and V, each (num_layers, max_model_len, H_kv, D), fp32, zero-initialised."""
+    """Per-layer K and V, each (num_layers, max_model_len, H_kv, D), fp32, zeroed, on ``device``."""
 
-    def __init__(self, num_layers: int, max_model_len: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_layers: int, max_model_len: int, num_kv_heads: int, head_dim: int, device="cpu"):
         self.max_model_len = max_model_len
-        self.k = torch.zeros(num_layers, max_model_len, num_kv_heads, head_dim)  # (L, S_max, H_kv, D)
+        shape = (num_layers, max_model_len, num_kv_heads, head_dim)  # (L, S_max, H_kv, D)
+        self.k = torch.zeros(shape, device=device)  # (L, S_max, H_kv, D)
         self.v = torch.zeros_like(self.k)  # (L, S_max, H_kv, D)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

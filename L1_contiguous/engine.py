@@ -6,6 +6,10 @@
 Requests run one after another, each reusing the same preallocated cache (there is no need to clear
 it: a request only ever reads positions it wrote itself).
 
+``device`` ("cpu", "cuda", ...) is where the weights and the cache live; every tensor the engine makes
+is made there. A step's one trip back to the host is its greedy token, which the Python loop needs to
+decide whether to stop and what to feed next.
+
 Left out on purpose: batching several requests (L3), paging the cache (L2), sampling (greedy only; L5
 adds sampling).
 """
@@ -16,6 +20,7 @@ import functools
 
 import torch
 
+from kvcourse.devices import resolve_device
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.requests import check_requests, finished, resolve_max_model_len
@@ -26,21 +31,25 @@ from .cache import KvCache
 
 
 class Engine:
-    def __init__(self, model_dir=None, max_model_len: int | None = None):
+    def __init__(self, model_dir=None, device="cpu", max_model_len: int | None = None):
+        self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model_dir)
-        self.model = Transformer.from_dir(self.model_dir)
+        self.model = Transformer.from_dir(self.model_dir, self.device)
         cfg = self.model.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
-        self.cache = KvCache(cfg.num_layers, self.max_model_len, cfg.num_kv_heads, cfg.head_dim)
+        self.cache = KvCache(cfg.num_layers, self.max_model_len, cfg.num_kv_heads, cfg.head_dim, self.device)
         self.meter = UsageMeter()  # live vs reserved positions, step by step
         self.num_steps = self.num_tokens_run = 0
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Run the whole prompt, caching positions 0..P-1. Returns the last token's logits (vocab,)."""
-        n = len(prompt)
+        n, device = len(prompt), self.device
         attend = functools.partial(attention, self.cache, 0)
         logits = self.model.forward(
-            torch.tensor(prompt), torch.arange(n), attend, logits_at=torch.tensor([n - 1])
+            torch.tensor(prompt, device=device),  # (P,)
+            torch.arange(n, device=device),  # (P,)
+            attend,
+            logits_at=torch.tensor([n - 1], device=device),
         )
         self._count(n, n)
         return logits[0]
@@ -48,7 +57,8 @@ class Engine:
     def decode_step(self, token: int, pos: int) -> torch.Tensor:
         """Run one token at position ``pos`` (0..pos-1 already cached). Returns its logits (vocab,)."""
         attend = functools.partial(attention, self.cache, pos)
-        logits = self.model.forward(torch.tensor([token]), torch.tensor([pos]), attend)[0]
+        token_ids = torch.tensor([token], device=self.device)  # (1,)
+        logits = self.model.forward(token_ids, torch.tensor([pos], device=self.device), attend)[0]
         self._count(1, pos + 1)
         return logits
 
@@ -67,6 +77,7 @@ class Engine:
             kv_utilization=self.meter.utilization,
             steps=self.num_steps,
             tokens_run=self.num_tokens_run,
+            device=str(self.device),
         )
 
     def generate(
@@ -77,7 +88,7 @@ class Engine:
         eos = self.model.cfg.eos_token_ids
         outputs = []
         for prompt, budget in zip(prompts, budgets, strict=True):
-            token = int(self.prefill(prompt).argmax())
+            token = int(self.prefill(prompt).argmax())  # the token back to the host: the loop needs it
             out = [token]
             pos = len(prompt)  # KV of 0..pos-1 is cached; `token` is not yet
             while not finished(token, len(out), budget, eos, ignore_eos):

@@ -22,10 +22,11 @@ import torch
 
 
 class KvPool:
-    """Per-layer K and V slots, each (num_layers, num_slots, H_kv, D), fp32, zero-initialised."""
+    """Per-layer K and V slots, each (num_layers, num_slots, H_kv, D), fp32, zeroed, on ``device``."""
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int):
-        self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim)  # (L, num_slots, H_kv, D)
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, device="cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)  # (L, num_slots, H_kv, D)
+        self.k = torch.zeros(shape, device=device)  # (L, num_slots, H_kv, D)
         self.v = torch.zeros_like(self.k)  # (L, num_slots, H_kv, D)
 
     def set_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

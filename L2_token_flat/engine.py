@@ -6,6 +6,10 @@
 Sequences still run one after another. A sequence owns blocks only while it runs and gives them back
 to the free list when it finishes, so the next one reuses them.
 
+``device`` ("cpu", "cuda", ...) is where the weights and the pool live; every tensor the engine makes
+(slots, positions) is made there. A step's one trip back to the host is its greedy token, which the
+Python loop needs to decide whether to stop and what to feed next.
+
 Left out on purpose: running several sequences at once (L3; with one at a time the default pool is
 just L1's cache cut into blocks, so memory use does not change yet), sampling (greedy only).
 """
@@ -16,6 +20,7 @@ import functools
 
 import torch
 
+from kvcourse.devices import resolve_device
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.requests import check_blocks, check_requests, finished, resolve_max_model_len
@@ -31,30 +36,38 @@ class Engine:
     def __init__(
         self,
         model_dir=None,
+        device="cpu",
         block_size: int = 16,
         num_blocks: int | None = None,
         max_model_len: int | None = None,
     ):
+        self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model_dir)
-        self.model = Transformer.from_dir(self.model_dir)
+        self.model = Transformer.from_dir(self.model_dir, self.device)
         cfg = self.model.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         if num_blocks is None and block_size >= 1:  # one max_model_len sequence: L1's bytes
             num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
-        self.pool = KvPool(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        num_slots = num_blocks * block_size
+        self.pool = KvPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.device)
         self.meter = UsageMeter()  # live vs held positions, step by step
         self.num_steps = self.num_tokens_run = 0
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Run the whole prompt, caching positions 0..P-1 in the sequence's blocks. Returns (vocab,)."""
-        n = len(seq.prompt_ids)
+        n, device = len(seq.prompt_ids), self.device
         reserve(seq, self.allocator, n)
-        slots = torch.tensor(seq.slot_indices[:n])  # (P,) write set == read set
-        meta = ForwardMeta(positions=torch.arange(n), slot_mapping=slots, kv_indices=slots, is_prefill=True)
+        slots = torch.tensor(seq.slot_indices[:n], device=device)  # (P,) write set == read set
+        meta = ForwardMeta(
+            positions=torch.arange(n, device=device), slot_mapping=slots, kv_indices=slots, is_prefill=True
+        )
         attend = functools.partial(attention, self.pool, meta)
         logits = self.model.forward(
-            torch.tensor(seq.prompt_ids), meta.positions, attend, logits_at=torch.tensor([n - 1])
+            torch.tensor(seq.prompt_ids, device=device),  # (P,)
+            meta.positions,
+            attend,
+            logits_at=torch.tensor([n - 1], device=device),
         )
         seq.num_computed_tokens = n
         self._count(seq, n)
@@ -62,16 +75,17 @@ class Engine:
 
     def decode_step(self, seq: Sequence, token: int) -> torch.Tensor:
         """Run ``token`` at position seq.num_computed_tokens (all before it cached). Returns (vocab,)."""
-        pos = seq.num_computed_tokens
+        pos, device = seq.num_computed_tokens, self.device
         reserve(seq, self.allocator, pos + 1)
         meta = ForwardMeta(
-            positions=torch.tensor([pos]),
-            slot_mapping=torch.tensor([seq.slot_indices[pos]]),  # (1,)
-            kv_indices=torch.tensor(seq.slot_indices[: pos + 1]),  # (pos + 1,)
+            positions=torch.tensor([pos], device=device),
+            slot_mapping=torch.tensor([seq.slot_indices[pos]], device=device),  # (1,)
+            kv_indices=torch.tensor(seq.slot_indices[: pos + 1], device=device),  # (pos + 1,)
             is_prefill=False,
         )
         attend = functools.partial(attention, self.pool, meta)
-        logits = self.model.forward(torch.tensor([token]), meta.positions, attend)[0]
+        token_ids = torch.tensor([token], device=device)  # (1,)
+        logits = self.model.forward(token_ids, meta.positions, attend)[0]
         seq.num_computed_tokens = pos + 1
         self._count(seq, 1)
         return logits
@@ -95,6 +109,7 @@ class Engine:
             blocks_held=self.meter.blocks_held_peak,
             steps=self.num_steps,
             tokens_run=self.num_tokens_run,
+            device=str(self.device),
         )
 
     def generate(
@@ -110,7 +125,7 @@ class Engine:
         outputs = []
         for prompt, budget in zip(prompts, budgets, strict=True):
             seq = Sequence(prompt)
-            token = int(self.prefill(seq).argmax())
+            token = int(self.prefill(seq).argmax())  # the token back to the host: the loop needs it
             seq.output_ids.append(token)
             while not finished(token, len(seq.output_ids), budget, eos, ignore_eos):
                 token = int(self.decode_step(seq, token).argmax())

@@ -50,6 +50,8 @@ def attention(
     """q: (T, H, D), k/v: (T, H_kv, D) for the new tokens of every sequence, packed. Returns (T, H, D)."""
     pool.set_kv(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)  # (T, H, D)
+    # The loop needs the lengths as Python ints: on a GPU these two reads are trips back to the host, in
+    # every layer of every step. L4's kernel takes the tensors as they are.
     cu_q_lens = meta.cu_q_lens.tolist()
     for i, context_len in enumerate(meta.context_lens.tolist()):
         q0, q1 = cu_q_lens[i], cu_q_lens[i + 1]

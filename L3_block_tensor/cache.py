@@ -9,6 +9,9 @@ L2 used, is row s % block_size of block s // block_size; writes still go by slot
 ``KvPool`` is only the tensors: it knows nothing about who owns which block (``allocator.py`` and the
 sequences keep those books).
 
+``grow`` adds blocks at the end of the block axis, between runs: the engine grows a pool left to its
+default size when a ``generate`` call brings more requests than it holds at once.
+
 Left out on purpose (and the stage that adds it): copying a block (L5, for forks).
 """
 
@@ -18,11 +21,21 @@ import torch
 
 
 class KvPool:
-    """Per-layer K and V blocks, each (num_layers, num_blocks, block_size, H_kv, D), fp32, zero-initialised."""
+    """Per-layer K and V blocks, each (num_layers, num_blocks, block_size, H_kv, D), fp32, zeroed, on
+    ``device``."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device="cpu",
+    ):
         self.block_size = block_size
-        self.k = torch.zeros(num_layers, num_blocks, block_size, num_kv_heads, head_dim)  # (L, N, B, H_kv, D)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)  # (L, N, B, H_kv, D)
+        self.k = torch.zeros(shape, device=device)  # (L, N, B, H_kv, D)
         self.v = torch.zeros_like(self.k)  # (L, N, B, H_kv, D)
 
     def set_kv(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -33,6 +46,16 @@ class KvPool:
         """
         self.k[layer].view(-1, *k.shape[1:])[slot_mapping] = k  # into a (N * B, H_kv, D) view, no copy
         self.v[layer].view(-1, *v.shape[1:])[slot_mapping] = v
+
+    def grow(self, num_blocks: int) -> None:
+        """Append n = ``num_blocks`` zeroed blocks (ids N .. N + n - 1) to every layer's K and V.
+
+        The blocks that were there keep their ids and contents. The tensors are new (the old ones are
+        copied), so call it only when no step is running.
+        """
+        extra = self.k.new_zeros(self.k.shape[0], num_blocks, *self.k.shape[2:])  # (L, n, B, H_kv, D)
+        self.k = torch.cat([self.k, extra], dim=1)  # (L, N + n, B, H_kv, D), on the same device
+        self.v = torch.cat([self.v, extra], dim=1)
 
     @property
     def nbytes(self) -> int:

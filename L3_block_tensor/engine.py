@@ -11,6 +11,13 @@ Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) betwe
 sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
 steps until all are done; ``add_request`` + ``step`` let a caller feed requests in over time.
 
+Sizes: a pool left to its default starts with L1's bytes (one ``max_model_len`` sequence), and
+``generate`` grows it first, if need be, so that its requests run side by side (as many as
+``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is.
+
+``device`` ("cpu", "cuda", ...) is where the weights and the pool live; ``prepare`` makes the step's
+tensors there. A step's one trip back to the host is its greedy tokens, which the scheduler needs.
+
 Left out on purpose: sampling (greedy only), streaming outputs to callers, an attention kernel that
 reads blocks in place (L4), and sharing blocks between sequences (L5).
 """
@@ -22,6 +29,7 @@ import itertools
 
 import torch
 
+from kvcourse.devices import resolve_device
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.requests import check_blocks, check_requests, resolve_max_model_len
@@ -38,15 +46,17 @@ class Engine:
     def __init__(
         self,
         model_dir=None,
+        device="cpu",
         block_size: int = 16,
         num_blocks: int | None = None,
-        max_num_seqs: int = 16,
+        max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
         prefill_chunk_size: int | None = None,
         max_model_len: int | None = None,
     ):
+        self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model_dir)
-        self.model = Transformer.from_dir(self.model_dir)
+        self.model = Transformer.from_dir(self.model_dir, self.device)
         cfg = self.model.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         if max_num_batched_tokens is None:
@@ -56,10 +66,13 @@ class Engine:
                 f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
                 f"{max_num_batched_tokens} < max_model_len={self.max_model_len}"
             )
+        self.grows_pool = num_blocks is None  # generate() grows it to fit its requests
         if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
-        self.pool = KvPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.pool = KvPool(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
+        )
         self.scheduler = Scheduler(
             self.allocator,
             max_num_seqs=max_num_seqs,
@@ -84,7 +97,23 @@ class Engine:
             steps=self.num_steps,
             tokens_run=self.num_tokens_run,
             preemptions=self.scheduler.num_preemptions,
+            device=str(self.device),
+            max_num_seqs=self.scheduler.max_num_seqs,
         )
+
+    def fit_pool(self, lengths: list[int]) -> None:
+        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + budget)
+        side by side: as many as ``max_num_seqs`` run at once, so the largest ``max_num_seqs`` of them.
+
+        Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
+        and 32 of them run at once: a pool of 128 blocks grows to 224.
+        """
+        block_size = self.allocator.block_size
+        needed = sorted((blocks_needed(n, block_size) for n in lengths), reverse=True)
+        missing = sum(needed[: self.scheduler.max_num_seqs]) - self.allocator.num_blocks
+        if missing > 0:
+            self.allocator.grow(missing)
+            self.pool.grow(missing)
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> list[int]:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
@@ -127,15 +156,16 @@ class Engine:
                 logits_at.append(cu_q_lens[-1] - 1)
         width = max(len(seq.block_table) for seq, _ in batch)
         block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _ in batch]
+        device = self.device  # every tensor of the step is made there, once
         meta = ForwardMeta(
-            positions=torch.tensor(positions),  # (T,)
-            slot_mapping=torch.tensor(slot_mapping),  # (T,)
-            block_tables=torch.tensor(block_tables),  # (B, width)
-            context_lens=torch.tensor(context_lens),  # (B,)
-            cu_q_lens=torch.tensor(cu_q_lens),  # (B + 1,)
-            logits_at=torch.tensor(logits_at, dtype=torch.long),  # (N,), N may be 0
+            positions=torch.tensor(positions, device=device),  # (T,)
+            slot_mapping=torch.tensor(slot_mapping, device=device),  # (T,)
+            block_tables=torch.tensor(block_tables, device=device),  # (B, width)
+            context_lens=torch.tensor(context_lens, device=device),  # (B,)
+            cu_q_lens=torch.tensor(cu_q_lens, device=device),  # (B + 1,)
+            logits_at=torch.tensor(logits_at, dtype=torch.long, device=device),  # (N,), N may be 0
         )
-        return torch.tensor(token_ids), meta
+        return torch.tensor(token_ids, device=device), meta
 
     def step(self) -> list[Sequence]:
         """Run one forward call over the scheduled batch. Returns the sequences it finished."""
@@ -146,7 +176,7 @@ class Engine:
         attend = functools.partial(attention, self.pool, meta)
         logits = self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)  # (N, vocab)
         self._count(len(token_ids))
-        return self.scheduler.update(batch, logits.argmax(-1).tolist())
+        return self.scheduler.update(batch, logits.argmax(-1).tolist())  # the tokens back to the host
 
     def _count(self, tokens: int) -> None:
         """After a forward: the step counters, and live vs held positions of the running sequences."""
@@ -163,6 +193,8 @@ class Engine:
         budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
         for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
             self.check_fits(prompt, budget, f"prompt {i}")
+        if self.grows_pool and not self.has_unfinished():
+            self.fit_pool([len(p) + b for p, b in zip(prompts, budgets, strict=True)])
         seqs = [self.add_request(p, b, ignore_eos=ignore_eos) for p, b in zip(prompts, budgets, strict=True)]
         while self.has_unfinished():
             self.step()

@@ -5,7 +5,8 @@ hands them out and takes them back, and never touches a tensor (``cache.py`` hol
 
 - ``blocks_needed``: how many blocks hold n tokens;
 - ``OutOfBlocksError``: the free list is too short; the allocator is left exactly as it was;
-- ``BlockAllocator``: the free list, with a ``check_invariants()`` that the tests run after every step.
+- ``BlockAllocator``: the free list, with a ``check_invariants()`` that the tests run after every step,
+  and ``grow()``, which adds blocks to the pool's books when the engine grows the pool.
 
 Left out on purpose (and the stage that adds it): sharing a block between sequences (L5 gives every
 block a reference count, and keeps full blocks findable by their tokens: the prefix cache).
@@ -59,6 +60,15 @@ class BlockAllocator:
     def num_used(self) -> int:
         """Blocks held by a sequence."""
         return self.num_blocks - len(self.free_blocks)
+
+    def grow(self, n: int) -> None:
+        """Add ``n`` new blocks, ids num_blocks .. num_blocks + n - 1, at the back of the free list.
+
+        Example: ``a = BlockAllocator(4, block_size=16)``; ``a.grow(2)`` -> 6 blocks, free list
+        [0, 1, 2, 3, 4, 5].
+        """
+        self.free_blocks.extend(range(self.num_blocks, self.num_blocks + n))
+        self.num_blocks += n
 
     def alloc_blocks(self, n: int) -> list[int]:
         """Take ``n`` blocks off the front of the free list; if fewer are free, raise ``OutOfBlocksError``

@@ -19,8 +19,10 @@ sequence's blocks into ``num_splits`` ranges, runs the loop above on each range 
 GPU: in parallel) and merges the partial (m, l, acc) results in a reduce step.
 
 This file is the readable reference; ``triton_paged_attention.py`` is the same algorithm as a GPU
-kernel. Left out on purpose: speed (Python loops over sequences and blocks), sliding windows, ALiBi,
-soft-capping, and quantized KV.
+kernel. It runs on the device of its inputs, but its Python loops read lengths and block ids back
+(``nonzero``, ``int``, ``tolist``): on a GPU each read is a trip to the host, which the Triton kernel
+never makes. Left out on purpose: speed (Python loops over sequences and blocks), sliding windows,
+ALiBi, soft-capping, and quantized KV.
 """
 
 from __future__ import annotations
@@ -72,14 +74,14 @@ def attend_blocks(
     """
     n_kv, g, n_q, d = q.shape
     block_size = k_pool.shape[1]
-    m = torch.full((n_kv, g, n_q), float("-inf"))
-    l = torch.zeros(n_kv, g, n_q)
-    acc = torch.zeros(n_kv, g, n_q, d)
+    m = torch.full((n_kv, g, n_q), float("-inf"), device=q.device)
+    l = torch.zeros(n_kv, g, n_q, device=q.device)
+    acc = torch.zeros(n_kv, g, n_q, d, device=q.device)
     for j, block in enumerate(blocks, start=first_block):
         k = k_pool[block].permute(1, 0, 2)  # (H_kv, block_size, D): a view of the pool, no copy
         v = v_pool[block].permute(1, 0, 2)  # (H_kv, block_size, D)
         s = torch.einsum("hgqd,hkd->hgqk", q, k) * scale  # (H_kv, G, Tq, block_size)
-        k_pos = j * block_size + torch.arange(block_size)  # (block_size,)
+        k_pos = j * block_size + torch.arange(block_size, device=q.device)  # (block_size,)
         s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))  # causal (and beyond the end)
         m, l, acc = online_softmax_update(m, l, acc, s, v, "hgqk,hkd->hgqd")
     return m, l, acc
@@ -111,15 +113,15 @@ def attend_decode_batch(
     """
     n_seq, n_kv, g, d = q.shape
     block_size = k_pool.shape[1]
-    m = torch.full((n_seq, n_kv, g), float("-inf"))
-    l = torch.zeros(n_seq, n_kv, g)
-    acc = torch.zeros(n_seq, n_kv, g, d)
+    m = torch.full((n_seq, n_kv, g), float("-inf"), device=q.device)
+    l = torch.zeros(n_seq, n_kv, g, device=q.device)
+    acc = torch.zeros(n_seq, n_kv, g, d, device=q.device)
     for j in range(first_block, last_block, blocks_per_tile):
         ids = block_tables[:, j : min(j + blocks_per_tile, last_block)]  # (B, n) physical blocks
         k = k_pool[ids].flatten(1, 2)  # (B, n * block_size, H_kv, D): the tile, gathered
         v = v_pool[ids].flatten(1, 2)
         s = torch.einsum("bhgd,bkhd->bhgk", q, k) * scale  # (B, H_kv, G, n * block_size)
-        k_pos = j * block_size + torch.arange(k.shape[1])  # (n * block_size,)
+        k_pos = j * block_size + torch.arange(k.shape[1], device=q.device)  # (n * block_size,)
         s = s.masked_fill((k_pos[None, :] >= context_lens[:, None])[:, None, None, :], float("-inf"))
         m, l, acc = online_softmax_update(m, l, acc, s, v, "bhgk,bkhd->bhgd")
     return m, l, acc
@@ -177,7 +179,7 @@ def paged_attention(
     for s in (q_lens != 1).nonzero().flatten().tolist():
         q0, q1, ctx = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(context_lens[s])
         qs = q[q0:q1].view(q1 - q0, n_kv, g, d).permute(1, 2, 0, 3)  # (H_kv, G, Tq, D)
-        q_pos = torch.arange(ctx - (q1 - q0), ctx)  # (Tq,) the new tokens are the last Tq positions
+        q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)  # (Tq,) the last Tq positions
         blocks = block_tables[s, : (ctx + block_size - 1) // block_size].tolist()
         per_split = -(-len(blocks) // num_splits)
         partials = [

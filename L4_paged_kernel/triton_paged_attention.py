@@ -7,10 +7,22 @@ and keeps the online-softmax state (m, l, acc) in registers. With one split it w
 with several, each program writes its partial (m, l, acc) and a second small kernel merges them
 (the flash-decoding reduce).
 
-On a machine with a CUDA GPU this compiles natively. Here (CPU only) it runs under Triton's
-interpreter, ``TRITON_INTERPRET=1``, which ``import kvcourse`` turns on when no GPU is present (and
-this module says so when it loads): the same kernel source executes with NumPy, slowly, so tests use
-small shapes. Native GPU runs are NOT verified in this repository.
+Compiled or interpreted, by the tensor. ``triton.jit`` turns a Python function into a kernel compiled
+for the GPU or, when the environment variable ``TRITON_INTERPRET`` is 1 at that moment, into one that
+Triton's interpreter runs with NumPy on the CPU. This module decorates each kernel function both ways
+(``jit``) and ``triton_paged_attention`` launches the compiled kernel for GPU tensors and the
+interpreted one for CPU tensors: in one process, on any machine, whatever it has installed or plugged
+in. The interpreter executes the same source one program at a time, slowly, so tests use small shapes.
+
+That choice shapes the source a little. Triton's library functions written in Triton (``tl.max``,
+``tl.sum``, ``tl.zeros``) exist only in the mode Triton was imported in, so the kernels reduce with
+the primitive ``tl.reduce`` and two combine functions of their own, and fill with ``tl.full``. On a
+GPU ``tl.reduce`` compiles to the same reduction ``tl.max`` does; the interpreter runs it element by
+element, a few times slower than its NumPy ``tl.max``.
+
+Verified here (no GPU): the interpreted kernel against dense attention, and the compiled kernel's
+build for NVIDIA GPUs (Triton's compiler down to a GPU binary, which needs no GPU). Running the compiled
+kernel needs a CUDA GPU: ``python -m kvcourse.gpu_check`` does it.
 
 Left out on purpose: autotuning, fp16/bf16 inputs, and the vLLM-style tricks that matter only for
 speed (persistent programs, splitting query tiles across programs).
@@ -19,31 +31,41 @@ speed (persistent programs, splitting query tiles across programs).
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
-
-import kvcourse
-
-# Triton picks interpreter or compiler when it is first imported, and importing HF's modeling code
-# imports it too. ``import kvcourse`` (which every entry point does first) sets TRITON_INTERPRET=1 on a
-# machine without a GPU; if triton was imported before that, the switch comes too late.
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError(
-        "no GPU, and Triton is not in interpreter mode: import kvcourse (or set TRITON_INTERPRET=1) "
-        "before anything imports triton"
-    )
-if kvcourse.TRITON_INTERPRET_SET_HERE:
-    print(
-        "kvcourse: no GPU here, so Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1)",
-        file=sys.stderr,
-    )
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 
-@triton.jit
+def jit(fn, interpret: bool):
+    """``triton.jit(fn)``: compiled for a GPU (``interpret=False``) or run by Triton's interpreter
+    (``True``), whatever ``TRITON_INTERPRET`` says around the call: ``triton.jit`` reads that variable
+    when it decorates, so it is set for the call and put back."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        return triton.jit(fn)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def _maximum(a, b):
+    """Combine function of a max reduction: ``tl.reduce(x, axis, _maximum)`` is ``tl.max(x, axis)``."""
+    return tl.maximum(a, b)
+
+
+def _add(a, b):
+    """Combine function of a sum: ``tl.reduce(x, axis, _add)`` is ``tl.sum(x, axis)``."""
+    return a + b
+
+
+# Called from inside the kernels, compiled in both: the interpreter calls their Python function.
+_maximum, _add = jit(_maximum, interpret=False), jit(_add, interpret=False)
+
+
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, cu_q_lens_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
@@ -83,8 +105,8 @@ def _paged_attention_kernel(
             other=0.0,
         )  # (BLOCK_M, BLOCK_D)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        l = tl.full((BLOCK_M,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
         last_pos = ctx - q_len + tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)  # newest query here
         for j in range(b_start, tl.minimum(b_end, last_pos // BLOCK_SIZE + 1)):  # later blocks: all masked
             block = tl.load(block_tables_ptr + seq * stride_bt + j)  # physical block of logical block j
@@ -95,11 +117,11 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
             k_pos = j * BLOCK_SIZE + offs_n
             s = tl.where((k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
+            m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
             base = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - base[:, None])
             alpha = tl.exp(m - base)
-            l = alpha * l + tl.sum(p, 1)
+            l = alpha * l + tl.reduce(p, 1, _add)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
         row_off = (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
@@ -114,7 +136,6 @@ def _paged_attention_kernel(
             tl.store(acc_ptr + a_off + offs_d[None, :], acc, mask=out_mask)
 
 
-@triton.jit
 def _merge_splits_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     stride_ms, stride_mt, stride_as, stride_at, stride_ah, stride_ot, stride_oh,
@@ -133,9 +154,16 @@ def _merge_splits_kernel(
         mask=d_mask[None, :],
         other=0.0,
     )  # (NUM_SPLITS, BLOCK_D)
-    w = tl.exp(m - tl.max(m, 0))  # splits that saw no key have m = -inf -> weight 0
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+    w = tl.exp(m - tl.reduce(m, 0, _maximum))  # splits that saw no key have m = -inf -> weight 0
+    out = tl.reduce(w[:, None] * acc, 0, _add) / tl.reduce(w * l, 0, _add)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out, mask=d_mask)
+
+
+# (compiled, interpreted) pair of each kernel, by "are the tensors on the CPU?"
+KERNELS = {
+    interpret: (jit(_paged_attention_kernel, interpret), jit(_merge_splits_kernel, interpret))
+    for interpret in (False, True)
+}
 
 
 def triton_paged_attention(
@@ -148,24 +176,29 @@ def triton_paged_attention(
     num_splits: int = 1,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_attention.paged_attention`` (shapes documented there).
+    """Same contract as ``paged_attention.paged_attention`` (shapes documented there). Every tensor must
+    be on one device: a GPU's run the compiled kernels, the CPU's the interpreted ones.
 
     ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel).
     """
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    devices = sorted({str(t.device) for t in (q, k_pool, v_pool, block_tables, context_lens, cu_q_lens)})
+    if len(devices) != 1:
+        raise ValueError(f"the Triton kernel's tensors must be on one device, got {', '.join(devices)}")
+    attend, merge = KERNELS[q.device.type == "cpu"]
     n_tok, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens, cu_q_lens = context_lens.to(torch.int32), cu_q_lens.to(torch.int32)
     out = torch.empty_like(q)
-    m = torch.empty(num_splits, n_tok, n_heads)  # split partials (unused when num_splits == 1)
+    m = torch.empty(num_splits, n_tok, n_heads, device=q.device)  # split partials (unused with 1 split)
     l = torch.empty_like(m)
-    acc = torch.empty(num_splits, n_tok, n_heads, d)
+    acc = torch.empty(num_splits, n_tok, n_heads, d, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
     grid = (block_tables.shape[0], n_kv, num_splits)
-    _paged_attention_kernel[grid](
+    attend[grid](
         q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
         out, m, l, acc,
         d**-0.5 if scale is None else scale,
@@ -176,11 +209,12 @@ def triton_paged_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         G=n_heads // n_kv, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
         BLOCK_M=16, BLOCK_N=max(16, triton.next_power_of_2(block_size)), BLOCK_D=block_d,
+        enable_fp_fusion=False,  # no fused multiply-add: every fp32 operation rounds as written
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(n_tok, n_heads)](
+        merge[(n_tok, n_heads)](
             m, l, acc, out,
             m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=block_d, enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -11,7 +11,8 @@ once (the prompt blocks of n forked samples; a prefix two requests have in commo
   of the free list and allocation takes from the front, so the cache forgets the least recently
   freed blocks first (LRU-like);
 - ``lookup`` / ``register``: the prefix-cache index, key -> block (``prefix_cache.py`` makes the keys);
-- ``fork``: block tables for n more sequences continuing one sequence.
+- ``fork``: block tables for n more sequences continuing one sequence;
+- ``grow``: more blocks, when the engine grows the pool (L3's, with a ``Block`` for each new id).
 
 ``blocks_needed`` and ``OutOfBlocksError`` are L4's, unchanged.
 
@@ -87,6 +88,16 @@ class BlockAllocator:
     def num_shared(self) -> int:
         """Blocks held by more than one sequence."""
         return sum(b.ref_count > 1 for b in self.blocks)
+
+    def grow(self, n: int) -> None:
+        """Add ``n`` new blocks, ids num_blocks .. num_blocks + n - 1, at the back of the free list.
+
+        Example: ``a = BlockAllocator(4, block_size=16)``; ``a.grow(2)`` -> 6 blocks, free list
+        [0, 1, 2, 3, 4, 5].
+        """
+        self.blocks += [Block(i) for i in range(self.num_blocks, self.num_blocks + n)]
+        self.free_blocks.extend(range(self.num_blocks, self.num_blocks + n))
+        self.num_blocks += n
 
     def alloc_blocks(self, n: int, cached: Ids[int] = ()) -> list[int]:
         """Take a reference on each ``cached`` block (prefix-cache hits), then ``n`` fresh blocks off the

@@ -7,8 +7,10 @@ the kernel walks every sequence's blocks where they lie in the pool.
 
 ``ForwardMeta`` is L3's, unchanged: it already says everything a kernel needs.
 
-``kernel`` is ``paged_attention`` (PyTorch, the readable reference) or ``triton_paged_attention`` (the
-same algorithm as a Triton program; on this CPU-only machine it runs in Triton's interpreter).
+``kernel`` is ``paged_attention`` (PyTorch, the readable reference), ``cpp_paged_attention`` (the same
+algorithm compiled for the CPU) or ``triton_paged_attention`` (the same algorithm as a Triton program:
+compiled for a GPU's tensors, run in Triton's interpreter for a CPU's). Whichever it is, it reads the
+pool and the step's metadata on their device: nothing here goes back to the host.
 
 Left out on purpose: choosing a kernel per batch shape (a GPU engine picks a decode or a prefill
 kernel), and CUDA graphs or other launch-overhead tricks.

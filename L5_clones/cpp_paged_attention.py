@@ -11,7 +11,8 @@ The first call compiles the file (about 40 s here; ``kvcourse.cpp_kernels`` keep
 ``.cache/kernels/`` per CPU model, and later calls and processes load it at once).
 
 Left out on purpose: split-KV (``num_splits`` must be 1: rows x heads already fill a CPU's cores; the
-split pays on a GPU with few long sequences), and any dtype but fp32.
+split pays on a GPU with few long sequences), any dtype but fp32, and any device but the CPU (the loops
+read host memory; a GPU has the Triton kernel).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def cpp_paged_attention(
     """``paged_attention``'s arguments and result (q: (T, H, D) -> (T, H, D)), computed in C++."""
     if num_splits != 1:
         raise ValueError(f"the C++ kernel has no split-KV path: num_splits must be 1, got {num_splits}")
+    devices = sorted({str(t.device) for t in (q, k_pool, v_pool, block_tables, context_lens, cu_q_lens)})
+    if devices != ["cpu"]:
+        raise ValueError(f"the C++ kernel runs on the CPU only; its tensors are on {', '.join(devices)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return load_cpp_kernel(SOURCE).paged_attention(
         q.contiguous(), k_pool, v_pool, block_tables, context_lens, cu_q_lens, scale

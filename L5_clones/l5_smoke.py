@@ -1,16 +1,18 @@
 """L5 smoke check: sharing blocks changes no token (L5 == L4 == HF), and shows in memory.
 
     python L5_clones/l5_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
+        [--device cpu|cuda]
 
 With no --model it runs the course model and a seeded random tiny Qwen3. Checked row by row against
 L4 and HF, each run printing its engine's stats (blocks held and shared, forks, prefix-cache hits):
 
-(a) every prompt at once, prefix cache on. SmolLM2's chat template adds the same system prompt to
-    every chat prompt that has none, so the prompts share their first block, in the same step;
+(a) every prompt at once, prefix cache on, with the device's default kernel (``kernel="auto"``: the
+    C++ kernel on a CPU where ``make setup`` built it, Triton on a GPU). SmolLM2's chat template adds
+    the same system prompt to every chat prompt that has none, so the prompts share their first
+    block, in the same step;
 (b) one request at a time, prefix cache on: each request finds the blocks the ones before it freed
     (a freed block keeps its key until it is handed out again);
-(c) as (a), with the C++ kernel (``paged_attention.cpp``, built by ``make setup``; skipped, saying
-    why, on a machine where it could not be built).
+(c) as (a), with the PyTorch reference kernel.
 
 Then, counted in the summary line through the smoke's ``extra`` hook:
 
@@ -25,11 +27,9 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
 from __future__ import annotations
 
 from kvcourse.compare import Row, compare, first_difference, format_rows
-from kvcourse.cpp_kernels import build_problem
 from kvcourse.sampling import SamplingParams
 from kvcourse.smoke import SmokeContext, StageRun, blocks_for, run_smoke
 from L4_paged_kernel.engine import Engine as L4Engine
-from L5_clones.cpp_paged_attention import SOURCE as CPP_SOURCE
 from L5_clones.engine import Engine
 
 SAMPLES = 4
@@ -46,38 +46,29 @@ def one_at_a_time(engine, prompts: list[list[int]], budgets: list[int]) -> list[
 def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations compared row by row with L4 and HF."""
     return [
-        StageRun(
-            "L5 all at once, prefix cache on",
-            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
-        ),
-        StageRun(
-            "L5 one request at a time, prefix cache on",
-            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
-            one_at_a_time,
-        ),
-        StageRun(
-            "L5 C++ kernel, all at once, prefix cache on",
-            lambda ctx: Engine(ctx.model_dir, kernel="cpp", max_model_len=ctx.max_model_len),
-            skip=build_problem(CPP_SOURCE),  # why it cannot run here (no C++ compiler), or None
-        ),
+        StageRun("L5 all at once, prefix cache on", lambda ctx: engine(ctx)),
+        StageRun("L5 one request at a time, prefix cache on", lambda ctx: engine(ctx), one_at_a_time),
+        StageRun("L5 torch kernel, all at once, prefix cache on", lambda ctx: engine(ctx, kernel="torch")),
     ]
+
+
+def engine(ctx: SmokeContext, **options) -> Engine:
+    """An L5 engine on the smoke's device, with room for the longest request."""
+    return Engine(ctx.model_dir, device=ctx.device, max_model_len=ctx.max_model_len, **options)
 
 
 def previous(ctx: SmokeContext) -> StageRun:
     """The stage L5 is compared with."""
-    return StageRun("L4 torch kernel", lambda ctx: L4Engine(ctx.model_dir, max_model_len=ctx.max_model_len))
+    return StageRun(
+        "L4 paged kernel",
+        lambda ctx: L4Engine(ctx.model_dir, device=ctx.device, max_model_len=ctx.max_model_len),
+    )
 
 
 def clone_engine(ctx: SmokeContext, prompts: list[list[int]], budget: list[int], **options) -> Engine:
     """An engine whose pool holds SAMPLES unshared copies of every request at once: no preemption."""
     room = sum(SAMPLES * blocks_for(len(p) + b, 16) for p, b in zip(prompts, budget, strict=True))
-    return Engine(
-        ctx.model_dir,
-        max_num_seqs=SAMPLES * len(prompts),
-        num_blocks=room,
-        max_model_len=ctx.max_model_len,
-        **options,
-    )
+    return engine(ctx, max_num_seqs=SAMPLES * len(prompts), num_blocks=room, **options)
 
 
 def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """L6 smoke check: the JAX engine's greedy tokens equal the previous stage's and Hugging Face's.
 
     python L6_tpu_jax/l6_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
+        [--device cpu|cuda]
 
 With no --model it runs the course model and a seeded random tiny Qwen3, against L5 and HF, each run
 printing its engine's stats. Checked row by row:
@@ -17,6 +18,9 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
 (c) two consecutive ``generate`` calls with logical reset == the same two with physical reset, and
     both == HF.
 
+``--device`` (or ``$KVCOURSE_DEVICE``) puts L6 on that JAX device and L5 and HF on that torch device;
+without either, L6 runs on JAX's default device and L5 and HF on the CPU.
+
 Not run here: the Pallas kernel compiled for a real TPU (this checks it interpreted, on CPU only).
 """
 
@@ -32,6 +36,12 @@ CLONE_TOKENS = 24
 PALLAS_PROMPTS, PALLAS_TOKENS = 2, 4
 
 
+def engine(ctx: SmokeContext, **options) -> Engine:
+    """An L6 engine on the smoke's device, if one was asked for (else on JAX's default device)."""
+    device = {} if ctx.device is None else {"device": ctx.device}
+    return Engine(ctx.model_dir, **device, **options)
+
+
 def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations compared row by row with L5 and HF."""
     chosen = ctx.shortest(PALLAS_PROMPTS)
@@ -39,12 +49,12 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
     return [
         StageRun(
             "L6 JAX reference attention 16x16, incremental cleanup",
-            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+            lambda ctx: engine(ctx, max_model_len=ctx.max_model_len),
         ),
         StageRun(
             f"L6 Pallas kernel (TPU interpret mode), {PALLAS_PROMPTS} shortest prompts, {PALLAS_TOKENS} tokens each",
-            lambda ctx: Engine(
-                ctx.model_dir, attention="pallas", max_seqs=2, max_model_len=pallas_len, kv_pages_per_block=4
+            lambda ctx: engine(
+                ctx, attention="pallas", max_seqs=2, max_model_len=pallas_len, kv_pages_per_block=4
             ),
             cap=PALLAS_TOKENS,
             only=chosen,
@@ -54,14 +64,16 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
 
 def previous(ctx: SmokeContext) -> StageRun:
     """The stage L6 is compared with."""
-    return StageRun("L5 clones", lambda ctx: L5Engine(ctx.model_dir, max_model_len=ctx.max_model_len))
+    return StageRun(
+        "L5 clones", lambda ctx: L5Engine(ctx.model_dir, device=ctx.device, max_model_len=ctx.max_model_len)
+    )
 
 
 def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
     """(b): CLONES greedy clones of each prompt, each compared with HF up to CLONE_TOKENS."""
     capped = [min(b, CLONE_TOKENS) for b in ctx.budgets]
-    engine = Engine(ctx.model_dir, max_seqs=CLONES * len(ctx.ids), max_model_len=ctx.max_model_len)
-    samples = engine.generate_samples(ctx.ids, capped, n=CLONES)
+    l6 = engine(ctx, max_seqs=CLONES * len(ctx.ids), max_model_len=ctx.max_model_len)
+    samples = l6.generate_samples(ctx.ids, capped, n=CLONES)
     rows = []
     for prompt, ref, clones in zip(ctx.prompts, ctx.refs, samples, strict=True):
         expected = ref.tokens[:CLONE_TOKENS]
@@ -72,7 +84,7 @@ def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
     print(
         f"-- L6 {CLONES} greedy clones per prompt (prefilled once, full pages shared), first {CLONE_TOKENS} tokens"
     )
-    print(f"  {engine.stats()}")
+    print(f"  {l6.stats()}")
     print(format_rows(rows, None))
     return sum(r.ok for r in rows), len(rows)
 
@@ -82,10 +94,10 @@ def two_calls(ctx: SmokeContext) -> tuple[int, int]:
     half = len(ctx.ids) // 2
     outputs = {}
     for mode in ("logical", "physical"):
-        engine = Engine(ctx.model_dir, reset=mode, max_model_len=ctx.max_model_len)
-        first = engine.generate(ctx.ids[:half], ctx.budgets[:half])
-        outputs[mode] = first + engine.generate(ctx.ids[half:], ctx.budgets[half:])
-        print(f"  {mode} reset: last reset took {1000 * engine.reset_seconds:.1f} ms")
+        l6 = engine(ctx, reset=mode, max_model_len=ctx.max_model_len)
+        first = l6.generate(ctx.ids[:half], ctx.budgets[:half])
+        outputs[mode] = first + l6.generate(ctx.ids[half:], ctx.budgets[half:])
+        print(f"  {mode} reset: last reset took {1000 * l6.reset_seconds:.1f} ms")
     rows = [
         Row(
             prompt.label,

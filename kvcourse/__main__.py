@@ -4,11 +4,13 @@
                                                      # C++ kernels, once (idempotent)
     python -m kvcourse generate --stage L1 "What is a KV cache?"
     python -m kvcourse generate --stage L1 --prompts kvcourse/prompts.jsonl --max-new-tokens 32
+    python -m kvcourse generate --stage L4 --device cuda "What is a KV cache?"
 
-``generate`` prints each prompt's generated text, then the tokens/s and the engine's statistics (KV
-memory reserved against the memory that held live tokens, blocks, steps). Bad input (a malformed
-prompt file, a missing model folder, a prompt longer than the model's context) is one ``error: ...``
-line and exit status 2.
+``generate`` prints each prompt's generated text, then the tokens/s, how the engine was set up (device,
+kernel, pool and batch sizes) and its statistics (KV memory reserved against the memory that held live
+tokens, blocks, steps). ``--device`` defaults to ``$KVCOURSE_DEVICE``, else the CPU. Bad input (a
+malformed prompt file, a missing model folder, a prompt longer than the model's context, a device this
+machine does not have) is one ``error: ...`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 
 from kvcourse.config import ModelConfig
 from kvcourse.cpp_kernels import build_all
+from kvcourse.devices import add_device_argument, device_argument
 from kvcourse.model_store import MODEL_ENV, REPO_ROOT, prepare_default_model, resolve_model_dir
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
 from kvcourse.requests import DEFAULT_MAX_MODEL_LEN, check_context
@@ -46,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gen.add_argument(
         "--model", help=f"local HF Llama/Qwen3 directory (default: ${MODEL_ENV} or the course model)"
     )
+    add_device_argument(gen)
     args = parser.parse_args(argv)
     if args.command == "generate" and not (args.prompt or args.prompts):
         parser.error("give a prompt or --prompts FILE")
@@ -55,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    device = device_argument(args.device)
     prompts = read_prompts(args.prompts) if args.prompts else []
     for text in args.prompt:
         prompts.append(Prompt(text=text) if args.raw else Prompt(messages=(("user", text),)))
@@ -65,8 +70,9 @@ def generate(args: argparse.Namespace) -> None:
     ids = [encode(tok, p) for p in prompts]
     budget = budgets(prompts, args.max_new_tokens)
     longest = check_context(ids, budget, cfg)
+    options = {} if device is None else {"device": device}  # L6 without one: JAX's default device
     engine = engine_class(args.stage)(
-        model_dir, max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest)
+        model_dir, max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest), **options
     )
     t0 = time.perf_counter()
     outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)
@@ -76,8 +82,10 @@ def generate(args: argparse.Namespace) -> None:
         print(tok.decode(out, skip_special_tokens=True).strip())
         print()
     n = sum(map(len, outputs))
+    stats = engine.stats()
     print(f"{args.stage}: {n} new tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s)")
-    print(f"{args.stage}: {engine.stats()}")
+    print(f"{args.stage}: {stats.describe()}")
+    print(f"{args.stage}: {stats}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,9 @@ The forward takes a *flat* list of T tokens with their positions. For L1 that is
 prompt (prefill) or its one newest token (decode); from L3 on it is several requests packed together,
 and ``attend`` knows from the stage's metadata which token belongs to which request.
 
+Everything lives on one device, the one the weights are loaded to (``Transformer.from_dir(dir, device)``):
+the forward makes no tensor of its own except on its inputs' device.
+
 Left out on purpose: dropout, training, batch dimensions (tokens are always flat), and any dtype but
 fp32. The arithmetic mirrors Hugging Face's (RMSNorm in fp32, rotate-half RoPE, ``F.linear``) so that
 greedy outputs match ``transformers`` token for token.
@@ -47,9 +50,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """Angular speed of each rotated pair: theta ** (-2i / head_dim) for i < head_dim / 2.
 
-    Example: ``rope_inv_freq(4, 100.0)`` -> ``[1.0, 0.1]``.
+    Computed on the CPU, as HF computes it when it builds a model, whatever device runs the model: a
+    GPU's ``pow`` may round the last bit differently. Example: ``rope_inv_freq(4, 100.0)`` -> ``[1.0, 0.1]``.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     return 1.0 / (theta**exponents)
 
 
@@ -102,14 +106,14 @@ class Weights:
     lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
-    """Read every ``*.safetensors`` file of an HF Llama/Qwen3 checkpoint into ``Weights`` (fp32)."""
+def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu") -> Weights:
+    """Read an HF Llama/Qwen3 checkpoint's ``*.safetensors`` files into ``Weights``, fp32, on ``device``."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        state.update(load_file(f, device=str(device)))
     state = {name: t.to(torch.float32) for name, t in state.items()}
 
     def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -152,12 +156,13 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, weights: Weights):
         self.cfg = cfg
         self.w = weights
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # (D/2,)
+        self.device = weights.embed.device
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(self.device)  # (D/2,)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Transformer:
+    def from_dir(cls, model_dir: str | Path, device: torch.device | str = "cpu") -> Transformer:
         cfg = ModelConfig.from_dir(model_dir)
-        return cls(cfg, load_weights(model_dir, cfg))
+        return cls(cfg, load_weights(model_dir, cfg, device))
 
     @torch.inference_mode()
     def forward(
@@ -210,8 +215,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         mask = None
         is_causal = n_q > 1
     else:
-        q_pos = torch.arange(q_start, q_start + n_q)[:, None]  # (T, 1)
-        mask = torch.arange(n_k)[None, :] <= q_pos  # (T, S) bool: True = may attend
+        q_pos = torch.arange(q_start, q_start + n_q, device=q.device)[:, None]  # (T, 1)
+        mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos  # (T, S) bool: True = may attend
         is_causal = False
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
     return out[0].transpose(0, 1)  # (T, H, D)

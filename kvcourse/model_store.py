@@ -122,6 +122,12 @@ def default_model_dir() -> Path:
     return prepare_default_model()
 
 
+def prepared_default_model() -> Path | None:
+    """The default model's directory if it is prepared already, else None (nothing is converted)."""
+    target = cache_root() / "models" / DEFAULT_NAME
+    return target if _is_prepared(target) else None
+
+
 def resolve_model_dir(model_dir: str | os.PathLike | None = None) -> Path:
     """``model_dir`` if given, else ``$KVCOURSE_MODEL_DIR``, else the prepared default model."""
     chosen = model_dir or os.environ.get(MODEL_ENV)

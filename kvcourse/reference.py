@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcourse.config import ModelConfig
+from kvcourse.devices import resolve_device
 from kvcourse.model_store import cache_root
 
 
@@ -80,18 +81,29 @@ def _cache_file(setup: str, prompt_ids: list[int], budget: int) -> Path:
     return cache_root() / "reference" / f"{digest}.json"
 
 
-def _setup_key(model_dir: Path) -> str:
-    """The checkpoint's fingerprint and the library versions that produce the reference."""
+def _setup_key(model_dir: Path, device) -> str:
+    """The checkpoint's fingerprint, the library versions and the device that produce the reference.
+
+    A CPU's key names no device (the key the cache had before GPUs ran the course, so that answers
+    computed then stay valid); a GPU's names the card, e.g. ``|cuda NVIDIA H100 80GB HBM3``.
+    """
     import torch
     import transformers
 
-    return f"{model_fingerprint(model_dir)}|torch {torch.__version__}|transformers {transformers.__version__}"
+    key = f"{model_fingerprint(model_dir)}|torch {torch.__version__}|transformers {transformers.__version__}"
+    if device.type == "cuda":
+        key += f"|cuda {torch.cuda.get_device_name(device)}"
+    return key
 
 
-def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int]) -> list[Reference]:
-    """HF greedy generation for each prompt (cached). ``budgets[i]`` is prompt i's max_new_tokens."""
+def hf_greedy(
+    model_dir: str | Path, prompts: list[list[int]], budgets: list[int], device="cpu"
+) -> list[Reference]:
+    """HF greedy generation for each prompt, on ``device`` (cached per device). ``budgets[i]`` is prompt
+    i's max_new_tokens."""
     model_dir = Path(model_dir)
-    setup = _setup_key(model_dir)
+    device = resolve_device(device)
+    setup = _setup_key(model_dir, device)
     out: list[Reference | None] = []
     todo = []
     for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
@@ -103,7 +115,7 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int
             out.append(None)
             todo.append(i)
     if todo:
-        hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo])
+        hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo], device)
         for i, ref in zip(todo, hf, strict=True):
             out[i] = ref
             write_atomically(
@@ -113,25 +125,27 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], budgets: list[int
     return out
 
 
-def load_hf_model(model_dir: str | Path, **options):
-    """The checkpoint as an HF model in fp32, eval mode; ``options`` go to ``from_pretrained`` (e.g.
-    ``attn_implementation="sdpa"``)."""
+def load_hf_model(model_dir: str | Path, device="cpu", **options):
+    """The checkpoint as an HF model in fp32, eval mode, on ``device``; ``options`` go to
+    ``from_pretrained`` (e.g. ``attn_implementation="sdpa"``). Built on the CPU and then moved, as
+    HF's own examples do, so that buffers it computes at build time (RoPE's frequencies) are the CPU's."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **options).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **options)
+    return model.to(resolve_device(device)).eval()
 
 
-def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> list[Reference]:
+def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int], device) -> list[Reference]:
     import torch
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     eos = list(ModelConfig.from_dir(model_dir).eos_token_ids)
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, device)
     refs = []
     for ids, budget in zip(prompts, budgets, strict=True):
-        inp = torch.tensor([ids])
+        inp = torch.tensor([ids], device=device)  # (1, P)
         with torch.inference_mode():
             res = model.generate(
                 inp,
@@ -144,9 +158,7 @@ def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> li
                 return_dict_in_generate=True,
             )
         new = res.sequences[0, len(ids) :].tolist()
-        gaps = []
-        for step_logits in res.logits:  # one (1, vocab) tensor per generated position
-            top2 = torch.topk(step_logits[0].float(), 2).values
-            gaps.append(float(top2[0] - top2[1]))
+        top2 = torch.stack([torch.topk(step[0].float(), 2).values for step in res.logits])  # (new, 2)
+        gaps = (top2[:, 0] - top2[:, 1]).tolist()
         refs.append(Reference(new, gaps))
     return refs

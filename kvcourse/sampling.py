@@ -8,6 +8,9 @@ set of tokens whose probability reaches top-p, then draw with ``torch.multinomia
 Each sequence draws from a generator of its own, seeded once (``make_generator``). Its tokens then
 depend only on its own logits and its own seed, never on which other sequences share the batch, the
 KV blocks, or the step: that is what lets L5 check that n forked samples equal n independent runs.
+Generators live on the CPU whatever device computed the logits, and the draw happens there (one row
+of probabilities comes back, as the token would anyway): a seed then names the same random stream
+on every machine.
 Sample i of a request seeded s uses seed s + i (vLLM's rule for ``n > 1``).
 
 Left out on purpose: repetition/frequency penalties, min-p, logit bias, stop strings and logprobs.
@@ -62,7 +65,7 @@ class SamplingParams:
 
 def make_generator(seed: int | None) -> torch.Generator:
     """A CPU generator seeded with ``seed`` (None: a non-deterministic seed, so two never match)."""
-    generator = torch.Generator()
+    generator = torch.Generator(device="cpu")
     if seed is None:
         generator.seed()
     else:
@@ -100,4 +103,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(logits.argmax())
     probs = allowed_logits(logits, params).softmax(-1)  # (vocab,) excluded tokens have probability 0
+    if generator is not None:
+        probs = probs.to(generator.device)  # the draw runs where the generator lives (the CPU)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,17 +1,23 @@
 """The smoke harness every ``lN_smoke.py`` uses: run a stage, the stage before it, and HF; compare.
 
-    python LN_x/lN_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
+    python LN_x/lN_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N] [--device cpu|cuda]
 
-For each model (the given one; by default the course model and a seeded random tiny Qwen3), every
-prompt is run through HF greedy ``generate`` (the independent reference, cached), the previous stage,
-and each configuration of this stage. One row per prompt and configuration says whether the tokens
-match HF and the previous stage, where they first differ, and what the stage wrote. The last line is
+For each model (the ones given, ``--model DIR`` once each; by default the course model and a seeded
+random tiny Qwen3), every prompt is run through HF greedy ``generate`` (the independent reference,
+cached), the previous stage, and each configuration of this stage. One row per prompt and
+configuration says whether the tokens match HF and the previous stage, where they first differ, and
+what the stage wrote, after a line saying how the engine was set up (device, kernel, pool and batch
+sizes). The last line is
 
     LN smoke: K/K prompts match L(N-1) and HF (T new tokens)
 
 and the exit status is 0 only if every row agrees (a reported numerical tie counts as agreement), 1 if
 a row disagrees, and 2 for bad input (a malformed prompt file, a missing model folder, a prompt longer
-than the model's context, a budget below 1), which is reported as one ``error: ...`` line.
+than the model's context, a budget below 1, a device this machine does not have), which is reported as
+one ``error: ...`` line.
+
+``--device`` (default ``$KVCOURSE_DEVICE``, else the CPU) runs the stage, the previous stage and HF on
+that device; HF's answers are cached per device (``kvcourse.reference``).
 
 A smoke script describes its configurations as functions of a ``SmokeContext``: the prompts, their
 budgets and HF's answers for one model. So configurations that need a tight pool size it from the
@@ -37,6 +43,7 @@ from typing import Any
 
 from kvcourse.compare import Row, compare, format_rows
 from kvcourse.config import ModelConfig
+from kvcourse.devices import add_device_argument, describe, device_argument, resolve_device
 from kvcourse.model_store import MODEL_ENV, resolve_model_dir
 from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
 from kvcourse.reference import Reference, hf_greedy
@@ -59,6 +66,7 @@ class SmokeContext:
     budgets: list[int]  # max_new_tokens of each prompt
     refs: list[Reference]  # HF greedy's answer for each prompt
     context_limit: int  # the model's max_position_embeddings
+    device: str | None = None  # --device: where every engine and HF run (None: the torch stages' CPU)
 
     @property
     def max_model_len(self) -> int:
@@ -116,8 +124,10 @@ class StageRun:
         out = self.run(engine, ids, budget) if self.run else engine.generate(ids, budget)
         seconds = time.perf_counter() - t0
         n = sum(map(len, out))
+        stats = engine.stats()
         print(f"  {self.name}: {n} new tokens in {seconds:.1f} s ({n / seconds:.1f} tok/s)")
-        print(f"  {engine.stats()}")
+        print(f"  {stats.describe()}")
+        print(f"  {stats}")
         if len(out) != len(ids):
             print(f"  !! {len(out)} outputs for {len(ids)} prompts")
             return chosen, None
@@ -127,17 +137,22 @@ class StageRun:
 def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"{stage.lower()}_smoke.py", description=f"{stage} smoke check")
     p.add_argument(
-        "--model", help=f"local HF Llama/Qwen3 directory (default: ${MODEL_ENV} or the course model)"
+        "--model",
+        action="append",
+        help=f"local HF Llama/Qwen3 directory, repeatable (default: ${MODEL_ENV} or the course model)",
     )
     p.add_argument("--prompts", help="JSONL prompt file (default: the course prompt set)")
     p.add_argument(
         "--max-new-tokens", type=int, default=64, help="per-prompt budget unless the file sets one"
     )
+    add_device_argument(p)
     return p.parse_args(argv)
 
 
-def prepare(model_dir: Path, prompts: list[Prompt], default_budget: int) -> SmokeContext:
-    """Tokenize and check every prompt for one model, then fetch HF's answers (cached).
+def prepare(
+    model_dir: Path, prompts: list[Prompt], default_budget: int, device: str | None = None
+) -> SmokeContext:
+    """Tokenize and check every prompt for one model, then fetch HF's answers on ``device`` (cached).
 
     Raises ValueError naming the prompt, the value and the limit for a request the model cannot run.
     """
@@ -146,8 +161,8 @@ def prepare(model_dir: Path, prompts: list[Prompt], default_budget: int) -> Smok
     ids = [encode(tok, p) for p in prompts]
     budget = budgets(prompts, default_budget)
     check_context(ids, budget, cfg)
-    refs = hf_greedy(model_dir, ids, budget)
-    return SmokeContext(model_dir, tok, prompts, ids, budget, refs, cfg.max_position_embeddings)
+    refs = hf_greedy(model_dir, ids, budget, device)
+    return SmokeContext(model_dir, tok, prompts, ids, budget, refs, cfg.max_position_embeddings, device)
 
 
 def compare_run(ctx: SmokeContext, run: StageRun, prev: dict[int, list[int]] | None, prev_name: str | None):
@@ -174,24 +189,32 @@ def compare_run(ctx: SmokeContext, run: StageRun, prev: dict[int, list[int]] | N
 
 
 def prepare_models(
-    model: str | None, prompts_file: str | None, max_new_tokens: int, tiny_dir: str | Path
+    model: str | list[str] | None,
+    prompts_file: str | None,
+    max_new_tokens: int,
+    tiny_dir: str | Path,
+    device: str | None = None,
 ) -> list[tuple[str, SmokeContext]]:
-    """(title, context) for each model a smoke runs: ``model``, else ``$KVCOURSE_MODEL_DIR``, else the
-    course model plus a seeded random tiny Qwen3 written into ``tiny_dir`` (the caller deletes it).
+    """(title, context) for each model a smoke runs: ``model`` (one folder or a list of them), else
+    ``$KVCOURSE_MODEL_DIR``, else the course model plus a seeded random tiny Qwen3 written into
+    ``tiny_dir`` (the caller deletes it).
 
     Raises ValueError or OSError, naming the value and the limit, for bad input: a budget below 1, a
-    malformed or missing prompt file, a missing model folder, a request over the context limit.
+    device this machine lacks, a malformed or missing prompt file, a missing model folder, a request
+    over the context limit.
     """
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    device = device_argument(device)
     prompts = read_prompts(prompts_file)
     chosen = model or os.environ.get(MODEL_ENV)
-    models: list[tuple[str, Path]] = [("model", resolve_model_dir(chosen))]
+    folders = chosen if isinstance(chosen, list) else [chosen]
+    models: list[tuple[str, Path]] = [("model", resolve_model_dir(folder)) for folder in folders]
     if not chosen:
         from kvcourse.tiny import make_tiny_checkpoint
 
         models.append(("tiny random Qwen3 (seed 0)", make_tiny_checkpoint("qwen3", tiny_dir)))
-    return [(title, prepare(model_dir, prompts, max_new_tokens)) for title, model_dir in models]
+    return [(title, prepare(model_dir, prompts, max_new_tokens, device)) for title, model_dir in models]
 
 
 def smoke_main(
@@ -210,7 +233,7 @@ def smoke_main(
     args = parse_args(stage, argv)
     with tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-") as tiny_dir:
         try:
-            contexts = prepare_models(args.model, args.prompts, args.max_new_tokens, tiny_dir)
+            contexts = prepare_models(args.model, args.prompts, args.max_new_tokens, tiny_dir, args.device)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -228,7 +251,7 @@ def run_contexts(
     passed = total = new_tokens = ties = skipped = 0
     prev_name = previous(contexts[0][1]).name.split()[0] if previous else None
     for title, ctx in contexts:
-        print(f"== {stage} smoke on {title}: {ctx.model_dir}")
+        print(f"== {stage} smoke on {title}: {ctx.model_dir} ({describe(resolve_device(ctx.device))})")
         print(f"  HF reference: {sum(len(r.tokens) for r in ctx.refs)} new tokens")
         prev = None
         if previous:

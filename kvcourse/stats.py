@@ -3,7 +3,8 @@
 One interface for every stage, so that tools (the CLI, the smoke report, the benchmarks) never ask
 which stage they hold. A field a stage has no use for stays 0 (L1 has no blocks; only L3+ preempt;
 only L5/L6 fork; only engines that compile count compiles). Counters cover everything since the
-engine was built; ``kv_bytes_live``, ``blocks_held`` and ``blocks_shared`` are peaks.
+engine was built; ``kv_bytes_live``, ``blocks_held`` and ``blocks_shared`` are peaks. ``device``,
+``kernel`` and the sizes say how the engine was set up, which ``describe()`` puts in one line.
 
 "Held" and "live" positions are what KV utilization compares, step by step:
 
@@ -46,6 +47,21 @@ class EngineStats:
     forks: int = 0  # requests split into their n samples
     prefix_cache_hits: int = 0  # blocks shared at admission instead of computed
     compiles: dict[str, int] = field(default_factory=dict)  # traces per compiled function
+    device: str = "cpu"  # where the weights and the cache live
+    kernel: str = ""  # the attention kernel, where a stage has a choice
+    max_num_seqs: int = 0  # most sequences run at once (0: one request at a time)
+
+    def describe(self) -> str:
+        """How the engine was set up, in one line, e.g. ``cpu, kernel cpp, 864 blocks of 16 (637.9 MiB
+        of KV), at most 32 sequences at once``."""
+        kv = f"{format_bytes(self.kv_bytes_reserved)} of KV"
+        if self.num_blocks:
+            kv = f"{self.num_blocks} blocks of {self.block_size} ({kv})"
+        kernel = [f"kernel {self.kernel}"] if self.kernel else []
+        batch = "one request at a time"
+        if self.max_num_seqs:
+            batch = f"at most {self.max_num_seqs} sequences at once"
+        return ", ".join([self.device, *kernel, kv, batch])
 
     def __str__(self) -> str:
         """One line, e.g. ``KV reserved 90.0 MiB, live 1.2 MiB at peak, 96.3% utilized; 34/130 blocks

@@ -1,13 +1,25 @@
-"""Shared fixtures: the prepared course model and seeded tiny random checkpoints (built once per run)."""
+"""Shared fixtures: the prepared course model and seeded tiny random checkpoints (built once per run).
+
+Tests marked ``cuda`` need a CUDA GPU: where torch sees none they are skipped, saying so. Every other
+test runs on the CPU (the default device), GPU or not.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-# Importing kvcourse (here, before any test module) puts Triton in interpreter mode on a machine
-# without a GPU, which has to happen before anything (HF's modeling code included) imports triton.
 from kvcourse.model_store import default_model_dir
 from kvcourse.tiny import make_tiny_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -449,5 +449,5 @@ def test_l3_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     last = out.strip().splitlines()[-1]
     assert status == 0, last
     assert last.startswith("L3 smoke: 16/16 prompts match L2 and HF"), last
-    preemptions = re.findall(r"  L3 small pool .*\n  .*; \d+ steps, (\d+) preemptions", out)
+    preemptions = re.findall(r"  L3 small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions", out)
     assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions

@@ -5,6 +5,10 @@ kernel with plain softmax attention over the gathered history (the L3 way), for:
 multiples of block_size and ragged; block sizes 1, 7, 16; GQA ratios 1, 3, 4; 1 and 4 splits; decode
 queries (batched, in tiles of 1, 3 and 16 blocks) and mixed prefill chunks (causal inside the new tokens).
 The C++ kernel (built by ``make setup``) and the Triton kernel (interpreted) run the same cases.
+
+The Triton kernel is compiled for GPU tensors and interpreted for CPU ones, in one process: on the CPU
+the compiled twin is built for NVIDIA GPUs down to a GPU binary (Triton's compiler needs no GPU for
+that), and the tests marked ``cuda`` run it against dense attention where there is a GPU.
 """
 
 from __future__ import annotations
@@ -19,53 +23,12 @@ from cpp_kernel import needs_cpp
 from smoke_runs import run_smoke_in_process, smoke_module
 
 from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_name, build_problem, load_cpp_kernel
+from kvcourse.devices import resolve_device
+from kvcourse.kernel_cases import TRITON_CASES, cases, dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 from L4_paged_kernel import engine as l4_engine
 from L4_paged_kernel.cpp_paged_attention import SOURCE, cpp_paged_attention
 from L4_paged_kernel.paged_attention import merge_partials, paged_attention
-
-GQA = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): ratios 1, 3, 4
-
-
-def make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=16, seed=0):
-    """Random pool + block tables for sequences with the given history and new-token counts."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-c // block_size) for c in context_lens]
-    num_blocks = sum(blocks_needed) + 5  # a few blocks nobody owns
-    k_pool = torch.randn(num_blocks, block_size, n_kv, head_dim, generator=g)
-    v_pool = torch.randn(num_blocks, block_size, n_kv, head_dim, generator=g)
-    free = torch.randperm(num_blocks, generator=g).tolist()  # shuffled: tables are not contiguous
-    block_tables = torch.full(
-        (len(context_lens), max(blocks_needed)), 10**6, dtype=torch.long
-    )  # junk padding
-    for s, n in enumerate(blocks_needed):
-        block_tables[s, :n] = torch.tensor([free.pop() for _ in range(n)])
-    cu_q_lens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    q = torch.randn(int(cu_q_lens[-1]), n_heads, head_dim, generator=g)
-    return q, k_pool, v_pool, block_tables, torch.tensor(context_lens), cu_q_lens
-
-
-def dense_reference(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens):
-    """Gather each sequence's history, repeat KV heads, masked softmax: the obvious way."""
-    out = torch.empty_like(q)
-    n_heads, n_kv, bs = q.shape[1], k_pool.shape[2], k_pool.shape[1]
-    for s, ctx in enumerate(context_lens.tolist()):
-        q0, q1 = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
-        ids = block_tables[s, : -(-ctx // bs)]
-        k = k_pool[ids].flatten(0, 1)[:ctx].repeat_interleave(n_heads // n_kv, dim=1)  # (ctx, H, D)
-        v = v_pool[ids].flatten(0, 1)[:ctx].repeat_interleave(n_heads // n_kv, dim=1)
-        pos = torch.arange(ctx - (q1 - q0), ctx)
-        scores = torch.einsum("thd,khd->htk", q[q0:q1], k) / q.shape[-1] ** 0.5
-        scores = scores.masked_fill(torch.arange(ctx)[None, None, :] > pos[None, :, None], float("-inf"))
-        out[q0:q1] = torch.einsum("htk,khd->thd", scores.softmax(-1), v)
-    return out
-
-
-def cases():
-    for block_size in (1, 7, 16):
-        for n_heads, n_kv in GQA:
-            # lengths: 1, an exact multiple of block_size, ragged; decode rows and prefill chunks
-            yield block_size, n_heads, n_kv, [1, 3 * block_size, 23, 9], [1, 1, 6, 9]
 
 
 @pytest.mark.parametrize("blocks_per_tile", [1, 3, 16])  # decode rows: tiles of blocks, ragged last tile
@@ -116,23 +79,14 @@ def test_more_splits_than_blocks():
     assert (paged_attention(*args, num_splits=4) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
-triton_cases = [
-    (1, 4, 4, [1, 5], [1, 5]),
-    (7, 9, 3, [1, 14, 10], [1, 1, 4]),
-    (16, 8, 2, [1, 32, 21], [1, 1, 21]),
-]
-
-
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", triton_cases)
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", TRITON_CASES)
 def test_triton_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits):
-    pytest.importorskip(
-        "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
-    )
-    from L4_paged_kernel.triton_paged_attention import triton_paged_attention
-
+    """The interpreted kernel, on CPU tensors: on any machine, one with a GPU included."""
+    l4, _ = triton_kernels()
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
-    got = triton_paged_attention(*args, num_splits=num_splits)
+    got = l4.triton_paged_attention(*args, num_splits=num_splits)
+    assert got.device.type == "cpu"
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
 
 
@@ -144,6 +98,131 @@ def test_triton_rejects_bad_split_count():
 
     with pytest.raises(ValueError, match="num_splits must be a power of two >= 1, got 3"):
         triton_paged_attention(*make_case(16, 4, 2, [5], [1]), num_splits=3)
+
+
+def triton_kernels():
+    """The Triton module of L4 and L5 (byte-identical copies), or a skip naming what is missing."""
+    pytest.importorskip(
+        "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
+    )
+    from L4_paged_kernel import triton_paged_attention as l4
+    from L5_clones import triton_paged_attention as l5
+
+    return l4, l5
+
+
+def test_compiled_and_interpreted_triton_kernels_live_side_by_side(monkeypatch):
+    """Each kernel is jit'd twice in one process, whatever TRITON_INTERPRET says around it: a compiled
+    one for GPU tensors, an interpreted one for CPU tensors. Nothing looks for a GPU to decide."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for module in triton_kernels():
+        for interpret, kernels in module.KERNELS.items():
+            kind = InterpretedFunction if interpret else triton.runtime.JITFunction
+            assert all(type(k) is kind for k in kernels), (module.__name__, interpret, kernels)
+        assert type(module._maximum) is triton.runtime.JITFunction  # called from both
+    l4, _ = triton_kernels()
+    for outside in ("1", "0", None):  # jit() puts the variable back as it found it
+        if outside is None:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", outside)
+        assert type(l4.jit(l4._add.fn, interpret=True)) is InterpretedFunction
+        assert type(l4.jit(l4._add.fn, interpret=False)) is triton.runtime.JITFunction
+        assert os.environ.get("TRITON_INTERPRET") == outside
+
+
+def test_the_triton_kernel_runs_whoever_imported_triton_first():
+    """HF's modeling code imports triton. In a fresh process where transformers (and triton, for
+    compiling: TRITON_INTERPRET unset) are imported before any course module, the interpreted kernel
+    still runs on CPU tensors and matches dense attention."""
+    triton_kernels()
+    code = (
+        "import transformers.models.llama.modeling_llama, triton\n"
+        "from kvcourse.kernel_cases import make_case, dense_reference\n"
+        "from L4_paged_kernel.triton_paged_attention import triton_paged_attention\n"
+        "args = make_case(7, 9, 3, [1, 14, 10], [1, 1, 4])\n"
+        "print((triton_paged_attention(*args, num_splits=2) - dense_reference(*args)).abs().max().item())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.strip().splitlines()[-1]) < 2e-5
+
+
+@pytest.mark.parametrize("capability", [80, 90])  # A100, H100
+def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability):
+    """Triton's compiler takes the GPU twin of the kernel down to a GPU binary here, with no GPU: the
+    source, its IEEE dots and its reductions all compile. Running it needs a GPU (the cuda tests)."""
+    l4, _ = triton_kernels()
+    pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr"]
+    ints = ["block_tables_ptr", "context_lens_ptr", "cu_q_lens_ptr"]
+    strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt",
+               "stride_ms", "stride_mt", "stride_as", "stride_at", "stride_ah"]  # fmt: skip
+    constexprs = {"G": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 4, "BLOCK_M": 16, "BLOCK_N": 16,
+                  "BLOCK_D": 64}  # fmt: skip
+    types = {name: "*fp32" for name in pointers} | {name: "*i32" for name in ints} | {"scale": "fp32"}
+    types |= {name: "i32" for name in strides} | dict.fromkeys(constexprs, "constexpr")
+    merge_constexprs = {"NUM_SPLITS": 4, "HEAD_DIM": 64, "BLOCK_D": 64}
+    types |= {"stride_ot": "i32", "stride_oh": "i32"}
+    for kernel, constants in zip(l4.KERNELS[False], (constexprs, merge_constexprs), strict=True):
+        source = ASTSource(kernel, signature={n: types[n] for n in kernel.arg_names}, constexprs=constants)
+        binary = triton.compile(
+            source, target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": False}
+        )
+        assert binary.asm["cubin"], f"{kernel.fn.__name__}: no GPU binary"
+        assert f"sm_{capability}" in binary.asm["ptx"]
+
+
+def gpu():
+    """The CUDA device, resolved as every course process resolves it (TF32 off: dense attention in fp32)."""
+    return resolve_device("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
+def test_triton_kernel_on_a_gpu_matches_dense(
+    block_size, n_heads, n_kv, context_lens, q_lens, num_splits, head_dim
+):
+    """The compiled kernel of L4 and of L5 on CUDA tensors against dense attention on the same GPU."""
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim, device=gpu())
+    expected = dense_reference(*args)
+    for module in triton_kernels():
+        got = module.triton_paged_attention(*args, num_splits=num_splits)
+        assert got.device.type == "cuda"
+        assert (got - expected).abs().max().item() < 2e-5, module.__name__
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
+def test_torch_kernel_on_a_gpu_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits):
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, device=gpu())
+    got = paged_attention(*args, num_splits=num_splits)
+    assert got.device.type == "cuda"
+    assert (got - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+def test_a_kernel_refuses_tensors_on_two_devices():
+    """The C++ kernel reads host memory and the Triton kernel follows its inputs: tensors on another
+    device, or on two devices, are refused with the devices named (a meta tensor stands in for a GPU's)."""
+    args = list(make_case(16, 4, 2, [5], [1]))
+    args[1] = args[1].to("meta")
+    with pytest.raises(
+        ValueError, match=r"the C\+\+ kernel runs on the CPU only; its tensors are on cpu, meta"
+    ):
+        cpp_paged_attention(*args)
+    l4, _ = triton_kernels()
+    with pytest.raises(ValueError, match="the Triton kernel's tensors must be on one device, got cpu, meta"):
+        l4.triton_paged_attention(*args)
 
 
 def test_an_edited_kernel_gets_a_new_build_name(tmp_path):

@@ -1,0 +1,95 @@
+"""Which device the torch stages run on, decided in one place: ``resolve_device``.
+
+Every engine of L1-L5 takes ``device=`` ("cpu", "cuda", "cuda:N" or a ``torch.device``) and puts its
+weights, KV pool, block tables and step metadata there; the smoke scripts, the CLI, the benchmark and
+``python -m kvcourse.gpu_check`` take ``--device cpu|cuda``, whose default is the environment variable
+``KVCOURSE_DEVICE``, else the CPU. All of them resolve the name here, so a bad one is refused the same
+way everywhere::
+
+    resolve_device("cpu")    -> device(type='cpu')
+    resolve_device("cuda")   -> device(type='cuda')   where torch sees a CUDA GPU; elsewhere ValueError:
+                                device 'cuda': no CUDA device (torch.cuda.is_available() is False)
+    resolve_device("tpu")    -> ValueError: device 'tpu': choose cpu, cuda or cuda:N
+
+Exact equality on a GPU: NVIDIA GPUs can multiply fp32 matrices in TF32 (a 10-bit mantissa) when
+allowed, which changes logits by far more than the course's tie rule tolerates. Resolving a CUDA device
+therefore calls ``exact_fp32()``, which turns TF32 off for the whole process (matmuls and cuDNN
+convolutions) and asks for "highest" float32 matmul precision; every process that compares (smoke,
+tests, CLI, GPU check, the HF reference) resolves its device through here first.
+
+Left out on purpose: several GPUs per engine, other accelerator backends in torch (MPS, XPU; the
+course checks cpu and cuda only), and mixed precision.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICE_ENV = "KVCOURSE_DEVICE"
+
+
+def default_device() -> str | None:
+    """The device the scripts use when ``--device`` is not given: ``$KVCOURSE_DEVICE``, or None (the
+    CPU for the torch stages)."""
+    return os.environ.get(DEVICE_ENV) or None
+
+
+def exact_fp32() -> None:
+    """fp32 matmuls and convolutions in full fp32 on CUDA (no TF32), for this whole process."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def resolve_device(device: str | torch.device | None = "cpu", what: str | None = None) -> torch.device:
+    """The ``torch.device`` that ``device`` names (None means the CPU), refused with a ValueError where
+    it is not a CPU or an available CUDA device. ``what`` is how the message names the value (default
+    ``device 'cuda'``; the scripts say ``--device cuda``). A CUDA device also switches TF32 off.
+
+    Example on a machine without a GPU: ``resolve_device("cuda", what="--device cuda")`` raises
+    ``ValueError: --device cuda: no CUDA device (torch.cuda.is_available() is False)``.
+    """
+    what = what or f"device {str(device)!r}"
+    try:
+        resolved = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what}: choose cpu, cuda or cuda:N") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"{what}: choose cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what}: no CUDA device (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise ValueError(f"{what}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    exact_fp32()
+    return resolved
+
+
+def describe(device: torch.device) -> str:
+    """A device as a report names it: ``cpu``, or with the GPU's name, ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+    if device.type != "cuda":
+        return str(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def add_device_argument(parser) -> None:
+    """A script's ``--device`` flag (validated by ``device_argument``)."""
+    parser.add_argument("--device", help=f"cpu or cuda (default: ${DEVICE_ENV}, else cpu)")
+
+
+def device_argument(value: str | None) -> str | None:
+    """The device a script was asked for: ``--device``'s value, else ``$KVCOURSE_DEVICE``, else None
+    (the torch stages' CPU; L6's JAX default device). Refused with a ValueError naming where the value
+    came from, e.g. ``--device cuda: no CUDA device (torch.cuda.is_available() is False)``."""
+    what = f"--device {value}"
+    if value is None and default_device() is not None:
+        value = default_device()
+        what = f"{DEVICE_ENV}={value}"
+    if value is not None:
+        resolve_device(value, what)
+    return value
