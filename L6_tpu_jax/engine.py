@@ -17,6 +17,12 @@
                                       a power of two (one compile per width): a lone sequence
                                       decodes 1 row, not max_seqs padded rows
 
+``device`` says where an engine without a mesh runs: None for JAX's default device, ``"cpu"``,
+``"cuda"`` (or ``"gpu"``), ``"tpu"``, each optionally ``":N"`` (``multihost.jax_device``; a backend JAX
+does not have is a ``ValueError`` naming what it has). The weights, the state and the pages live there,
+and ``describe()`` says where. With a ``mesh`` the mesh decides. ``attention="pallas"``, a Pallas TPU
+kernel, runs compiled on a TPU and in TPU interpret mode on a CPU; an engine on a GPU refuses it.
+
 ``cleanup`` says when a finished sequence's pages go back: ``"incremental"`` inside the decode loop,
 the step it finishes; ``"end"`` after each host call; ``"none"`` not until the next ``generate``
 (Levanter's original behaviour: then every prompt of a call must fit the pool at once).
@@ -70,9 +76,9 @@ from kvcourse.stats import EngineStats, UsageMeter
 from . import decode_state as ds
 from .attention import paged_attend, reference_decode_kernel, reference_kernel
 from .kv_cache import init_kv_pages
-from .multihost import DATA, check_same_call, local_copy
+from .multihost import DATA, check_same_call, describe_device, jax_device, local_copy
 from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv, shard_batch_info, shard_block
-from .pallas_attention import pallas_kernel
+from .pallas_attention import interpret_mode, pallas_kernel
 
 CLEANUPS = ("incremental", "end", "none")
 RESETS = ("logical", "physical")
@@ -141,6 +147,7 @@ class Engine:
         mesh: Mesh | None = None,
         guard: bool = False,
         specs: dict[str, P] | None = None,
+        device: str | None = None,
     ):
         for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
             if value not in choices:
@@ -148,9 +155,12 @@ class Engine:
         for name, value in (("page_size", page_size), ("max_seqs", max_seqs), ("max_rounds", max_rounds)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.mesh = Mesh(np.asarray(jax.local_devices()[:1]), (DATA,)) if mesh is None else mesh
+        self.mesh = Mesh(np.asarray([jax_device(device)]), (DATA,)) if mesh is None else mesh
         if self.mesh.axis_names != (DATA,):
             raise ValueError(f"mesh must have one axis, {DATA!r}, got axes {self.mesh.axis_names}")
+        self.platform = self.mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
+        if mesh is not None and device is not None and jax_device(device).platform != self.platform:
+            raise ValueError(f"device={device!r} does not match the mesh's devices ({self.platform})")
         self.num_shards = shards = self.mesh.shape[DATA]
         self.model_dir = resolve_model_dir(model_dir)
         self.cfg, params = load_params(self.model_dir)
@@ -170,22 +180,25 @@ class Engine:
         # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
         # batches its sequences (and the Pallas kernel uses one-row query blocks, not 15 rows of
         # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §6).
-        if attention == "pallas":
-            self.kernel = pallas_kernel(q_block, kv_pages_per_block)
-            self.decode_kernel = pallas_kernel(1, decode_kv_pages_per_block)
+        self.attention = attention
+        if attention == "pallas":  # compiled by Mosaic on a TPU, interpreted on a CPU, refused on a GPU
+            interpret = interpret_mode(self.platform)
+            self.kernel = pallas_kernel(q_block, kv_pages_per_block, interpret)
+            self.decode_kernel = pallas_kernel(1, decode_kv_pages_per_block, interpret)
         else:
             self.kernel = reference_kernel(q_block, kv_pages_per_block)
             self.decode_kernel = reference_decode_kernel(decode_kv_pages_per_block)
         stop = list(cfg.eos_token_ids) or [INVALID]
         self.specs = spec = {**SPECS, **(specs or {})}
         self.params = jax.device_put(params, NamedSharding(self.mesh, spec["params"]))
-        self.state = jax.device_put(
-            ds.DecodeState.init(
+        here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()][0]
+        with jax.default_device(here):  # made where it will live, not on JAX's default device
+            state = ds.DecodeState.init(
                 max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop, shards
-            ),
-            NamedSharding(self.mesh, spec["decode_state"]),
-        )
-        kv_sharding = NamedSharding(self.mesh, spec["kv_pages"])
+            )
+        self.state = jax.device_put(state, NamedSharding(self.mesh, spec["decode_state"]))
+        kv_spec = P(None, *spec["kv_pages"])  # the layer axis, then one layer's pool as specified
+        kv_sharding = NamedSharding(self.mesh, kv_spec)
         self.kv_pages = jax.jit(
             partial(init_kv_pages, cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
             out_shardings=kv_sharding,
@@ -195,7 +208,7 @@ class Engine:
         per_device = partial(
             jax.shard_map,
             mesh=self.mesh,
-            out_specs=(spec["decode_state"], spec["kv_pages"]),
+            out_specs=(spec["decode_state"], kv_spec),
             # The state comes out REPLICATED because every device computes the same update from the
             # same inputs and the psum'd picks. check_vma would prove that by typing every value
             # (varying per device or not); its proof would need casts inside the attention loops.
@@ -204,14 +217,14 @@ class Engine:
         self._prefill = jax.jit(
             per_device(
                 self._prefill_fn,
-                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"], REPLICATED),
+                in_specs=(spec["params"], spec["decode_state"], kv_spec, REPLICATED),
             ),
             donate_argnums=(2,),
         )
         self._decode = jax.jit(
             lambda params, state, kv_pages, width: per_device(
                 partial(self._decode_fn, width=width),
-                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"]),
+                in_specs=(spec["params"], spec["decode_state"], kv_spec),
             )(params, state, kv_pages),
             donate_argnums=(2,),
             static_argnums=(3,),
@@ -240,15 +253,17 @@ class Engine:
         my_pos = shard_block(pos_ids, shard, self.num_shards)
         n_out = min(my_tokens.shape[0], self.seqs_per_shard)  # a block holds at most that many sequences
         logits_at = jnp.maximum(mine.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
-        logits, kv_pages = forward(
+        n_layers, n_pages = kv_pages.shape[:2]
+        logits, pool = forward(
             self.cfg,
             params,
             jnp.maximum(my_tokens, 0),
             jnp.maximum(my_pos, 0),
-            paged_attend(mine, kernel),
-            kv_pages,
+            paged_attend(mine, n_pages, kernel),
+            kv_pages.reshape(n_layers * n_pages, *kv_pages.shape[2:]),  # every layer's pages, one pool
             logits_at,
         )  # (n_out, vocab)
+        kv_pages = pool.reshape(kv_pages.shape)
         picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, my sequences
         my_slots = mine.slot_ids[:n_out]
         by_slot = jnp.zeros(self.max_seqs, jnp.int32).at[jnp.where(my_slots >= 0, my_slots, self.max_seqs)]
@@ -348,7 +363,7 @@ class Engine:
         call or decode round) exactly."""
         meter, steps, tokens = self._totals()
         return EngineStats(
-            kv_bytes_reserved=sum(pool.nbytes for pool in self.kv_pages),
+            kv_bytes_reserved=self.kv_pages.nbytes,
             kv_bytes_live=meter.live_peak * self.cfg.kv_bytes_per_token(),
             kv_utilization=meter.utilization,
             block_size=self.page_size,
@@ -360,6 +375,20 @@ class Engine:
             forks=self.num_forks,
             compiles=dict(self.traces),
         )
+
+    def describe(self) -> str:
+        """Where and how this engine runs, in one line.
+
+        Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers in one scan``.
+        """
+        devices = list(self.mesh.devices.flat)
+        where = describe_device(devices[0])
+        if len(devices) > 1:
+            where = f"{len(devices)} {self.platform} devices (a {DATA!r} mesh)"
+        kernel = "reference attention"
+        if self.attention == "pallas":
+            kernel = "Pallas TPU kernel" + (", TPU interpret mode" if self.platform != "tpu" else "")
+        return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {self.cfg.num_layers} layers in one scan"
 
     def occupancy(self) -> dict[str, int]:
         """Active slots, pages in use, free pages and the largest refcount right now."""

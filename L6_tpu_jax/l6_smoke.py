@@ -6,9 +6,12 @@ With no --model it runs the course model and a seeded random tiny Qwen3, against
 printing its engine's stats. Checked row by row:
 
 (a) L6 with the JAX reference attention (16 x 16 blocks), every prompt at once, incremental cleanup;
-(a') L6 with the Pallas kernel (``pallas_attention.py``) in TPU interpret mode on CPU: slow, so only the
-    PALLAS_PROMPTS shortest prompts, PALLAS_TOKENS tokens each (compared with the first PALLAS_TOKENS
-    tokens of L5 and HF, exact for greedy decoding), 2 slots, a model length just holding them.
+(a') L6 with the Pallas kernel (``pallas_attention.py``) in TPU interpret mode, always on the CPU (a
+    Pallas TPU kernel does not run on a GPU): slow, so only the PALLAS_PROMPTS shortest prompts,
+    PALLAS_TOKENS tokens each (compared with the first PALLAS_TOKENS tokens of L5 and HF, exact for
+    greedy decoding), 2 slots, a model length just holding them.
+
+Each engine prints where and how it runs (``Engine.describe()``: the JAX device, the attention kernel).
 
 Then, counted in the summary line through the smoke's ``extra`` hook:
 
@@ -32,6 +35,12 @@ CLONE_TOKENS = 24
 PALLAS_PROMPTS, PALLAS_TOKENS = 2, 4
 
 
+def announced(engine: Engine) -> Engine:
+    """Print where and how ``engine`` runs (its ``describe()`` line), then return it."""
+    print(f"  {engine.describe()}")
+    return engine
+
+
 def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations compared row by row with L5 and HF."""
     chosen = ctx.shortest(PALLAS_PROMPTS)
@@ -39,12 +48,19 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
     return [
         StageRun(
             "L6 JAX reference attention 16x16, incremental cleanup",
-            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+            lambda ctx: announced(Engine(ctx.model_dir, max_model_len=ctx.max_model_len)),
         ),
         StageRun(
-            f"L6 Pallas kernel (TPU interpret mode), {PALLAS_PROMPTS} shortest prompts, {PALLAS_TOKENS} tokens each",
-            lambda ctx: Engine(
-                ctx.model_dir, attention="pallas", max_seqs=2, max_model_len=pallas_len, kv_pages_per_block=4
+            f"L6 Pallas kernel (TPU interpret mode, CPU), {PALLAS_PROMPTS} shortest prompts, {PALLAS_TOKENS} tokens each",
+            lambda ctx: announced(
+                Engine(
+                    ctx.model_dir,
+                    attention="pallas",
+                    max_seqs=2,
+                    max_model_len=pallas_len,
+                    kv_pages_per_block=4,
+                    device="cpu",  # interpreted: the kernel is a TPU kernel
+                )
             ),
             cap=PALLAS_TOKENS,
             only=chosen,
