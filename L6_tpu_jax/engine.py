@@ -243,7 +243,8 @@ class Engine:
         """Allocate pages for a flat batch, run the model, pick each sequence's next token, update.
 
         Runs on every device (inside ``shard_map``): ``kv_pages`` is this device's slice of the
-        pool, everything else is a whole copy. The batch (T,) is one block per device.
+        pool, (L, its pages, page_size, 2 * H_kv, D), everything else is a whole copy. The batch (T,) is
+        one block per device.
         """
         seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
         state = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)  # whole batch, alike
@@ -260,10 +261,10 @@ class Engine:
             jnp.maximum(my_tokens, 0),
             jnp.maximum(my_pos, 0),
             paged_attend(mine, n_pages, kernel),
-            kv_pages.reshape(n_layers * n_pages, *kv_pages.shape[2:]),  # every layer's pages, one pool
+            kv_pages.reshape(n_layers * n_pages, *kv_pages.shape[2:]),  # (L * P, ...): one pool, no copy
             logits_at,
         )  # (n_out, vocab)
-        kv_pages = pool.reshape(kv_pages.shape)
+        kv_pages = pool.reshape(kv_pages.shape)  # back to (L, P, ...)
         picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, my sequences
         my_slots = mine.slot_ids[:n_out]
         by_slot = jnp.zeros(self.max_seqs, jnp.int32).at[jnp.where(my_slots >= 0, my_slots, self.max_seqs)]
