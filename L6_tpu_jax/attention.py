@@ -201,26 +201,17 @@ def decode_only_paged_attention(
     return out.reshape(n_tok, n_heads, d)
 
 
-def paged_attend(info: PageBatchInfo, pages_per_layer: int, kernel=ragged_paged_attention):
+def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
     """The model's ``attend`` callback for one forward call: store this layer's new K/V, then attend.
 
-    Returns ``attend(kv_pages, layer, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``.
-    ``kv_pages`` is every layer's pages as one pool, (L * P, page_size, 2 * H_kv, D), P =
-    ``pages_per_layer``: layer l's page p is page ``l * P + p``. ``info`` names pages 0 .. P - 1, and
-    each layer shifts them by ``l * P``, so the kernels read one ordinary pool, and ``layer`` can be the
-    scan's traced index.
-
-    Example, P = 128: layer 2's view of page 5 is page 261 of the pool; INVALID stays INVALID.
+    Returns ``attend(kv_pages, layer, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``;
+    kv_pages is the tuple of every layer's pool, and only entry ``layer`` changes.
     """
 
     def attend(kv_pages, layer, q, k, v):
-        first = layer * pages_per_layer  # this layer's page 0 in the pool
-        ps = kv_pages.shape[1]
-        dests = jnp.where(info.new_token_dests >= 0, info.new_token_dests + first * ps, INVALID)  # (T,)
-        pages = jnp.where(info.page_indices >= 0, info.page_indices + first, INVALID)  # (S, pages_per_seq)
-        kv_pages = update_kv(kv_pages, dests, k, v)  # one scatter for all new tokens
-        out = kernel(q, kv_pages, info.seq_lens, pages, info.cu_q_lens, info.num_seqs)
-        return out, kv_pages
+        pool = update_kv(kv_pages[layer], info.new_token_dests, k, v)  # one scatter for all new tokens
+        out = kernel(q, pool, info.seq_lens, info.page_indices, info.cu_q_lens, info.num_seqs)
+        return out, kv_pages[:layer] + (pool,) + kv_pages[layer + 1 :]
 
     return attend
 

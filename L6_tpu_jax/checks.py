@@ -407,7 +407,7 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
                 return f"returned {specs!r}, expected a dict with keys params, decode_state, kv_pages"
             options = dict(max_seqs=8, max_model_len=48, num_pages=8 * devices)
             engine = Engine(tiny, **options, mesh=data_mesh(jax.devices()[:devices]), specs=specs)
-            held = engine.kv_pages.addressable_shards[0].data.shape[1]  # (L, pages, ...) on one device
+            held = engine.kv_pages[0].addressable_shards[0].data.shape[0]
             share = engine.num_pages // devices
             if held != share:
                 return (

@@ -294,7 +294,7 @@ def clone_sequence(
     active = child >= 0
     child_row = jnp.maximum(child, 0)
     seqs, pages, src, dst, ok = clone_pages_from(state.sequences, state.page_table, parent, child)
-    here = (dst >= first_page) & (dst < first_page + kv_pages.shape[1])  # this device holds it
+    here = (dst >= first_page) & (dst < first_page + kv_pages[0].shape[0])  # this device holds it
     kv_pages = copy_page(
         kv_pages, jnp.where(here, src - first_page, INVALID), jnp.where(here, dst - first_page, INVALID)
     )

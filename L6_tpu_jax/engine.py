@@ -163,7 +163,9 @@ class Engine:
             raise ValueError(f"device={device!r} does not match the mesh's devices ({self.platform})")
         self.num_shards = shards = self.mesh.shape[DATA]
         self.model_dir = resolve_model_dir(model_dir)
-        self.cfg, params = load_params(self.model_dir)
+        here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()][0]
+        with jax.default_device(here):  # made where they will live, not on JAX's default device
+            self.cfg, params = load_params(self.model_dir)
         cfg = self.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         self.page_size, self.max_seqs, self.max_rounds = page_size, max_seqs, max_rounds
@@ -191,14 +193,12 @@ class Engine:
         stop = list(cfg.eos_token_ids) or [INVALID]
         self.specs = spec = {**SPECS, **(specs or {})}
         self.params = jax.device_put(params, NamedSharding(self.mesh, spec["params"]))
-        here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()][0]
-        with jax.default_device(here):  # made where it will live, not on JAX's default device
+        with jax.default_device(here):
             state = ds.DecodeState.init(
                 max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop, shards
             )
         self.state = jax.device_put(state, NamedSharding(self.mesh, spec["decode_state"]))
-        kv_spec = P(None, *spec["kv_pages"])  # the layer axis, then one layer's pool as specified
-        kv_sharding = NamedSharding(self.mesh, kv_spec)
+        kv_sharding = NamedSharding(self.mesh, spec["kv_pages"])
         self.kv_pages = jax.jit(
             partial(init_kv_pages, cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
             out_shardings=kv_sharding,
@@ -208,7 +208,7 @@ class Engine:
         per_device = partial(
             jax.shard_map,
             mesh=self.mesh,
-            out_specs=(spec["decode_state"], kv_spec),
+            out_specs=(spec["decode_state"], spec["kv_pages"]),
             # The state comes out REPLICATED because every device computes the same update from the
             # same inputs and the psum'd picks. check_vma would prove that by typing every value
             # (varying per device or not); its proof would need casts inside the attention loops.
@@ -217,14 +217,14 @@ class Engine:
         self._prefill = jax.jit(
             per_device(
                 self._prefill_fn,
-                in_specs=(spec["params"], spec["decode_state"], kv_spec, REPLICATED),
+                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"], REPLICATED),
             ),
             donate_argnums=(2,),
         )
         self._decode = jax.jit(
             lambda params, state, kv_pages, width: per_device(
                 partial(self._decode_fn, width=width),
-                in_specs=(spec["params"], spec["decode_state"], kv_spec),
+                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"]),
             )(params, state, kv_pages),
             donate_argnums=(2,),
             static_argnums=(3,),
@@ -243,8 +243,7 @@ class Engine:
         """Allocate pages for a flat batch, run the model, pick each sequence's next token, update.
 
         Runs on every device (inside ``shard_map``): ``kv_pages`` is this device's slice of the
-        pool, (L, its pages, page_size, 2 * H_kv, D), everything else is a whole copy. The batch (T,) is
-        one block per device.
+        pool, everything else is a whole copy. The batch (T,) is one block per device.
         """
         seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
         state = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)  # whole batch, alike
@@ -254,17 +253,15 @@ class Engine:
         my_pos = shard_block(pos_ids, shard, self.num_shards)
         n_out = min(my_tokens.shape[0], self.seqs_per_shard)  # a block holds at most that many sequences
         logits_at = jnp.maximum(mine.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
-        n_layers, n_pages = kv_pages.shape[:2]
-        logits, pool = forward(
+        logits, kv_pages = forward(
             self.cfg,
             params,
             jnp.maximum(my_tokens, 0),
             jnp.maximum(my_pos, 0),
-            paged_attend(mine, n_pages, kernel),
-            kv_pages.reshape(n_layers * n_pages, *kv_pages.shape[2:]),  # (L * P, ...): one pool, no copy
+            paged_attend(mine, kernel),
+            kv_pages,
             logits_at,
         )  # (n_out, vocab)
-        kv_pages = pool.reshape(kv_pages.shape)  # back to (L, P, ...)
         picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, my sequences
         my_slots = mine.slot_ids[:n_out]
         by_slot = jnp.zeros(self.max_seqs, jnp.int32).at[jnp.where(my_slots >= 0, my_slots, self.max_seqs)]
@@ -364,7 +361,7 @@ class Engine:
         call or decode round) exactly."""
         meter, steps, tokens = self._totals()
         return EngineStats(
-            kv_bytes_reserved=self.kv_pages.nbytes,
+            kv_bytes_reserved=sum(pool.nbytes for pool in self.kv_pages),
             kv_bytes_live=meter.live_peak * self.cfg.kv_bytes_per_token(),
             kv_utilization=meter.utilization,
             block_size=self.page_size,
@@ -380,7 +377,7 @@ class Engine:
     def describe(self) -> str:
         """Where and how this engine runs, in one line.
 
-        Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers in one scan``.
+        Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers``.
         """
         devices = list(self.mesh.devices.flat)
         where = describe_device(devices[0])
@@ -389,7 +386,7 @@ class Engine:
         kernel = "reference attention"
         if self.attention == "pallas":
             kernel = "Pallas TPU kernel" + (", TPU interpret mode" if self.platform != "tpu" else "")
-        return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {self.cfg.num_layers} layers in one scan"
+        return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {self.cfg.num_layers} layers"
 
     def occupancy(self) -> dict[str, int]:
         """Active slots, pages in use, free pages and the largest refcount right now."""

@@ -187,7 +187,7 @@ S, PAGE, PER_SEQ, PAGES, T, MAX_NEW, STOP = 4, 4, 4, 9, 8, 6, 2
 def fake_kv(state, kv_pages, info, slots, pos, roots):
     """Write a value naming each token's sequence family and position where its K/V belong."""
     value = (pos + 1000 * roots[jnp.maximum(slots, 0)]).astype(jnp.float32)[:, None, None]  # (T, 1, 1)
-    return update_kv(kv_pages[0], info.new_token_dests, value, value)[None]  # (1, P, ...)
+    return (update_kv(kv_pages[0], info.new_token_dests, value, value),)
 
 
 def model_free_step(state, fallback, kv_pages, slots, pos, sampled, roots):
@@ -261,7 +261,7 @@ def test_random_operations_keep_invariants(ops):
     what a host count finds, and the step counters add up. At the end nothing leaks."""
     ps = PAGE
     state = ds.DecodeState.init(S, PER_SEQ, PAGES, ps, MAX_NEW, [STOP])
-    kv_pages = jnp.full((1, PAGES, ps, 2, 1), -1.0)  # one layer, H_kv = D = 1
+    kv_pages = (jnp.full((PAGES, ps, 2, 1), -1.0),)  # one layer, H_kv = D = 1
     roots = np.zeros(S, np.int32)  # the family of each slot: admissions get new ones, clones inherit
     families = iter(range(1, 10**6))
     steps = tokens = most_shared = 0
