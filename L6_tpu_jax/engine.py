@@ -17,6 +17,12 @@
                                       a power of two (one compile per width): a lone sequence
                                       decodes 1 row, not max_seqs padded rows
 
+``device`` says where an engine without a mesh runs: None for JAX's default device, ``"cpu"``,
+``"cuda"`` (or ``"gpu"``), ``"tpu"``, each optionally ``":N"`` (``multihost.jax_device``; a backend JAX
+does not have is a ``ValueError`` naming what it has). The weights, the state and the pages live there,
+and ``describe()`` says where. With a ``mesh`` the mesh decides. ``attention="pallas"``, a Pallas TPU
+kernel, runs compiled on a TPU and in TPU interpret mode on a CPU; an engine on a GPU refuses it.
+
 ``cleanup`` says when a finished sequence's pages go back: ``"incremental"`` inside the decode loop,
 the step it finishes; ``"end"`` after each host call; ``"none"`` not until the next ``generate``
 (Levanter's original behaviour: then every prompt of a call must fit the pool at once).
@@ -70,9 +76,9 @@ from kvcourse.stats import EngineStats, UsageMeter
 from . import decode_state as ds
 from .attention import paged_attend, reference_decode_kernel, reference_kernel
 from .kv_cache import init_kv_pages
-from .multihost import DATA, check_same_call, local_copy
+from .multihost import DATA, check_same_call, describe_device, jax_device, local_copy
 from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv, shard_batch_info, shard_block
-from .pallas_attention import pallas_kernel
+from .pallas_attention import interpret_mode, pallas_kernel
 
 CLEANUPS = ("incremental", "end", "none")
 RESETS = ("logical", "physical")
@@ -141,6 +147,7 @@ class Engine:
         mesh: Mesh | None = None,
         guard: bool = False,
         specs: dict[str, P] | None = None,
+        device: str | None = None,
     ):
         for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
             if value not in choices:
@@ -148,12 +155,17 @@ class Engine:
         for name, value in (("page_size", page_size), ("max_seqs", max_seqs), ("max_rounds", max_rounds)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.mesh = Mesh(np.asarray(jax.local_devices()[:1]), (DATA,)) if mesh is None else mesh
+        self.mesh = Mesh(np.asarray([jax_device(device)]), (DATA,)) if mesh is None else mesh
         if self.mesh.axis_names != (DATA,):
             raise ValueError(f"mesh must have one axis, {DATA!r}, got axes {self.mesh.axis_names}")
+        self.platform = self.mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
+        if mesh is not None and device is not None and jax_device(device).platform != self.platform:
+            raise ValueError(f"device={device!r} does not match the mesh's devices ({self.platform})")
         self.num_shards = shards = self.mesh.shape[DATA]
         self.model_dir = resolve_model_dir(model_dir)
-        self.cfg, params = load_params(self.model_dir)
+        here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()][0]
+        with jax.default_device(here):  # made where they will live, not on JAX's default device
+            self.cfg, params = load_params(self.model_dir)
         cfg = self.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         self.page_size, self.max_seqs, self.max_rounds = page_size, max_seqs, max_rounds
@@ -170,21 +182,22 @@ class Engine:
         # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
         # batches its sequences (and the Pallas kernel uses one-row query blocks, not 15 rows of
         # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §6).
-        if attention == "pallas":
-            self.kernel = pallas_kernel(q_block, kv_pages_per_block)
-            self.decode_kernel = pallas_kernel(1, decode_kv_pages_per_block)
+        self.attention = attention
+        if attention == "pallas":  # compiled by Mosaic on a TPU, interpreted on a CPU, refused on a GPU
+            interpret = interpret_mode(self.platform)
+            self.kernel = pallas_kernel(q_block, kv_pages_per_block, interpret)
+            self.decode_kernel = pallas_kernel(1, decode_kv_pages_per_block, interpret)
         else:
             self.kernel = reference_kernel(q_block, kv_pages_per_block)
             self.decode_kernel = reference_decode_kernel(decode_kv_pages_per_block)
         stop = list(cfg.eos_token_ids) or [INVALID]
         self.specs = spec = {**SPECS, **(specs or {})}
         self.params = jax.device_put(params, NamedSharding(self.mesh, spec["params"]))
-        self.state = jax.device_put(
-            ds.DecodeState.init(
+        with jax.default_device(here):
+            state = ds.DecodeState.init(
                 max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop, shards
-            ),
-            NamedSharding(self.mesh, spec["decode_state"]),
-        )
+            )
+        self.state = jax.device_put(state, NamedSharding(self.mesh, spec["decode_state"]))
         kv_sharding = NamedSharding(self.mesh, spec["kv_pages"])
         self.kv_pages = jax.jit(
             partial(init_kv_pages, cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
@@ -360,6 +373,20 @@ class Engine:
             forks=self.num_forks,
             compiles=dict(self.traces),
         )
+
+    def describe(self) -> str:
+        """Where and how this engine runs, in one line.
+
+        Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers``.
+        """
+        devices = list(self.mesh.devices.flat)
+        where = describe_device(devices[0])
+        if len(devices) > 1:
+            where = f"{len(devices)} {self.platform} devices (a {DATA!r} mesh)"
+        kernel = "reference attention"
+        if self.attention == "pallas":
+            kernel = "Pallas TPU kernel" + (", TPU interpret mode" if self.platform != "tpu" else "")
+        return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {self.cfg.num_layers} layers"
 
     def occupancy(self) -> dict[str, int]:
         """Active slots, pages in use, free pages and the largest refcount right now."""

@@ -7,9 +7,12 @@ With no --model it runs the course model and a seeded random tiny Qwen3, against
 printing its engine's stats. Checked row by row:
 
 (a) L6 with the JAX reference attention (16 x 16 blocks), every prompt at once, incremental cleanup;
-(a') L6 with the Pallas kernel (``pallas_attention.py``) in TPU interpret mode on CPU: slow, so only the
-    PALLAS_PROMPTS shortest prompts, PALLAS_TOKENS tokens each (compared with the first PALLAS_TOKENS
-    tokens of L5 and HF, exact for greedy decoding), 2 slots, a model length just holding them.
+(a') L6 with the Pallas kernel (``pallas_attention.py``) in TPU interpret mode, always on the CPU (a
+    Pallas TPU kernel does not run on a GPU): slow, so only the PALLAS_PROMPTS shortest prompts,
+    PALLAS_TOKENS tokens each (compared with the first PALLAS_TOKENS tokens of L5 and HF, exact for
+    greedy decoding), 2 slots, a model length just holding them.
+
+Each engine prints where and how it runs (``Engine.describe()``: the JAX device, the attention kernel).
 
 Then, counted in the summary line through the smoke's ``extra`` hook:
 
@@ -37,9 +40,11 @@ PALLAS_PROMPTS, PALLAS_TOKENS = 2, 4
 
 
 def engine(ctx: SmokeContext, **options) -> Engine:
-    """An L6 engine on the smoke's device, if one was asked for (else on JAX's default device)."""
-    device = {} if ctx.device is None else {"device": ctx.device}
-    return Engine(ctx.model_dir, **device, **options)
+    """An L6 engine on the smoke's device (the CPU unless ``--device`` names another, as for the torch
+    stages), after printing where and how it runs (its ``describe()`` line)."""
+    built = Engine(ctx.model_dir, **{"device": ctx.device or "cpu", **options})
+    print(f"  {built.describe()}")
+    return built
 
 
 def runs(ctx: SmokeContext) -> list[StageRun]:
@@ -52,9 +57,14 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
             lambda ctx: engine(ctx, max_model_len=ctx.max_model_len),
         ),
         StageRun(
-            f"L6 Pallas kernel (TPU interpret mode), {PALLAS_PROMPTS} shortest prompts, {PALLAS_TOKENS} tokens each",
+            f"L6 Pallas kernel (TPU interpret mode, CPU), {PALLAS_PROMPTS} shortest prompts, {PALLAS_TOKENS} tokens each",
             lambda ctx: engine(
-                ctx, attention="pallas", max_seqs=2, max_model_len=pallas_len, kv_pages_per_block=4
+                ctx,
+                attention="pallas",
+                max_seqs=2,
+                max_model_len=pallas_len,
+                kv_pages_per_block=4,
+                device="cpu",  # interpreted: the kernel is a TPU kernel
             ),
             cap=PALLAS_TOKENS,
             only=chosen,

@@ -30,6 +30,10 @@ size): ``(S, H_kv, T_pad * G, D)``, row ``i * G + g`` = query i, head h * G + g;
 the output back in (T, H, D) rows. Rows past a sequence's q_len, and sequences past ``num_seqs``, come
 back 0, like the reference.
 
+Where it runs (``interpret_mode``): compiled by Mosaic on a TPU, in TPU interpret mode on a CPU, and
+nowhere else: a Pallas TPU kernel does not compile for a GPU, so an engine on a GPU refuses
+``attention="pallas"`` with a clear error (use the reference there, the default).
+
 Verified here: CPU only, in Pallas's TPU interpret mode (``pltpu.force_tpu_interpret_mode()`` or
 ``interpret=pltpu.InterpretParams()``), which simulates VMEM/SMEM and the block copies; the tests check
 it against dense attention and the JAX reference. Not run on a TPU: it has never been compiled by
@@ -52,6 +56,26 @@ from kvcourse.jax_model import HIGHEST
 
 from .attention import check_block_sizes, pad_to_kv_blocks
 from .page_table import cdiv
+
+
+def interpret_mode(platform: str):
+    """How this kernel runs on a JAX platform: compiled by Mosaic on ``"tpu"`` (``False``), in Pallas's
+    TPU interpret mode on ``"cpu"`` (``pltpu.InterpretParams()``); anything else (``"gpu"``) is refused.
+
+    A Pallas *TPU* kernel (``pltpu`` grid spec, VMEM/SMEM scratch) does not compile for a GPU, and its
+    interpret mode is a CPU simulation of a TPU's memories, never run on a GPU here.
+
+    Example: ``interpret_mode("gpu")`` raises ``ValueError: attention='pallas' is a Pallas TPU kernel: ...``.
+    """
+    if platform == "tpu":
+        return False
+    if platform == "cpu":
+        return pltpu.InterpretParams()
+    raise ValueError(
+        f"attention='pallas' is a Pallas TPU kernel: it compiles only for a TPU and runs interpreted "
+        f"(TPU interpret mode) only on a CPU, not on {platform!r}; use attention='reference' there, "
+        "or device='cpu' to run the kernel interpreted"
+    )
 
 
 def _kernel(
@@ -121,9 +145,9 @@ def pallas_ragged_paged_attention(
 ) -> jax.Array:
     """The Pallas version of ``attention.ragged_paged_attention``: same arguments, same (T, H, D) output.
 
-    ``interpret``: passed to ``pl.pallas_call``; None (the default) means ``False`` on a TPU and
-    ``pltpu.InterpretParams()`` (TPU interpret mode) anywhere else. Under
-    ``pltpu.force_tpu_interpret_mode()`` even ``interpret=False`` runs interpreted.
+    ``interpret``: passed to ``pl.pallas_call``; None (the default) asks ``interpret_mode`` for JAX's
+    default backend: ``False`` (compiled by Mosaic) on a TPU, TPU interpret mode on a CPU, refused on a
+    GPU. Under ``pltpu.force_tpu_interpret_mode()`` even ``interpret=False`` runs interpreted.
 
     Example, page_size 4, kv_pages_per_block 2, q_block 2, H=H_kv=1: one sequence, kv_len 6, q_len 3,
     page_indices [[5, 0, -1]] -> grid (1, 1, 2, 2). Step (0, 0, 0, 0) loads pages 5 and 0 and queries 0..1
@@ -139,7 +163,7 @@ def pallas_ragged_paged_attention(
     n_qb, n_kvb = cdiv(n_tok, q_block), cdiv(per_seq, n_pb)
     t_pad = n_qb * q_block
     if interpret is None:
-        interpret = False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+        interpret = interpret_mode(jax.default_backend())
 
     # Queries per sequence: (S, H_kv, T_pad * G, D), padding rows point at an all-zero row n_tok.
     i = jnp.arange(t_pad)  # (T_pad,) query index within a sequence
@@ -195,8 +219,12 @@ def pallas_ragged_paged_attention(
     return jnp.zeros((n_tok + 1, n_heads, d), q.dtype).at[rows].set(out)[:n_tok]  # padding -> row n_tok
 
 
-def pallas_kernel(q_block: int = 16, kv_pages_per_block: int = 16):
-    """``pallas_ragged_paged_attention`` with these block sizes, ready for ``paged_attend``."""
+def pallas_kernel(q_block: int = 16, kv_pages_per_block: int = 16, interpret=None):
+    """``pallas_ragged_paged_attention`` with these block sizes (and ``interpret``), ready for
+    ``paged_attend``."""
     return functools.partial(
-        pallas_ragged_paged_attention, q_block=q_block, kv_pages_per_block=kv_pages_per_block
+        pallas_ragged_paged_attention,
+        q_block=q_block,
+        kv_pages_per_block=kv_pages_per_block,
+        interpret=interpret,
     )

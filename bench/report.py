@@ -126,7 +126,7 @@ def first_runs_table(results: dict) -> list[str]:
 
 
 def summary_table(results: dict) -> str:
-    """The Markdown tables README shows: speeds, then the targets."""
+    """The Markdown tables ``bench/README.md`` shows: speeds, then the targets."""
     c, m, sizes = results["ceilings"], results["machine"], results["sizes"]
     lines = [
         f"machine: {m['processor']}, {m['threads']} threads, {m['platform']}, torch {m['torch']}",

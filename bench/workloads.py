@@ -1,6 +1,6 @@
 """The benchmark's workloads: sizes for a full and a quick run, and seeded random requests.
 
-``FULL`` is what ``make bench`` runs (README's Results); ``QUICK`` the same parts on tiny sizes, for the
+``FULL`` is what ``make bench`` runs (``bench/README.md``); ``QUICK`` the same parts on tiny sizes, for the
 test suite. ``repeats`` is how many timed runs each median takes. Random token ids are fine for speed: with ``ignore_eos`` the text never changes what is
 computed.
 """

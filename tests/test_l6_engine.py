@@ -194,3 +194,38 @@ def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_ll
     assert (stats.steps, stats.tokens_run) == (6, 10 + 5 * 3)
     assert (stats.blocks_held, stats.blocks_shared, stats.forks) == (8, 2, 1)
     assert stats.kv_bytes_live == 29 * per_token
+
+
+def test_device_is_where_everything_lives(tiny_llama_dir):
+    """device="cpu" puts the weights, the state and the pages on JAX's CPU device, and says so."""
+    engine = Engine(tiny_llama_dir, max_seqs=2, max_model_len=32, device="cpu")
+    cpu = jax.devices("cpu")[0]
+    for leaf in jax.tree.leaves((engine.params, engine.state, engine.kv_pages)):
+        assert leaf.devices() == {cpu}
+    assert engine.describe().startswith("L6 on cpu:0 (cpu), JAX ")
+    assert engine.describe().endswith(": reference attention, 2 layers")
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("cuda", r"device 'cuda': JAX has no 'cuda' backend here \(it has: .*cpu"),
+        ("cpu:7", r"device 'cpu:7': JAX has 1 cpu device\(s\), numbered from 0"),
+        ("abacus", r"device 'abacus': JAX has no 'abacus' backend here"),
+    ],
+)
+def test_a_device_jax_does_not_have_is_named(tiny_llama_dir, device, message):
+    if device == "cuda" and jax.default_backend() == "gpu":
+        pytest.skip("this machine's JAX has a GPU backend: 'cuda' is a device it has")
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_llama_dir, device=device)
+
+
+def test_the_pallas_tpu_kernel_is_refused_on_a_gpu():
+    """TPU: compiled by Mosaic; CPU: TPU interpret mode; a GPU: a clear error (it cannot run there)."""
+    from L6_tpu_jax.pallas_attention import interpret_mode
+
+    assert interpret_mode("tpu") is False
+    assert interpret_mode("cpu") is not False
+    with pytest.raises(ValueError, match="attention='pallas' is a Pallas TPU kernel: .* not on 'gpu'"):
+        interpret_mode("gpu")
