@@ -11,8 +11,9 @@ the tests that must fail.
 
 The script copies the repository once into a scratch folder (without ``.git``, ``.venv``, ``.cache``,
 notebooks and workspace), then for each mutation: writes the mutated file, runs its tests there in a
-fresh process (``pytest -x -q -p no:cacheprovider``, ``PYTHONPATH`` = the scratch copy, the real
-``KVCOURSE_CACHE`` so models and HF references are found, no bytecode written), and puts the file back.
+fresh process (``pytest -x -q -p no:cacheprovider`` without autoloaded plugins, ``PYTHONPATH`` = the
+scratch copy, the real ``KVCOURSE_CACHE`` so models and HF references are found, no bytecode written),
+and puts the file back.
 A mutation is *caught* when those tests fail, and *survived* when they pass. One line per mutation:
 
     caught     12.3 s  L5 fork shares the partial block  (tests/test_pressure.py::test_sampled_...)
@@ -500,7 +501,11 @@ def cpp_build_folder(source: Path) -> Path:
 def run_tests(scratch: Path, tests: Sequence[str], timeout: float) -> tuple[int | None, str]:
     """Run ``tests`` in ``scratch`` in a fresh process; (exit status or None on timeout, its output)."""
     env = dict(
-        os.environ, PYTHONPATH=str(scratch), KVCOURSE_CACHE=str(cache_root()), PYTHONDONTWRITEBYTECODE="1"
+        os.environ,
+        PYTHONPATH=str(scratch),
+        KVCOURSE_CACHE=str(cache_root()),
+        PYTHONDONTWRITEBYTECODE="1",  # a file put back within the same second must not run stale bytecode
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # nbval, xdist: seconds of imports per run, and no test needs them
     )
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
