@@ -11,9 +11,10 @@ prompt defaults, tool calls and anything else a chat template may support beyond
 
 Two prompt files ship with the course: ``prompts.jsonl``, the default set, and ``prompts_prefix.jsonl``
 for the prefix cache (L5's smoke runs it too): raw-text prompts built from three sentences of exactly
-16 tokens each with the course tokenizer, in different orders (P Q R, Q R, P R, Q P, then a question),
-so the same 16-token block, block-aligned, follows different prefixes. A cache whose keys forgot the
-blocks before a block would share K/V computed after another prefix, and the tokens would change.
+16 tokens each with the course tokenizer, in different orders (P Q R, Q R, P R, Q P, then the same
+half sentence), so the same 16-token block, block-aligned, follows different prefixes. A cache whose
+keys forgot the blocks before a block would share K/V computed after another prefix, and the tokens
+would change.
 """
 
 from __future__ import annotations

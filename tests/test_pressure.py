@@ -168,7 +168,7 @@ def test_the_prefix_prompt_file_repeats_blocks_after_other_prefixes(model_dir):
 
 
 def test_equal_blocks_after_other_prefixes_do_not_hit(tiny_qwen3_dir):
-    """Blocks P, Q, R of 4 tokens in the orders P Q R, Q R, P R, Q P, each then a question. The
+    """Blocks P, Q, R of 4 tokens in the orders P Q R, Q R, P R, Q P, each then the same 3 tokens. The
     chained keys hit only a block whose whole prefix matches: P in P R, Q in Q P, once each. A key of
     a block's tokens alone would also hit Q and R after other prefixes, and their K/V (computed at
     other positions, after other tokens) would change the answers."""
