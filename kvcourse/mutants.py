@@ -320,7 +320,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "L6 reset skipped unless cleanup is none",
         "L6_tpu_jax/engine.py",
         'self.state = self._call("reset_logical", self._reset_logical, self.state)',
-        'self.state = self._call("reset_logical", self._reset_logical, self.state) if self.cleanup == "none" else self.state',
+        'self.state = self._call("reset_logical", self._reset_logical, self.state)'
+        ' if self.cleanup == "none" else self.state',
         (P + "test_l6_two_calls_in_a_row_start_from_a_reset_state[incremental-logical]",),
     ),
     Mutation(
@@ -505,7 +506,7 @@ def run_tests(scratch: Path, tests: Sequence[str], timeout: float) -> tuple[int 
         PYTHONPATH=str(scratch),
         KVCOURSE_CACHE=str(cache_root()),
         PYTHONDONTWRITEBYTECODE="1",  # a file put back within the same second must not run stale bytecode
-        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # nbval, xdist: seconds of imports per run, and no test needs them
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # nbval, xdist: seconds of imports a run; no test needs them
     )
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
