@@ -4,11 +4,11 @@
 
 With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs four ways:
 
-(a) the PyTorch kernel, every prompt at once;
-(b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
-    causal queries in the middle of a sequence, on a small pool sized from the prompts
+(a) the PyTorch kernel, every prompt at once, on a small pool sized from the prompts
     (``SmokeContext.tight_pool``: every prompt fits at once, their growth does not), so the
     scheduler preempts and recomputes;
+(b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
+    causal queries in the middle of a sequence;
 (c) the C++ kernel (``paged_attention.cpp``, built by ``make setup``) with chunked prefill (chunk 8);
     skipped, saying why, on a machine where it could not be built;
 (d) the Triton kernel, in Triton's interpreter on a machine without a GPU (the course switches the
@@ -31,15 +31,14 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
     """The four configurations this smoke checks."""
     small = ctx.tight_pool(16)
     return [
-        StageRun("L4 torch kernel", lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len)),
         StageRun(
-            f"L4 torch kernel, 4 splits, chunked prefill 8, small pool of {small} blocks",
+            f"L4 torch kernel, small pool of {small} blocks",
+            lambda ctx: Engine(ctx.model_dir, num_blocks=small, max_model_len=ctx.max_model_len),
+        ),
+        StageRun(
+            "L4 torch kernel, 4 splits, chunked prefill 8",
             lambda ctx: Engine(
-                ctx.model_dir,
-                num_splits=4,
-                prefill_chunk_size=8,
-                num_blocks=small,
-                max_model_len=ctx.max_model_len,
+                ctx.model_dir, num_splits=4, prefill_chunk_size=8, max_model_len=ctx.max_model_len
             ),
         ),
         StageRun(
