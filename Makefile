@@ -28,7 +28,7 @@ export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup smoke test lint workspace notebooks grade exercises diffs bench gpu-check clean
+.PHONY: setup smoke test lint workspace notebooks grade exercises diffs bench gpu-check mutants clean
 
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
@@ -66,8 +66,8 @@ smoke: setup
 # XLA's compiled programs are kept in .cache/jax: the tests and smokes build many engines with the same
 # shapes (in one process and across processes), and each would otherwise compile them again. Not for
 # make bench, whose first runs report the compile time.
-test smoke: export JAX_COMPILATION_CACHE_DIR := $(CURDIR)/.cache/jax
-test smoke: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
+test smoke mutants: export JAX_COMPILATION_CACHE_DIR := $(CURDIR)/.cache/jax
+test smoke mutants: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 
 # The suite runs notebook kernels and JAX processes beside its own: idle OpenMP threads that spin would
 # steal their cores (L1 section 6). Sleeping threads make each small op slower, which no test times.
@@ -110,6 +110,11 @@ bench: setup
 # Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.gpu_check.
 gpu-check: setup
 	$(PY) -m kvcourse.gpu_check
+
+# Each promise the chapters make, broken on purpose in a scratch copy, one at a time: a test must fail
+# for every one (kvcourse/mutants.py). Not part of make test, which only checks the list still applies.
+mutants: setup
+	$(PY) -m kvcourse.mutants
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

@@ -5,7 +5,9 @@
 
 With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs four ways:
 
-(a) the PyTorch kernel, every prompt at once;
+(a) the PyTorch kernel, every prompt at once, on a small pool sized from the prompts
+    (``SmokeContext.tight_pool``: every prompt fits at once, their growth does not), so the
+    scheduler preempts and recomputes;
 (b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
     causal queries in the middle of a sequence;
 (c) the C++ kernel (``paged_attention.cpp``, built by ``make setup``) with chunked prefill (chunk 8);
@@ -54,8 +56,12 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
         cpp_skip = build_problem(CPP_SOURCE)  # why it cannot be built here (no C++ compiler), or None
     else:
         cpp_skip = f"the C++ kernel runs on the CPU only, not with --device {ctx.device}"
+    small = ctx.tight_pool(16)
     return [
-        StageRun("L4 torch kernel", lambda ctx: engine(ctx, kernel="torch")),
+        StageRun(
+            f"L4 torch kernel, small pool of {small} blocks",
+            lambda ctx: engine(ctx, kernel="torch", num_blocks=small),
+        ),
         StageRun(
             "L4 torch kernel, 4 splits, chunked prefill 8",
             lambda ctx: engine(ctx, kernel="torch", num_splits=4, prefill_chunk_size=8),

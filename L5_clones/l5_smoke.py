@@ -7,9 +7,11 @@ With no --model it runs the course model and a seeded random tiny Qwen3. Checked
 L4 and HF, each run printing its engine's stats (blocks held and shared, forks, prefix-cache hits):
 
 (a) every prompt at once, prefix cache on, with the device's default kernel (``kernel="auto"``: the
-    C++ kernel on a CPU where ``make setup`` built it, Triton on a GPU). SmolLM2's chat template adds
-    the same system prompt to every chat prompt that has none, so the prompts share their first
-    block, in the same step;
+    C++ kernel on a CPU where ``make setup`` built it, Triton on a GPU), on a small pool sized from the
+    prompts (``SmokeContext.tight_pool``: every prompt fits at once, their growth does not), so the
+    scheduler preempts. SmolLM2's chat template adds the same system prompt to every chat prompt that
+    has none, so the prompts share their first block, in the same step, and a preempted request finds
+    it again;
 (b) one request at a time, prefix cache on: each request finds the blocks the ones before it freed
     (a freed block keeps its key until it is handed out again);
 (c) as (a), with the PyTorch reference kernel.
@@ -21,20 +23,25 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
 (e) SAMPLES sampled clones (temperature 0.8, top-p 0.9, top-k 50, seed 1234) of the SAMPLED_PROMPTS
     shortest prompts, CLONE_TOKENS tokens each: == SAMPLES independent requests seeded 1234 ..,
     with nothing shared, token for token. Sampling has no HF reference: these rows compare L5 with
-    itself, forked against unshared.
+    itself, forked against unshared;
+(f) the prefix-cache prompt file (``kvcourse/prompts_prefix.jsonl``, its own budgets): the same
+    16-token blocks after different prefixes, one request at a time and then all at once, against HF.
+    A cache key that forgot the blocks before its block would hit there and change the tokens.
 """
 
 from __future__ import annotations
 
 from kvcourse.compare import Row, compare, first_difference, format_rows
+from kvcourse.prompts import PREFIX_PROMPTS, read_prompts
 from kvcourse.sampling import SamplingParams
-from kvcourse.smoke import SmokeContext, StageRun, blocks_for, run_smoke
+from kvcourse.smoke import SmokeContext, StageRun, blocks_for, compare_run, prepare, run_smoke
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine
 
 SAMPLES = 4
 CLONE_TOKENS = 24
 SAMPLED_PROMPTS = 3
+PREFIX_TOKENS = 16  # the budget of a line of the prefix-cache file that sets none (the course's set them all)
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
 
 
@@ -45,8 +52,12 @@ def one_at_a_time(engine, prompts: list[list[int]], budgets: list[int]) -> list[
 
 def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations compared row by row with L4 and HF."""
+    small = ctx.tight_pool(16)
     return [
-        StageRun("L5 all at once, prefix cache on", lambda ctx: engine(ctx)),
+        StageRun(
+            f"L5 all at once, prefix cache on, small pool of {small} blocks",
+            lambda ctx: engine(ctx, num_blocks=small),
+        ),
         StageRun("L5 one request at a time, prefix cache on", lambda ctx: engine(ctx), one_at_a_time),
         StageRun("L5 torch kernel, all at once, prefix cache on", lambda ctx: engine(ctx, kernel="torch")),
     ]
@@ -121,9 +132,29 @@ def sampled_clones(ctx: SmokeContext) -> tuple[int, int]:
     return passed, len(prompts)
 
 
+def prefix_prompts(ctx: SmokeContext) -> tuple[int, int]:
+    """(f): the prefix-cache prompt file, one request at a time and all at once, against HF."""
+    prefix = prepare(ctx.model_dir, read_prompts(PREFIX_PROMPTS), PREFIX_TOKENS)
+    passed = total = 0
+    for run in (
+        StageRun(
+            "L5 prefix-cache prompts (equal blocks after different prefixes), one at a time",
+            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+            one_at_a_time,
+        ),
+        StageRun(
+            "L5 prefix-cache prompts (equal blocks after different prefixes), all at once",
+            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+        ),
+    ):
+        p, t, _, _ = compare_run(prefix, run, None, None)
+        passed, total = passed + p, total + t
+    return passed, total
+
+
 def extra(ctx: SmokeContext) -> tuple[int, int]:
-    """(d) and (e), counted in the summary line."""
-    results = [greedy_clones(ctx), sampled_clones(ctx)]
+    """(d), (e) and (f), counted in the summary line."""
+    results = [greedy_clones(ctx), sampled_clones(ctx), prefix_prompts(ctx)]
     return sum(p for p, _ in results), sum(t for _, t in results)
 
 

@@ -19,10 +19,12 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
 (b) CLONES greedy clones of each prompt (prefilled once, full pages shared): every clone == HF,
     up to CLONE_TOKENS tokens (the row shows the clone that differs first, if any);
 (c) two consecutive ``generate`` calls with logical reset == the same two with physical reset, and
-    both == HF.
+    both == HF, on a pool just big enough for the longest request (``SmokeContext.longest_blocks``):
+    a prompt is admitted only while the pool can hold it to its whole budget next to what the running
+    ones may still grow into, so prompts wait for pages, and decoding must never run dry.
 
 ``--device`` (or ``$KVCOURSE_DEVICE``) puts L6 on that JAX device and L5 and HF on that torch device;
-without either, L6 runs on JAX's default device and L5 and HF on the CPU.
+without either, all of them run on the CPU.
 
 Not run here: the Pallas kernel compiled for a real TPU (this checks it interpreted, on CPU only).
 """
@@ -100,14 +102,16 @@ def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
 
 
 def two_calls(ctx: SmokeContext) -> tuple[int, int]:
-    """(c): two consecutive calls per reset mode; logical == physical == HF."""
+    """(c): two consecutive calls per reset mode, on a pool that holds the longest request alone;
+    logical == physical == HF."""
     half = len(ctx.ids) // 2
+    pages = ctx.longest_blocks(16)
     outputs = {}
     for mode in ("logical", "physical"):
-        l6 = engine(ctx, reset=mode, max_model_len=ctx.max_model_len)
+        l6 = engine(ctx, reset=mode, num_pages=pages, max_model_len=ctx.max_model_len)
         first = l6.generate(ctx.ids[:half], ctx.budgets[:half])
         outputs[mode] = first + l6.generate(ctx.ids[half:], ctx.budgets[half:])
-        print(f"  {mode} reset: last reset took {1000 * l6.reset_seconds:.1f} ms")
+        print(f"  {mode} reset: last reset took {1000 * l6.reset_seconds:.1f} ms; {l6.stats()}")
     rows = [
         Row(
             prompt.label,
@@ -120,7 +124,7 @@ def two_calls(ctx: SmokeContext) -> tuple[int, int]:
             ctx.prompts, ctx.refs, outputs["logical"], outputs["physical"], strict=True
         )
     ]
-    print("-- L6 two generate() calls, logical reset (compared with physical reset and HF)")
+    print(f"-- L6 two generate() calls on {pages} pages, logical reset (compared with physical reset and HF)")
     print(format_rows(rows, "physical"))
     return sum(r.ok for r in rows), len(rows)
 

@@ -8,6 +8,13 @@ or raw text (encoded as is, no template), with an optional per-prompt token budg
 
 Every smoke script, the CLI and the benchmarks read this one format. Left out on purpose: system
 prompt defaults, tool calls and anything else a chat template may support beyond role/content.
+
+Two prompt files ship with the course: ``prompts.jsonl``, the default set, and ``prompts_prefix.jsonl``
+for the prefix cache (L5's smoke runs it too): raw-text prompts built from three sentences of exactly
+16 tokens each with the course tokenizer, in different orders (P Q R, Q R, P R, Q P, then the same
+half sentence), so the same 16-token block, block-aligned, follows different prefixes. A cache whose
+keys forgot the blocks before a block would share K/V computed after another prefix, and the tokens
+would change.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+PREFIX_PROMPTS = Path(__file__).with_name("prompts_prefix.jsonl")
 
 
 @dataclass(frozen=True)

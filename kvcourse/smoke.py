@@ -86,8 +86,14 @@ class SmokeContext:
         needs 24 blocks; the prompts need 23 + 3 + 3 = 29; the pool gets 29 and the three sequences,
         which grow to 24 + 3 + 3 = 30 blocks, cannot all stay.
         """
-        longest = max(blocks_for(len(p) + b, block_size) for p, b in zip(self.ids, self.budgets, strict=True))
-        return max(longest, sum(blocks_for(len(p) + 1, block_size) for p in self.ids))
+        return max(self.longest_blocks(block_size), sum(blocks_for(len(p) + 1, block_size) for p in self.ids))
+
+    def longest_blocks(self, block_size: int) -> int:
+        """Blocks the longest request needs to finish: the smallest pool that can run every prompt.
+
+        Example, block_size 16, prompts of 365, 32 and 34 tokens with budgets 12, 8, 5 -> 24.
+        """
+        return max(blocks_for(len(p) + b, block_size) for p, b in zip(self.ids, self.budgets, strict=True))
 
     def shortest(self, n: int) -> list[int]:
         """Indices of the n shortest prompts, in file order (for slow interpreted kernels)."""

@@ -207,6 +207,23 @@ def test_preemption_spares_the_higher_priority():
     assert drain(s) == [1, 0]
 
 
+def test_a_step_that_preempts_admits_nobody():
+    """The chapter's rule: waiting sequences are admitted only in a step that preempted nobody, so a
+    newcomer never takes the blocks a victim just gave back. A high-priority request waits while two
+    others fill the pool; when one of them is preempted, the step runs the survivor alone."""
+    s = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=2)
+    submit(s, 2, 6)
+    submit(s, 2, 6)
+    fake_step(s)
+    urgent = submit(s, 1, 1, priority=5)  # the running set is full: it waits
+    while s.num_preemptions == 0:
+        batch, _ = fake_step(s)
+    assert batch == [(0, 1)] and urgent.status is Status.WAITING  # 1 block is free, and stays free
+    assert s.allocator.num_free == 1
+    assert fake_step(s)[0] == [(0, 1), (2, 1)]  # the next step admits it
+    assert drain(s) == [0, 1]
+
+
 def test_abort_frees_blocks_at_once():
     s = make_scheduler(max_num_seqs=1)
     running, waiting = submit(s, 6, 5), submit(s, 6, 5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from cpp_kernel import PROBLEM, needs_cpp
 from smoke_runs import course_smoke, smoke_module
@@ -73,3 +75,8 @@ def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, 
     matched = 13 if PROBLEM is None else 9  # 4 prompts x 3 runs + 1, less the C++ run's 4 where it cannot run
     assert last.startswith(f"L4 smoke: {matched}/{matched} prompts match L3 and HF"), last
     assert "L4 triton kernel (interpreter), 1 shortest prompts" in out
+    preemptions = re.findall(
+        r"  L4 torch kernel, small pool .*\n  .*; \d+ steps, (\d+) preemptions",
+        out,
+    )
+    assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions  # the small pool preempts

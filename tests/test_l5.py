@@ -437,6 +437,22 @@ def test_a_parent_that_cannot_fork_goes_back_and_forks_after_its_recompute():
     assert s.num_forks == 1 and [r.output_ids for r in s.finished if r.request_id == 1] == [[TOKEN] * 2] * 3
 
 
+def test_a_step_that_preempts_admits_nobody():
+    """Nothing is admitted in a step that preempted someone (so a block registered in the prefix cache
+    this step is filled by this step): a high-priority request waits while two others fill the pool,
+    and the step that preempts one of them runs the survivor alone."""
+    s = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=2)
+    submit(s, 2, 6)
+    submit(s, 2, 6)
+    fake_step(s)
+    urgent = submit(s, [9], 1, priority=5)  # the running set is full: it waits
+    while s.num_preemptions == 0:
+        batch, _ = fake_step(s)
+    assert batch == [(0, 1)] and urgent.status is Status.WAITING and s.allocator.num_free == 1
+    assert fake_step(s)[0] == [(0, 1), (2, 1)]  # the next step admits it
+    drain(s)
+
+
 def test_abort_cancels_every_sample_and_frees_their_blocks():
     s = make_scheduler()
     seq = submit(s, 6, 5, n=3)
@@ -631,11 +647,16 @@ def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
 
 @pytest.mark.slow
 def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
-    """The smoke itself on the course model: L5 == L4 == HF, clones, sampled clones
-    and the prefix-cache workload all agree."""
+    """The smoke itself on the course model: L5 == L4 == HF, clones, sampled clones, the small pool
+    (which preempts) and the prefix-cache prompt file all agree."""
     status, out = course_smoke("L5", model_dir, capsys, course_prompts_subset)
     last = out.strip().splitlines()[-1]
     assert status == 0, last
-    # 3 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows = 19; 15 where the C++ run is skipped
-    matched = 19 if PROBLEM is None else 15
+    # 3 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows + 2 runs x 4 prefix-cache prompts
+    # = 27; 23 where the C++ run is skipped
+    matched = 27 if PROBLEM is None else 23
     assert last.startswith(f"L5 smoke: {matched}/{matched} prompts match L4 and HF"), last
+    preemptions = re.findall(
+        r"  L5 all at once, prefix cache on, small pool .*\n  .*; \d+ steps, (\d+) preemptions", out
+    )
+    assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions
