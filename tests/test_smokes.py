@@ -67,7 +67,7 @@ def test_every_smoke_runs_a_long_prompt_file_on_any_checkpoint(stage, long_promp
     match = re.match(rf"{stage} smoke: (\d+)/(\d+) prompts match", last)
     assert match and match[1] == match[2] and int(match[2]) >= 4, last
     if stage in ("L3", "L4", "L5"):  # their small pools, sized from these prompts, still preempt
-        assert re.search(r"small pool .*\n  .*; \d+ steps, [1-9]\d* preemptions", out), out[-4000:]
+        assert re.search(r"small pool .*\n  cpu, .*\n  .*; \d+ steps, [1-9]\d* preemptions", out), out[-4000:]
 
 
 def bad_cases(tmp: Path, tiny: Path) -> list[tuple[str, list[str], str]]:
