@@ -17,10 +17,9 @@ Left out on purpose: error messages (only the error's type is graded).
 
 from __future__ import annotations
 
-from .allocator import BlockAllocator
-from .checks import HIDDEN
+from .checks import HIDDEN, scheduler_plan
 from .scheduler import Scheduler
-from .sequence import Sequence, Status, reserve
+from .sequence import Status
 
 
 def slots(block_table, start, end, block_size):
@@ -69,32 +68,6 @@ def preempt(running, waiting, allocator):
     at = next((i for i, seq in enumerate(waiting) if (-seq.priority, seq.request_id) > key), len(waiting))
     waiting.insert(at, victim)
     return victim
-
-
-def scheduler_plan(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs):
-    """``Scheduler.schedule`` as ``plan_step``, with plenty of free blocks (as ``check_plan_step``
-    builds it: a running request has a prompt of 20 tokens, all but its ``todo`` computed)."""
-    sched = Scheduler(
-        BlockAllocator(256, 4),
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        prefill_chunk_size=prefill_chunk_size,
-    )
-    seqs = []
-    for i, todo in enumerate(running):
-        seq = Sequence(i, [1] * 20, 8)
-        seq.num_computed_tokens = 20 - todo
-        reserve(seq, sched.allocator, seq.num_computed_tokens)
-        seq.status = Status.RUNNING
-        sched.running.append(seq)
-        seqs.append(seq)
-    for j, todo in enumerate(waiting):
-        seq = Sequence(len(running) + j, [1] * todo, 8)
-        sched.add(seq)
-        seqs.append(seq)
-    planned = {seq.request_id: n for seq, n in sched.schedule()}
-    counts = [planned.get(seq.request_id, 0) for seq in seqs]
-    return counts[: len(running)], counts[len(running) :]
 
 
 def scheduler_preempt(running, waiting, allocator):

@@ -61,6 +61,33 @@ def check_slots(slots: Callable) -> None:
     )
 
 
+def scheduler_plan(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs):
+    """What ``Scheduler.schedule`` plans, in ``plan_step``'s terms, with plenty of free blocks: a running
+    request has a prompt of 20 tokens, all but its ``todo`` computed; a waiting one has ``todo`` tokens.
+    Example with budget 8, chunk 4, max_num_seqs 4: running [1, 1], waiting [10, 3] -> ([1, 1], [4, 2])."""
+    sched = Scheduler(
+        BlockAllocator(256, 4),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        prefill_chunk_size=prefill_chunk_size,
+    )
+    seqs = []
+    for i, todo in enumerate(running):
+        seq = Sequence(i, [1] * 20, 8)
+        seq.num_computed_tokens = 20 - todo
+        reserve(seq, sched.allocator, seq.num_computed_tokens)
+        seq.status = Status.RUNNING
+        sched.running.append(seq)
+        seqs.append(seq)
+    for j, todo in enumerate(waiting):
+        seq = Sequence(len(running) + j, [1] * todo, 8)
+        sched.add(seq)
+        seqs.append(seq)
+    planned = {seq.request_id: n for seq, n in sched.schedule()}
+    counts = [planned.get(seq.request_id, 0) for seq in seqs]
+    return counts[: len(running)], counts[len(running) :]
+
+
 def check_plan_step(plan_step: Callable) -> None:
     """Grade ``plan_step(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs)``
     against what ``Scheduler.schedule`` does with plenty of free blocks.
@@ -71,32 +98,9 @@ def check_plan_step(plan_step: Callable) -> None:
     max_num_seqs 4: running [1, 1], waiting [10, 3] -> ([1, 1], [4, 2]).
     """
 
-    def expected(running, waiting, budget, chunk, max_seqs):
-        sched = Scheduler(
-            BlockAllocator(256, 4),
-            max_num_seqs=max_seqs,
-            max_num_batched_tokens=budget,
-            prefill_chunk_size=chunk,
-        )
-        seqs = []
-        for i, todo in enumerate(running):  # a running sequence: prompt of 20, todo left to compute
-            seq = Sequence(i, [1] * 20, 8)
-            seq.num_computed_tokens = 20 - todo
-            reserve(seq, sched.allocator, seq.num_computed_tokens)
-            seq.status = Status.RUNNING
-            sched.running.append(seq)
-            seqs.append(seq)
-        for j, todo in enumerate(waiting):
-            seq = Sequence(len(running) + j, [1] * todo, 8)
-            sched.add(seq)
-            seqs.append(seq)
-        planned = {seq.request_id: n for seq, n in sched.schedule()}
-        counts = [planned.get(s.request_id, 0) for s in seqs]
-        return counts[: len(running)], counts[len(running) :]
-
     def case(running, waiting, budget, chunk, max_seqs) -> Callable[[], str | None]:
         def run() -> str | None:
-            want = expected(running, waiting, budget, chunk, max_seqs)
+            want = scheduler_plan(running, waiting, budget, chunk, max_seqs)
             got = plan_step(list(running), list(waiting), budget, chunk, max_seqs)
             if not isinstance(got, tuple | list) or len(got) != 2:
                 return f"returned {got!r}, expected two lists (running, waiting)"
