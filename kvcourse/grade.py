@@ -270,15 +270,16 @@ def run_nbval(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=limits,
         start_new_session=True,
     )  # fmt: skip
-    stopped = False
+    stopped, output = False, ""
     try:
-        proc.communicate(timeout=NOTEBOOK_TIMEOUT)
+        output = proc.communicate(timeout=NOTEBOOK_TIMEOUT)[0].decode(errors="replace")
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.communicate()
         stopped = True
     if not report.exists():
-        return "the notebook could not be run (is it a valid notebook?)", stopped
+        said = output.strip().splitlines()[-1:] or ["no output"]
+        return f"the notebook could not be run ({said[0][:200]})", stopped
     return json.loads(report.read_text(encoding="utf-8")), stopped
 
 

@@ -6,7 +6,8 @@
   the whole file system read-only (the repository included), a private ``/tmp`` and home, no network
   (a network namespace of its own: loopback only, which the Jupyter kernel talks over), its own
   process, IPC and host-name namespaces, killed with the grader. The grader's work folder is the one
-  writable place. The answer key is out of sight: ``notebooks/`` (the reference notebooks hold the
+  writable place (what the run reads from the host's /tmp, a clone of the repository there say, is
+  brought back read-only). The answer key is out of sight: ``notebooks/`` (the reference notebooks hold the
   solutions), each stage's ``answers.py`` and the git history are covered by empty ones;
 - **limits** set with ``setrlimit`` (what ``prlimit`` sets): address space (``memory_bytes``) and CPU
   seconds (``cpu_seconds``). A process over its CPU time is killed, which the grader reports as a
@@ -27,12 +28,16 @@ caught by the hidden cases' watch instead).
 from __future__ import annotations
 
 import functools
+import os
 import resource
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvcourse.model_store import cache_root
 
 INSTALL_HINT = "apt-get install bubblewrap (Debian/Ubuntu) or dnf install bubblewrap (Fedora)"
 
@@ -84,8 +89,17 @@ class Sandbox:
         """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits."""
         return (self._bwrap(workdir) + argv if self.use_bwrap else argv), self._limits
 
+    def needed(self) -> list[Path]:
+        """What a run reads that may live under /tmp, which the box replaces by an empty one: the
+        repository (a clone in /tmp), the Python environment and the model cache."""
+        paths = [self.repo, Path(sys.prefix), Path(sys.base_prefix), cache_root()]
+        found = {Path(os.path.realpath(p)) for p in paths} | {p.absolute() for p in paths}
+        return sorted(p for p in found if p.is_relative_to("/tmp") and p.exists())
+
     def _bwrap(self, workdir: Path) -> list[str]:
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for path in self.needed():  # brought back, still read-only, into the empty /tmp
+            args += ["--ro-bind", str(path), str(path)]
         args += ["--dir", "/tmp/home", "--setenv", "HOME", "/tmp/home"]
         for path in self.covered():
             if path.is_dir():

@@ -254,6 +254,17 @@ print("key", os.listdir({str(ROOT / "notebooks")!r}), read({str(ROOT / "L2_token
     assert not (ROOT / "SANDBOX_PROBE").exists()
 
 
+def test_a_repository_under_tmp_stays_visible_in_the_box():
+    """The box empties /tmp; a clone there (CI's, a learner's scratch copy) is brought back read-only,
+    after which the answer key is covered again."""
+    clone = Path(tempfile.mkdtemp(prefix="kvcourse-clone-"))
+    (clone / "notebooks").mkdir()
+    box = Sandbox(clone, memory_bytes=1 << 30, cpu_seconds=10, use_bwrap=True)
+    assert clone in box.needed()
+    args = box.wrap(["true"], clone / "work")[0]
+    assert args.index(str(clone)) < args.index(str(clone / "notebooks")) < args.index(str(clone / "work"))
+
+
 def test_without_bubblewrap_the_grader_says_so_and_how_to_install_it(monkeypatch):
     box = Sandbox(ROOT, memory_bytes=1 << 30, cpu_seconds=10, use_bwrap=False)
     monkeypatch.setattr("kvcourse.sandbox.bwrap_works", lambda: "bubblewrap (bwrap) is not installed")
