@@ -60,7 +60,7 @@ from pathlib import Path
 import nbformat
 
 from kvcourse import hidden
-from kvcourse.exercises import CHECK_MARKER, NOTEBOOKS, read, render
+from kvcourse.exercises import CHECK_MARKER, NOTEBOOKS, read, render, stage_of
 from kvcourse.integrity import scan
 from kvcourse.sandbox import Sandbox
 from kvcourse.stages import STAGES
@@ -126,10 +126,10 @@ def tags(cell) -> list[str]:
 
 def package_of(name: str) -> str:
     """The stage package of a notebook file name: ``"L2_token_flat.ipynb" -> "L2_token_flat"``."""
-    m = re.match(r"(L\d+)_", name)
-    if not m or m[1] not in STAGES:
+    stage = stage_of(name)
+    if stage not in STAGES:
         raise ValueError(f"{name}: not a stage's notebook")
-    return STAGES[m[1]]
+    return STAGES[stage]
 
 
 def exercises_of(key) -> list[Exercise]:
@@ -462,9 +462,8 @@ def _exercise_order(exercise_id: str) -> tuple[int, int]:
 
 def known_exercises() -> list[str]:
     """Every exercise id of the exercise notebooks: ``["L1.1", ..., "L6.4"]``."""
-    found = []
-    for key in sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb")):
-        found += [m[1] for cell in read(key).cells for m in STUB_TITLE_RE.finditer(cell.source)]
+    keys = sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb"))
+    found = [ex.exercise_id for key in keys for ex in exercises_of(read(key))]
     return sorted(found, key=_exercise_order)
 
 

@@ -69,29 +69,28 @@ class Mutation:
 
 P = "tests/test_pressure.py::"
 S = "tests/test_shortages.py::"
+# (old, new) of L2's and L3's alloc_blocks (the same code in both): hand out what is free, then raise
+PARTIAL_GRANT = (
+    "        if n > len(self.free_blocks):\n"
+    "            raise OutOfBlocksError(needed=n, free=len(self.free_blocks))\n"
+    "        blocks = [self.free_blocks.popleft() for _ in range(n)]",
+    "        blocks = [self.free_blocks.popleft() for _ in range(min(n, len(self.free_blocks)))]\n"
+    "        if len(blocks) < n:\n"
+    "            raise OutOfBlocksError(needed=n, free=len(blocks))",
+)
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ---- allocation: all or nothing, and blocks for every position
     Mutation(
         "L2 allocator hands out the blocks it has, then raises",
         "L2_token_flat/allocator.py",
-        "        if n > len(self.free_blocks):\n"
-        "            raise OutOfBlocksError(needed=n, free=len(self.free_blocks))\n"
-        "        blocks = [self.free_blocks.popleft() for _ in range(n)]",
-        "        blocks = [self.free_blocks.popleft() for _ in range(min(n, len(self.free_blocks)))]\n"
-        "        if len(blocks) < n:\n"
-        "            raise OutOfBlocksError(needed=n, free=len(blocks))",
+        *PARTIAL_GRANT,
         (S + "test_a_sequence_that_cannot_grow_takes_no_block[L2-part of it free]",),
     ),
     Mutation(
         "L3 allocator hands out the blocks it has, then raises",
         "L3_block_tensor/allocator.py",
-        "        if n > len(self.free_blocks):\n"
-        "            raise OutOfBlocksError(needed=n, free=len(self.free_blocks))\n"
-        "        blocks = [self.free_blocks.popleft() for _ in range(n)]",
-        "        blocks = [self.free_blocks.popleft() for _ in range(min(n, len(self.free_blocks)))]\n"
-        "        if len(blocks) < n:\n"
-        "            raise OutOfBlocksError(needed=n, free=len(blocks))",
+        *PARTIAL_GRANT,
         (S + "test_a_sequence_that_cannot_grow_takes_no_block[L3-part of it free]",),
     ),
     Mutation(

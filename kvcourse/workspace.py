@@ -18,9 +18,9 @@ import re
 import sys
 from pathlib import Path
 
-from kvcourse.exercises import NOTEBOOKS, read, render
+from kvcourse.exercises import NOTEBOOKS, RELATIVE_LINK_RE, read, render
 
-LINK_RE = re.compile(r"\]\((?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)([^)\s#]+)")  # "](" + a relative target
+LINK_RE = re.compile(RELATIVE_LINK_RE.pattern + r"([^)\s#]+)")  # "](" + a relative target, captured
 
 WORKSPACE = NOTEBOOKS.parent / "workspace"
 

@@ -23,22 +23,13 @@ import json
 import pytest
 
 from kvcourse import hidden
-from kvcourse.exercises import NOTEBOOKS, read
-from kvcourse.grade import STUB_TITLE_RE, package_of
+from kvcourse.grade import known_exercises
+from kvcourse.stages import STAGES
 
 SEEDS = range(5)
 
 
-def exercise_ids() -> list[tuple[str, str]]:
-    """(stage package, exercise id) for every stub of every exercise notebook."""
-    found = []
-    for path in sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb")):
-        for cell in read(path).cells:
-            found += [(package_of(path.name), m[1]) for m in STUB_TITLE_RE.finditer(cell.source)]
-    return found
-
-
-EXERCISES = exercise_ids()
+EXERCISES = [(STAGES[ex.split(".")[0]], ex) for ex in known_exercises()]  # (stage package, exercise id)
 
 
 def spec(package: str, exercise_id: str) -> hidden.Hidden:
