@@ -2,10 +2,25 @@
 (sequence, KV head, split).
 
 Each program loads its sequence's query rows for one KV head (the G query heads that share it, for
-every new token of the sequence), walks that sequence's block table over its share of the blocks,
-and keeps the online-softmax state (m, l, acc) in registers. With one split it writes the output;
-with several, each program writes its partial (m, l, acc) and a second small kernel merges them
-(the flash-decoding reduce).
+every new token of the sequence), walks that sequence's positions a tile of ``TILE_N`` at a time,
+finding each position's block through the block table, and keeps the online-softmax state (m, l, acc)
+in registers. With one split it writes the output; with several, each program writes its partial
+(m, l, acc) and a second small kernel merges them (the flash-decoding reduce).
+
+A tile may span several blocks: the program loads the tile's block ids from the table (one per
+position, ``position // BLOCK_SIZE``) and reads every position's K/V row where it lies. Loading a whole
+tile per step instead of one block keeps more memory requests in flight on a GPU; the block size stops
+mattering to the kernel's shapes (a block of 7 and one of 16 read through the same 32-position tile).
+
+``LaunchConfig`` holds a launch's sizes: query rows per chunk (``tl.dot`` needs 16 at least, so a
+decode token's G heads are padded to 16 rows), positions per tile, warps, and pipeline stages.
+``choose_splits`` picks the split count for ``num_splits="auto"``: enough programs to fill a GPU's
+multiprocessors when there are few sequences and long histories. The defaults were chosen without a
+GPU to time them, from what NVIDIA's assembler reports for each shape (``python -m bench.kernels
+--resources``, no GPU needed): a 32-position tile with 4 warps spills nothing and needs 128 registers
+a thread at head dim 64, where the kernel that read one 16-position block per step needed 96. On a
+GPU, ``python -m bench.kernels`` times the alternatives, and its table, not this docstring, says which
+is fastest.
 
 Compiled or interpreted, by the tensor. ``triton.jit`` turns a Python function into a kernel compiled
 for the GPU or, when the environment variable ``TRITON_INTERPRET`` is 1 at that moment, into one that
@@ -24,13 +39,15 @@ Verified here (no GPU): the interpreted kernel against dense attention, and the 
 build for NVIDIA GPUs (Triton's compiler down to a GPU binary, which needs no GPU). Running the compiled
 kernel needs a CUDA GPU: ``python -m kvcourse.gpu_check`` does it.
 
-Left out on purpose: autotuning, fp16/bf16 inputs, and the vLLM-style tricks that matter only for
-speed (persistent programs, splitting query tiles across programs).
+Left out on purpose: autotuning at run time (the bench sweeps instead, and the chosen shapes are plain
+code), fp16/bf16 inputs, and the vLLM-style tricks that matter only for speed (persistent programs,
+splitting query tiles across programs).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -76,7 +93,7 @@ def _paged_attention_kernel(
     stride_ms, stride_mt,
     stride_as, stride_at, stride_ah,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,15 +101,13 @@ def _paged_attention_kernel(
     q0 = tl.load(cu_q_lens_ptr + seq)
     q_len = tl.load(cu_q_lens_ptr + seq + 1) - q0
     ctx = tl.load(context_lens_ptr + seq)
-    n_blocks = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
-    per_split = (n_blocks + NUM_SPLITS - 1) // NUM_SPLITS
-    b_start = split * per_split
-    b_end = tl.minimum(b_start + per_split, n_blocks)
+    per_split = (ctx + TILE_N * NUM_SPLITS - 1) // (TILE_N * NUM_SPLITS) * TILE_N  # whole tiles per split
+    t_start = split * per_split
+    t_end = tl.minimum(t_start + per_split, ctx)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    n_mask = offs_n < BLOCK_SIZE
+    offs_t = tl.arange(0, TILE_N)
     for row0 in range(0, q_len * G, BLOCK_M):  # query rows = (new token, head of this group) pairs
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < q_len * G
@@ -108,15 +123,17 @@ def _paged_attention_kernel(
         l = tl.full((BLOCK_M,), 0.0, tl.float32)
         acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
         last_pos = ctx - q_len + tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)  # newest query here
-        for j in range(b_start, tl.minimum(b_end, last_pos // BLOCK_SIZE + 1)):  # later blocks: all masked
-            block = tl.load(block_tables_ptr + seq * stride_bt + j)  # physical block of logical block j
-            kv_off = block * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D), read in place
+        for t0 in range(t_start, tl.minimum(t_end, last_pos + 1), TILE_N):  # later tiles: all masked
+            pos = t0 + offs_t  # (TILE_N,) positions of this tile
+            pos_mask = pos < t_end
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+            row_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # (TILE_N,) in place
+            kv_off = row_off[:, None] + kv_head * stride_kh + offs_d[None, :]
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, BLOCK_D)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
-            k_pos = j * BLOCK_SIZE + offs_n
-            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, TILE_N)
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
             base = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - base[:, None])
@@ -166,6 +183,51 @@ KERNELS = {
 }
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The shape of one launch of the attention kernel: Triton's compile-time sizes and launch options.
+
+    ``block_m``: query rows a program takes at a time. ``tile_n``: history positions per step of the
+    loop. Both are powers of two, 16 or more (``tl.dot``'s smallest size). ``num_warps``: 32-thread warps
+    per program. ``num_stages``: how many steps ahead Triton's software pipeline issues the loop's loads.
+    The interpreter ignores the last two. Example: ``LaunchConfig(tile_n=64, num_warps=8)``.
+    """
+
+    block_m: int = 16
+    tile_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "tile_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest size), got {value}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two >= 1, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def choose_splits(n_programs: int, max_positions: int, tile_n: int, processors: int) -> int:
+    """The split count of ``num_splits="auto"``: 1 when the grid's (sequence, KV head) programs already
+    fill the GPU's ``processors`` (streaming multiprocessors), else the power of two that brings the grid
+    nearest four programs per processor from below, while every split keeps at least 4 tiles of the
+    longest history (``max_positions``).
+
+    Examples, an H100 (132 processors): 256 sequences x 3 KV heads -> 1; 32 x 3 over 4,096 positions,
+    32-position tiles -> 4 (6 wanted, 32 allowed); 32 x 3 over 256 positions -> 2 (8 tiles allow 2).
+    """
+    if n_programs >= processors:
+        return 1
+    want = -(-4 * processors // n_programs)  # ceil
+    allowed = max(1, max_positions // (4 * tile_n))
+    splits = 1
+    while splits * 2 <= min(want, allowed):
+        splits *= 2
+    return splits
+
+
 def triton_paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -173,22 +235,42 @@ def triton_paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     cu_q_lens: torch.Tensor,
-    num_splits: int = 1,
+    num_splits: int | str = 1,
     scale: float | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention.paged_attention`` (shapes documented there). Every tensor must
     be on one device: a GPU's run the compiled kernels, the CPU's the interpreted ones.
 
-    ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel).
+    ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel), or
+    ``"auto"``: ``choose_splits`` on a GPU, 1 on the CPU (the interpreter runs one program at a time, so
+    splitting only adds the merge), from shapes alone (the table's width bounds the longest history):
+    nothing here reads a tensor back to the host. ``config`` shapes the launch (``LaunchConfig()`` when
+    None). The kernel addresses a layer's pool with 32-bit offsets, so a pool must hold fewer than 2**31
+    floats per layer.
     """
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    if num_splits != "auto" and (
+        not isinstance(num_splits, int) or num_splits < 1 or num_splits & (num_splits - 1)
+    ):
+        raise ValueError(f"num_splits must be a power of two >= 1 or 'auto', got {num_splits!r}")
     devices = sorted({str(t.device) for t in (q, k_pool, v_pool, block_tables, context_lens, cu_q_lens)})
     if len(devices) != 1:
         raise ValueError(f"the Triton kernel's tensors must be on one device, got {', '.join(devices)}")
-    attend, merge = KERNELS[q.device.type == "cpu"]
+    if k_pool.numel() >= 2**31:
+        raise ValueError(
+            f"the Triton kernel takes a pool of at most 2**31 - 1 floats per layer, got {k_pool.numel()}"
+        )
+    on_cpu = q.device.type == "cpu"
+    attend, merge = KERNELS[on_cpu]
     n_tok, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
+    n_seqs = block_tables.shape[0]
+    config = config or LaunchConfig()
+    if num_splits == "auto":
+        processors = 1 if on_cpu else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = choose_splits(
+            n_seqs * n_kv, block_tables.shape[1] * block_size, config.tile_n, processors
+        )
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens, cu_q_lens = context_lens.to(torch.int32), cu_q_lens.to(torch.int32)
@@ -197,7 +279,7 @@ def triton_paged_attention(
     l = torch.empty_like(m)
     acc = torch.empty(num_splits, n_tok, n_heads, d, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
-    grid = (block_tables.shape[0], n_kv, num_splits)
+    grid = (n_seqs, n_kv, num_splits)
     attend[grid](
         q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
         out, m, l, acc,
@@ -208,7 +290,8 @@ def triton_paged_attention(
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         G=n_heads // n_kv, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
-        BLOCK_M=16, BLOCK_N=max(16, triton.next_power_of_2(block_size)), BLOCK_D=block_d,
+        BLOCK_M=config.block_m, TILE_N=config.tile_n, BLOCK_D=block_d,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # no fused multiply-add: every fp32 operation rounds as written
     )  # fmt: skip
     if num_splits > 1:

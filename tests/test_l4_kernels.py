@@ -96,8 +96,46 @@ def test_triton_rejects_bad_split_count():
     )
     from L4_paged_kernel.triton_paged_attention import triton_paged_attention
 
-    with pytest.raises(ValueError, match="num_splits must be a power of two >= 1, got 3"):
+    with pytest.raises(ValueError, match="num_splits must be a power of two >= 1 or 'auto', got 3"):
         triton_paged_attention(*make_case(16, 4, 2, [5], [1]), num_splits=3)
+
+
+@pytest.mark.parametrize(
+    "config, num_splits",
+    [((16, 16, 4, 2), 2), ((32, 64, 8, 3), 1), ((16, 32, 4, 2), "auto")],
+    ids=["tile 16, 2 splits", "32 rows, tile 64", "default, auto splits"],
+)
+def test_every_launch_shape_matches_dense(config, num_splits):
+    """The launch shapes the kernel bench sweeps compute the same attention: tiles smaller and larger
+    than a 7-position block, 32 query rows (a prompt chunk and a decode token in one chunk), and the
+    split count chosen by shape."""
+    l4, _ = triton_kernels()
+    args = make_case(7, 9, 3, [1, 40, 10], [1, 1, 4])
+    got = l4.triton_paged_attention(*args, num_splits=num_splits, config=l4.LaunchConfig(*config))
+    assert (got - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+def test_choose_splits_examples():
+    """The docstring's examples, on an H100's 132 multiprocessors."""
+    l4, _ = triton_kernels()
+    assert l4.choose_splits(256 * 3, 4096, 32, 132) == 1  # the grid fills the GPU already
+    assert l4.choose_splits(32 * 3, 4096, 32, 132) == 4
+    assert l4.choose_splits(32 * 3, 256, 32, 132) == 2  # 8 tiles: 2 splits of 4
+    assert l4.choose_splits(32 * 3, 64, 32, 132) == 1  # 2 tiles: splitting them buys nothing
+
+
+def test_bad_launch_shapes_and_pools_are_refused():
+    l4, _ = triton_kernels()
+    with pytest.raises(ValueError, match="tile_n must be a power of two >= 16 .*, got 8"):
+        l4.LaunchConfig(tile_n=8)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16 .*, got 24"):
+        l4.LaunchConfig(block_m=24)
+    with pytest.raises(ValueError, match="num_warps must be a power of two >= 1, got 3"):
+        l4.LaunchConfig(num_warps=3)
+    q, k_pool, v_pool, *meta = make_case(16, 4, 2, [5], [1])
+    huge = torch.zeros(1, 1, 1, 1).expand(2**27, 16, 1, 1)  # 2**31 floats, none stored
+    with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1 floats per layer, got 2147483648"):
+        l4.triton_paged_attention(q[:, :1], huge, huge, *meta)
 
 
 def triton_kernels():
@@ -151,8 +189,9 @@ def test_the_triton_kernel_runs_whoever_imported_triton_first():
     assert float(run.stdout.strip().splitlines()[-1]) < 2e-5
 
 
+@pytest.mark.parametrize("tile_n", [32, 64])
 @pytest.mark.parametrize("capability", [80, 90])  # A100, H100
-def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability):
+def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability, tile_n):
     """Triton's compiler takes the GPU twin of the kernel down to a GPU binary here, with no GPU: the
     source, its IEEE dots and its reductions all compile. Running it needs a GPU (the cuda tests)."""
     l4, _ = triton_kernels()
@@ -165,7 +204,7 @@ def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability):
     ints = ["block_tables_ptr", "context_lens_ptr", "cu_q_lens_ptr"]
     strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt",
                "stride_ms", "stride_mt", "stride_as", "stride_at", "stride_ah"]  # fmt: skip
-    constexprs = {"G": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 4, "BLOCK_M": 16, "BLOCK_N": 16,
+    constexprs = {"G": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 4, "BLOCK_M": 16, "TILE_N": tile_n,
                   "BLOCK_D": 64}  # fmt: skip
     types = {name: "*fp32" for name in pointers} | {name: "*i32" for name in ints} | {"scale": "fp32"}
     types |= {name: "i32" for name in strides} | dict.fromkeys(constexprs, "constexpr")
@@ -186,17 +225,19 @@ def gpu():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("config", [(16, 32, 4, 2), (16, 16, 2, 1), (32, 64, 8, 3)], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 4, "auto"])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
 def test_triton_kernel_on_a_gpu_matches_dense(
-    block_size, n_heads, n_kv, context_lens, q_lens, num_splits, head_dim
+    block_size, n_heads, n_kv, context_lens, q_lens, num_splits, head_dim, config
 ):
-    """The compiled kernel of L4 and of L5 on CUDA tensors against dense attention on the same GPU."""
+    """The compiled kernel of L4 and of L5 on CUDA tensors against dense attention on the same GPU, in the
+    default launch shape and two the kernel bench sweeps."""
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim, device=gpu())
     expected = dense_reference(*args)
     for module in triton_kernels():
-        got = module.triton_paged_attention(*args, num_splits=num_splits)
+        got = module.triton_paged_attention(*args, num_splits=num_splits, config=module.LaunchConfig(*config))
         assert got.device.type == "cuda"
         assert (got - expected).abs().max().item() < 2e-5, module.__name__
 
