@@ -40,6 +40,15 @@ def on_gpu(results: dict) -> bool:
     return results.get("device", "cpu").startswith("cuda")
 
 
+def result_name(results: dict) -> str:
+    """The name a run's JSON and plots take, so that a GPU run never overwrites the CPU's: ``bench`` for
+    a CPU run of its whole plan, ``bench-cuda`` for a GPU's, and a part (``--workloads``) adds its
+    letters: ``bench-cuda-b``, ``bench-cuda-ua``."""
+    name = "bench-cuda" if on_gpu(results) else "bench"
+    part = any(why.startswith("not asked for") for why in results.get("skipped", {}).values())
+    return name + ("-" + "".join(results["workloads"]) if part else "")
+
+
 def speeds(results: dict) -> dict[tuple[str, str], float]:
     """tokens/s per (system, workload) of (a), (b), (u) and (c), e.g. ``{("L4", "b"): 134.1, ...}``."""
     return {
@@ -294,7 +303,9 @@ def summary_table(results: dict) -> str:
 
 
 def plot(results: dict, folder: Path) -> None:
-    """Draw throughput.png and, where (d) ran, decode_latency.png into ``folder`` (made if missing)."""
+    """Draw throughput.png and, where (d) ran, decode_latency.png into ``folder`` (made if missing); a GPU
+    run's or a part's names end like its JSON's (``result_name``): ``throughput-cuda.png``."""
+    suffix = result_name(results).removeprefix("bench")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -317,7 +328,7 @@ def plot(results: dict, folder: Path) -> None:
         plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "throughput.png", dpi=110)
+    fig.savefig(folder / f"throughput{suffix}.png", dpi=110)
     plt.close(fig)
 
     if not any("d" in row for row in systems.values()):  # a GPU run, or (d) not asked for
@@ -332,7 +343,7 @@ def plot(results: dict, folder: Path) -> None:
     ax.set_title("(d) decode latency vs context, batch 1")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "decode_latency.png", dpi=110)
+    fig.savefig(folder / f"decode_latency{suffix}.png", dpi=110)
     plt.close(fig)
 
 

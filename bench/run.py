@@ -57,8 +57,10 @@ a fresh engine that ran only that workload: live positions / positions held, sum
 Ceilings (``bench/ceilings.py``) are measured in the same run, and every speed is also reported as a
 ratio to the peers and to the ceilings, because this machine is shared and noisy: only ratios measured
 side by side mean anything. The targets of issue #13 (on a CPU) or of issue #27 (on a GPU) are checked
-from those ratios (``targets`` in the JSON, met or missed). Results go to ``OUT/results/bench.json`` and ``OUT/plots/*.png`` (OUT defaults to
-``bench/``). ``--quick`` runs every part on a tiny random model with tiny sizes and one timed run, so
+from those ratios (``targets`` in the JSON, met or missed). Results go to ``OUT/results/bench.json`` and
+``OUT/plots/*.png`` (OUT defaults to ``bench/``); a GPU run's to ``bench-cuda.json`` and
+``*-cuda.png``, a part's with its letters (``bench-cuda-b.json``: ``report.result_name``), so that no
+run overwrites another device's. ``--quick`` runs every part on a tiny random model with tiny sizes and one timed run, so
 that the test suite can check the benchmark code without paying for it.
 
 The parts: ``workloads.py`` (sizes and requests), ``systems.py`` (the systems behind one call),
@@ -104,7 +106,7 @@ from bench.measure import (
     stage_options,
     timed_together,
 )
-from bench.report import add_ratios, plot, summary_table, targets
+from bench.report import add_ratios, plot, result_name, summary_table, targets
 from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stages, stage
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.cpp_kernels import compile_seconds
@@ -296,7 +298,7 @@ def main(argv=None) -> int:
         results["f"] = matvec.measure(model.w, sizes["f_repeats"])
     add_ratios(results)
     results["targets"] = targets(results)
-    (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results" / f"{result_name(results)}.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "plots")
     print(summary_table(results))
     if tmp:

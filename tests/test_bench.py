@@ -83,6 +83,25 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert again and again in out
 
 
+def test_a_part_of_the_plan_is_named_by_its_workloads(tmp_path, capsys):
+    """--workloads b: (b) alone, everything else of the CPU's plan skipped as not asked for, written to
+    bench-b.json and throughput-b.png (the whole plan's bench.json untouched); no (d), no latency plot."""
+    args = ["--quick", "--device", "cpu", "--workloads", "b", "--stages", "L3", "--peers", "none"]
+    assert run.main([*args, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results" / "bench-b.json").read_text())
+    assert results["workloads"] == ["b"] and set(results["skipped"]) == set(run.PLANS["cpu"]) - {"b"}
+    assert {name: set(row) for name, row in results["systems"].items()} == {
+        "HF batch 1": {"b"},
+        "L3": {"b", "b_kv"},
+    }
+    assert not (tmp_path / "results" / "bench.json").exists() and "e" not in results and "f" not in results
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["throughput-b.png"]
+    assert "skipped (a): not asked for (--workloads)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--device", "cpu", "--workloads", "b,x"])
+    assert "--workloads: choose from a,b,u,c,d,e,f on cpu, got b,x" in capsys.readouterr().err
+
+
 def test_timed_runs_are_interleaved_across_systems():
     calls = []
 
@@ -168,8 +187,9 @@ def gpu_run(cmd: list[str], tmp_path) -> subprocess.CompletedProcess:
 def test_quick_bench_on_a_gpu_runs_the_gpu_plan(tmp_path):
     done = gpu_run(["bench.run", "--quick", "--device", "cuda", "--out", str(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "results" / "bench.json").read_text())
+    results = json.loads((tmp_path / "results" / "bench-cuda.json").read_text())
     systems = results["systems"]
+    assert (tmp_path / "plots" / "throughput-cuda.png").exists()
     assert results["device"].startswith("cuda") and results["ceilings"]["device"].startswith("cuda")
     assert results["workloads"] == ["b", "u", "a"] and set(results["skipped"]) == {"c", "d", "e", "f"}
     assert (
