@@ -44,9 +44,9 @@ C, A B C, A B C: this VM's speed drifts, and a drift then falls on every system 
 median of a system's runs, every run's seconds kept in ``runs``. On a GPU each timed region begins and
 ends with ``torch.cuda.synchronize()``. An engine's ``stats().compiles`` (L6's traces per jit'd
 function) is kept after its warm-up and after its timed runs (``compiles``): equal when the timed runs
-compiled nothing. Systems that run one request after
-another (HF batch 1, L1, L2) warm up on the first request and are timed once on (b) and (u): three
-runs would cost ten minutes each for numbers no target depends on. HF batched is credited only with the tokens each request asked
+compiled nothing. Systems that run one request after another (HF batch 1, L1, L2) warm up on the
+first request and are timed once on (b) and (u): three runs would cost ten minutes each for numbers
+no target depends on. HF batched is credited only with the tokens each request asked
 for; ``computed_new_tokens`` says what it generated.
 
 The outputs of the timed runs are compared token for token with HF batch 1's (``agreement``, the tie
@@ -60,8 +60,8 @@ side by side mean anything. The targets of issue #13 (on a CPU) or of issue #27 
 from those ratios (``targets`` in the JSON, met or missed). Results go to ``OUT/results/bench.json`` and
 ``OUT/plots/*.png`` (OUT defaults to ``bench/``); a GPU run's to ``bench-cuda.json`` and
 ``*-cuda.png``, a part's with its letters (``bench-cuda-b.json``: ``report.result_name``), so that no
-run overwrites another device's. ``--quick`` runs every part on a tiny random model with tiny sizes and one timed run, so
-that the test suite can check the benchmark code without paying for it.
+run overwrites another device's. ``--quick`` runs every part on a tiny random model with tiny sizes
+and one timed run, so that the test suite can check the benchmark code without paying for it.
 
 The parts: ``workloads.py`` (sizes and requests), ``systems.py`` (the systems behind one call),
 ``measure.py`` (timing, agreement and memory), ``ceilings.py`` (the machine's limits), ``matvec.py``
@@ -120,7 +120,7 @@ PLANS = {"cpu": ("a", "b", "u", "c", "d", "e", "f"), "cuda": ("b", "u", "a")}
 GPU_SKIPS = {
     "c": "not in the GPU plan: issue #27's targets are on (b) and (u); sharing a prompt's blocks is "
     "measured on the CPU, and a GPU session's device time is short",
-    "d": "not in the GPU plan: 5 context lengths x 3 runs x 7 systems for a curve no GPU target uses; "
+    "d": "not in the GPU plan: 5 context lengths x 3 runs x 6 stages for a curve no GPU target uses; "
     "bench.profile --device cuda times decode steps with torch.profiler instead",
     "e": "not in the GPU plan: it sweeps the block sizes of L6's JAX reference attention for the CPU; "
     "the GPU's paged kernels are timed alone in a kernel table of their own",
