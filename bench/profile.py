@@ -299,7 +299,10 @@ def device_events(prof, gpu: bool) -> list[tuple[str, float]]:
 def kernel_table(kernels: dict) -> str:
     """Markdown: per torch stage, its profiled decode steps (wall against device busy time and launches),
     then its top kernels by device time (ops by self CPU time on a CPU)."""
-    na = lambda value, fmt: "n/a" if value is None else format(value, fmt)  # noqa: E731
+
+    def na(value, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
     device = next(iter(kernels.values()))["device"]
     lines = [
         f"torch.profiler, decode steps on {device}: wall = the step unprofiled, device synchronized around it; "
