@@ -1,8 +1,12 @@
-"""What this machine can do at best, measured in the same run as the engines.
+"""What this machine can do at best, measured in the same run as the engines, on the bench's device.
 
 - copy bandwidth: ``dst.copy_(src)`` over a buffer far larger than the caches, counted as bytes read
-  plus bytes written (the STREAM "copy" convention);
-- fp32 matmul rate: a square ``torch.mm`` big enough to run at the BLAS library's full speed.
+  plus bytes written (the STREAM "copy" convention); on a GPU, a 2 GiB buffer in the GPU's memory;
+- fp32 matmul rate: a square ``torch.mm`` big enough to run at the BLAS library's full speed (on a GPU
+  in full fp32: ``kvcourse.devices`` turns TF32 off).
+
+On a GPU every timed call is bracketed by ``torch.cuda.synchronize()`` (``synchronizer``): a launch
+returns before its kernel ends, so a host timer alone would time the launch.
 
 From these, two ceilings for a decoder (each decode token must read every weight once; each token
 costs about 2 FLOPs per parameter):
@@ -25,33 +29,44 @@ import time
 import torch
 
 
-def run_seconds(fn, repeats: int) -> list[float]:
-    """Wall time of each of ``repeats`` runs of ``fn()``, after one untimed warm-up run."""
+def synchronizer(device: torch.device | str):
+    """What waits until the device has finished the work queued on it: ``torch.cuda.synchronize`` on
+    a GPU; on a CPU nothing (every op has ended when it returns). E.g. ``synchronizer("cpu")()`` -> None."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def run_seconds(fn, repeats: int, sync=lambda: None) -> list[float]:
+    """Wall time of each of ``repeats`` runs of ``fn()``, after one untimed warm-up run; ``sync()``
+    (``synchronizer``) is called before each run starts and before its clock stops."""
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return times
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, sync=lambda: None) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
-    return statistics.median(run_seconds(fn, repeats))
+    return statistics.median(run_seconds(fn, repeats, sync))
 
 
-def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second moved by a large tensor copy (read + write)."""
-    src = torch.ones(megabytes * 2**20 // 4)
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5, device="cpu") -> float:
+    """Bytes per second moved by a large tensor copy on ``device`` (read + write)."""
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / median_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * src.nbytes / median_seconds(lambda: dst.copy_(src), repeats, synchronizer(device))
 
 
-def matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    """fp32 FLOP/s of an n x n by n x n matrix product (2 n^3 FLOPs)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / median_seconds(lambda: torch.mm(a, b), repeats)
+def matmul_flops(n: int = 2048, repeats: int = 5, device="cpu") -> float:
+    """fp32 FLOP/s of an n x n by n x n matrix product (2 n^3 FLOPs) on ``device``."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / median_seconds(lambda: torch.mm(a, b), repeats, synchronizer(device))
 
 
 def model_size(weights) -> tuple[int, int]:
@@ -76,14 +91,26 @@ def workload_ceiling(weights, prompts: list[list[int]], budgets: list[int], flop
     return {"GFLOP": need / 1e9, "ceiling_tok_s": sum(budgets) * flops / need}
 
 
-def measure(weights, quick: bool = False) -> dict:
-    """Both machine rates and the two ceilings they imply for this model."""
+# (copy MiB, matmul n, repeats) per device type. A GPU copies 2 GiB in about a millisecond and a half
+# (the issue's H100 measured 2,993 GB/s), long enough that a launch and a synchronize are noise; its
+# fp32 rate needs a product far larger than a CPU's.
+SIZES = {"cpu": (512, 2048, 5), "cuda": (2048, 8192, 10)}
+QUICK_SIZES = (64, 512, 2)
+
+
+def measure(weights, quick: bool = False, device="cpu") -> dict:
+    """Both rates of ``device`` and the two ceilings they imply for this model."""
     params, nbytes = model_size(weights)
-    bandwidth = copy_bandwidth(64 if quick else 512, 2 if quick else 5)
-    flops = matmul_flops(512 if quick else 2048, 2 if quick else 5)
+    gpu = torch.device(device).type == "cuda"
+    megabytes, n, repeats = QUICK_SIZES if quick else SIZES["cuda" if gpu else "cpu"]
+    bandwidth = copy_bandwidth(megabytes, repeats, device)
+    flops = matmul_flops(n, repeats, device)
     return {
+        "device": str(device),
         "copy_bandwidth_GBps": bandwidth / 1e9,
+        "copy_convention": f"bytes read + bytes written (STREAM copy) of a {megabytes} MiB fp32 tensor",
         "matmul_GFLOPs": flops / 1e9,
+        "matmul_convention": f"fp32 {n} x {n} by {n} x {n}, 2 n^3 FLOPs" + (", TF32 off" if gpu else ""),
         "parameters": params,
         "weight_bytes": nbytes,
         "batch1_ceiling_tok_s": bandwidth / nbytes,

@@ -4,24 +4,34 @@ Times come from ``time.perf_counter`` around whole calls, after an untimed warm-
 several runs (all kept), the systems' runs interleaved (``timed_together``); memory from each
 engine's ``stats()``. Nothing here knows a stage by name: pools are sized from an engine's constructor
 signature.
+
+On a GPU every timed region starts and ends with ``torch.cuda.synchronize()``, so no run's kernels
+spill into the next one's time. JAX needs no call of its own: an L6 ``generate`` ends by reading the
+state its last jit'd call produced back to the host (``host_state``), which waits for that call, and
+it queues nothing after that read.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from bench import ceilings
 from bench.systems import System
 from bench.workloads import mixed_workload
 from kvcourse.compare import compare
 from kvcourse.cpp_kernels import build_problem
+from kvcourse.devices import resolve_device
 from kvcourse.model_store import REPO_ROOT
 from kvcourse.reference import Reference
 
@@ -29,37 +39,53 @@ from kvcourse.reference import Reference
 @dataclass
 class Job:
     """One system's share of one workload: ``run()`` returns the outputs; ``warmup()`` (default: ``run``
-    itself) runs once, untimed, before any timed run; then ``repeats`` timed runs."""
+    itself) runs once, untimed, before any timed run; then ``repeats`` timed runs. ``compiles()``, for
+    an engine, returns its ``stats().compiles`` (traces per jit'd function; empty for a torch stage)."""
 
     run: Callable[[], list[list[int]]]
     repeats: int
     warmup: Callable[[], object] | None = None
+    compiles: Callable[[], dict] | None = None
 
 
-def timed_together(jobs: dict[str, Job], tick=lambda: None) -> dict[str, tuple[dict, list[list[int]]]]:
+def timed_together(
+    jobs: dict[str, Job], tick=lambda: None, sync=lambda: None
+) -> dict[str, tuple[dict, list[list[int]]]]:
     """Time several systems on one workload, their runs interleaved: every warm-up first, then round r
-    runs each system's r-th timed run (A B C, A B C, A B C). ``tick()`` is called after every run.
+    runs each system's r-th timed run (A B C, A B C, A B C). ``tick()`` is called after every run;
+    ``sync()`` (``ceilings.synchronizer``) before each clock starts and before it stops.
 
     This machine is a shared VM whose speed drifts over minutes (its matmul rate was 99 GFLOP/s in one
     run and 153 in another, the same day). Three runs of one system and then three of the next would
     put that drift between them, into their ratio; interleaved, it falls on all of them alike.
     Returns, per system, its row (``seconds``: the median of its runs; ``runs``: every run's seconds;
-    ``warmup_seconds``) and its last run's outputs.
+    ``warmup_seconds``; for an engine, ``compiles`` after the warm-up and after the timed runs: equal
+    when the timed runs compiled nothing new) and its last run's outputs.
     """
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return out, time.perf_counter() - t0
+
     rows = {}
     for name, job in jobs.items():
-        t0 = time.perf_counter()
-        (job.warmup or job.run)()
-        rows[name] = {"warmup_seconds": time.perf_counter() - t0, "runs": []}
+        rows[name] = {"warmup_seconds": timed(job.warmup or job.run)[1], "runs": []}
+        if job.compiles:
+            rows[name]["compiles"] = {"after_warmup": job.compiles()}
         tick()
     outs = {}
     for round_ in range(max((job.repeats for job in jobs.values()), default=0)):
         for name, job in jobs.items():
             if round_ < job.repeats:
-                t0 = time.perf_counter()
-                outs[name] = job.run()
-                rows[name]["runs"].append(time.perf_counter() - t0)
+                outs[name], seconds = timed(job.run)
+                rows[name]["runs"].append(seconds)
                 tick()
+    for name, job in jobs.items():
+        if job.compiles:
+            rows[name]["compiles"]["after_runs"] = job.compiles()
     return {
         name: ({"seconds": statistics.median(row["runs"])} | row, outs[name]) for name, row in rows.items()
     }
@@ -75,9 +101,20 @@ def runs_once(one_at_a_time: bool, n_requests: int) -> bool:
 def requests_job(system: System, prompts, budgets, repeats: int) -> Job:
     """(a), (b), (u): the requests all at once. A system timed once (``runs_once``) warms up on the
     first request only."""
+    compiles = engine_compiles(system)
     if runs_once(system.one_at_a_time, len(prompts)):
-        return Job(lambda: system.run(prompts, budgets), 1, lambda: system.run(prompts[:1], budgets[:1]))
-    return Job(lambda: system.run(prompts, budgets), repeats)
+        return Job(
+            lambda: system.run(prompts, budgets), 1, lambda: system.run(prompts[:1], budgets[:1]), compiles
+        )
+    return Job(lambda: system.run(prompts, budgets), repeats, compiles=compiles)
+
+
+def engine_compiles(system: System) -> Callable[[], dict] | None:
+    """A course engine's compile counter (``stats().compiles``, traces per jit'd function), or None for an
+    HF peer. E.g. for L6 after a first run: ``{"prefill": 2, "decode": 6}``; a torch stage: ``{}``."""
+    if system.engine is None:
+        return None
+    return lambda: dict(system.engine.stats().compiles)
 
 
 def requests_row(system: System, row: dict, outs, prompts, budgets) -> dict:
@@ -94,7 +131,7 @@ def requests_row(system: System, row: dict, outs, prompts, budgets) -> dict:
 
 def samples_job(system: System, prompt, budget: int, n: int, repeats: int) -> Job:
     """(c): n samples of one prompt."""
-    return Job(lambda: system.run_samples(prompt, budget, n), repeats)
+    return Job(lambda: system.run_samples(prompt, budget, n), repeats, compiles=engine_compiles(system))
 
 
 def samples_row(system: System, row: dict, outs, budget: int, n: int) -> dict:
@@ -123,6 +160,8 @@ def kv_stats(engine) -> dict:
     """
     s = engine.stats()
     return {
+        "device": s.device,
+        "kernel": s.kernel,
         "utilization": s.kv_utilization,
         "preemptions": s.preemptions,
         "block_size": s.block_size,
@@ -202,6 +241,46 @@ def decode_latency(system: System, vocab: int, context: int, steps: int, repeats
     return max(long - short, 0.0) / steps
 
 
+def bench_device(name: str) -> torch.device:
+    """The device ``--device`` names: ``auto`` is a CUDA GPU where torch sees one, else the CPU; ``cpu`` and
+    ``cuda`` are resolved by ``kvcourse.devices.resolve_device`` (which turns TF32 off on a GPU).
+
+    Example on a machine without a GPU: ``bench_device("auto")`` -> ``device(type='cpu')``;
+    ``bench_device("cuda")`` raises ``ValueError: --device cuda: no CUDA device (...)``.
+    """
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name, what=f"--device {name}")
+
+
+def package_version(name: str) -> str | None:
+    """An installed distribution's version, or None (e.g. ``package_version("triton")`` -> ``"3.7.1"``)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_info(device: torch.device) -> dict:
+    """The GPU a run used: its name, memory, compute capability, CUDA runtime and driver versions."""
+    props = torch.cuda.get_device_properties(device)
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        driver = smi.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):
+        driver = None  # no nvidia-smi on this machine: the JSON says so with null
+    return {
+        "name": props.name,
+        "memory_GiB": props.total_memory / 2**30,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "cuda_runtime": torch.version.cuda,
+        "driver": driver,
+    }
+
+
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
     try:
@@ -212,14 +291,16 @@ def cpu_name() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
+def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | str = "cpu") -> dict:
     """Pool and batch sizes large enough that (b), (c) and (d) run without preemption in every stage,
-    and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens).
+    and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens),
+    and the device (``"cpu"`` or ``"cuda"``: L1-L5 put their tensors there, L6 picks that JAX backend).
 
     Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
     L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``. A stage with a
-    ``kernel`` choice (L4, L5) runs its compiled C++ kernel, the fastest it has on a CPU (its PyTorch
-    kernel where no compiler could build the C++ one; ``cpp_kernel_problem`` says why). A stage with a
+    ``kernel`` choice (L4, L5) runs, on a CPU, its compiled C++ kernel, the fastest it has there (its
+    PyTorch kernel where no compiler could build the C++ one; ``cpp_kernel_problem`` says why); on a
+    GPU ``kernel="auto"``, which is its Triton kernel. A stage with a
     prefix cache (L5) runs without it: every timed run repeats the warm-up's prompts, and the blocks
     the warm-up left in the cache would let it skip their prefill, which new requests never get (L5
     1.5x L4 on (u) in the run of 2026-11-23 that found this). (c)'s sharing is the fork, which needs
@@ -233,11 +314,12 @@ def stage_options(engine_cls, sizes: dict, max_len: int) -> dict:
         sizes["c_n"] * -(-(sizes["c_prompt"] + sizes["c_new"]) // size),  # (c) without sharing
         -(-max_len // size),  # (d), one long sequence
     )
-    options = {"max_model_len": max_len}
+    options = {"max_model_len": max_len, "device": str(device)}
     options |= {name: blocks for name in ("num_blocks", "num_pages") if name in params}
     options |= {name: sizes["b_requests"] for name in ("max_num_seqs", "max_seqs") if name in params}
-    if "kernel" in params and not cpp_kernel_problem(engine_cls):
-        options["kernel"] = "cpp"
+    gpu = torch.device(device).type == "cuda"
+    if "kernel" in params and (gpu or not cpp_kernel_problem(engine_cls)):
+        options["kernel"] = "auto" if gpu else "cpp"
     options |= {"enable_prefix_caching": False} if "enable_prefix_caching" in params else {}
     return options
 

@@ -1,4 +1,5 @@
-"""Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L6] [--workload b|a] [--quick]``.
+"""Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L6] [--workload b|a] [--quick]
+[--device auto|cpu|cuda] [--torch-profiler]``.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
 then once more with timers around the parts of its step. For the torch stages (L3-L5):
@@ -17,24 +18,46 @@ device), so its parts are the calls themselves, each timed to ``block_until_read
 (and its milliseconds per step), the host's reads of the state (``host_state``, device -> host) and
 what is left, the host's Python (admission, packing the prefill work, the guard).
 
-Left out on purpose: operator-level detail (``torch.profiler`` and ``jax.profiler`` give that).
+On a GPU (``--device cuda``; ``auto``, the default, picks it where torch sees one) the host timers
+above time launches and host work, not kernels: a launch returns before its kernel runs, and the
+step's wait for the GPU lands wherever the host next reads a result (the sampled tokens, in
+``schedule + pack``). So on a GPU each torch stage also runs ``kernel_profile``: a few decode steps of
+the workload under ``torch.profiler`` (CPU and CUDA activities), giving per step the GPU's busy time
+(its kernels, copies and memsets, summed) against the step's wall time (the difference is launch gaps
+and host work), the number of launches, and the top kernels by GPU time. ``--torch-profiler`` runs
+the same on a CPU, with CPU activity only: the top ops by self CPU time, and "device busy" n/a (the
+host is the device). L6 reports its first run's seconds (tracing and compiling) and its trace counts,
+besides ms per decode step of its ``while_loop``.
+
+Left out on purpose: JAX's profiler (L6's decode loop is one compiled call; its time per step is
+enough here), memory profiling, and operator detail beyond the top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
+import os
+import sys
 import time
 from collections import defaultdict
 from contextlib import ExitStack
 from unittest import mock
 
-from bench.measure import stage_options
+import torch
+
+from bench.ceilings import synchronizer
+from bench.measure import bench_device, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
+from kvcourse.devices import describe
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stages import STAGES, engine_class
 
 PARTS = ("schedule + pack", "matmuls + rest", "K/V write", "kernel", "gather + loop")
+DEFAULT_STAGES = {"cpu": "L3,L4:torch,L4:cpp,L5:cpp,L6", "cuda": "L3,L4,L5,L6"}  # on cuda L4, L5: Triton
+PROFILED_STEPS = 3  # decode steps per torch stage under torch.profiler: the first, one midway, the last
+TOP_KERNELS = 5
 
 
 class Timers:
@@ -118,7 +141,10 @@ def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
     import jax
 
     engine = engine_class("L6")(model_dir, **options)
+    t0 = time.perf_counter()
     engine.generate(prompts, budgets, ignore_eos=True)  # warm-up, compiles every shape the workload needs
+    first_run = time.perf_counter() - t0  # generate ends reading the device's state: nothing is left queued
+    compiles_after_first = dict(engine.stats().compiles)
     seconds, calls = defaultdict(float), defaultdict(int)
     call, host_state = engine._call, engine.host_state
 
@@ -148,7 +174,8 @@ def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
     parts = {name: seconds[name] for name in ("prefill", "decode", "host_state")}
     parts["host Python"] = wall - sum(seconds.values())
     return {"seconds": wall, "parts_s": parts, "calls": dict(calls), "steps": steps,
-            "decode_step_ms": 1000 * seconds["decode"] / max(steps, 1)}  # fmt: skip
+            "decode_step_ms": 1000 * seconds["decode"] / max(steps, 1), "first_run_s": first_run,
+            "compiles": {"after_first_run": compiles_after_first, "after_second": dict(engine.stats().compiles)}}  # fmt: skip
 
 
 def l6_table(p: dict) -> str:
@@ -157,6 +184,146 @@ def l6_table(p: dict) -> str:
     lines += [f"| {name} | {sec:.2f} | {p['calls'].get(name, '-')} |" for name, sec in p["parts_s"].items()]
     lines.append(f"| **whole run** | {p['seconds']:.2f} | |")
     lines.append(f"\nL6: {p['steps']} decode steps on the device, {p['decode_step_ms']:.1f} ms each")
+    c = p["compiles"]
+    lines.append(
+        f"L6: first run {p['first_run_s']:.2f} s (tracing and compiling included); traces per jit'd function "
+        f"after it {c['after_first_run']}, after the second run {c['after_second']}"
+    )
+    return "\n".join(lines)
+
+
+def spread(items: list[int], k: int) -> list[int]:
+    """Up to ``k`` of ``items``: the first, the last and evenly between. ``spread([4, 5, 6, 7, 8], 3)`` ->
+    ``[4, 6, 8]``; ``spread([4], 3)`` -> ``[4]``; ``spread([], 3)`` -> ``[]``."""
+    if not items:
+        return []
+    return sorted({items[round(j * (len(items) - 1) / max(k - 1, 1))] for j in range(k)})
+
+
+def kernel_profile(name: str, model_dir, prompts, budgets, options: dict, steps=PROFILED_STEPS) -> dict:
+    """A few decode steps of the workload on a fresh engine of torch stage ``name``, under torch.profiler.
+
+    Three runs on one engine. The first warms up (Triton compiles its kernels) and records each step's
+    decode rows (0 for a step with prompt tokens); ``steps`` decode-only steps are chosen from them, the
+    first, the last and evenly between (32 rows down to 1 on (b)). The second times every step, the
+    device synchronized before and after it, without the profiler (whose own host work would count).
+    The third runs the chosen steps under ``torch.profiler``. The same requests give the same steps
+    (the scheduler reads no clock), so the runs' step numbers agree; a different step count raises.
+
+    Per chosen step: decode rows, wall ms (second run), and on a GPU the device's busy ms (every kernel,
+    copy and memset, summed: overlapping streams would count twice, and the stages use one), its share
+    of the wall, and launches (device events). On a CPU busy and launches are None (n/a): the ops run
+    on the host, and ``top`` ranks them by self CPU time instead of kernels by GPU time.
+    """
+    engine = engine_class(name)(model_dir, **options)
+    device = engine.device
+    gpu, sync = device.type == "cuda", synchronizer(device)
+    rows: list[int] = []
+    prepare, step = engine.prepare, engine.step
+
+    def classify(batch):
+        rows.append(len(batch) if all(n == 1 for _, n in batch) else 0)
+        return prepare(batch)
+
+    def run(wrapped_step) -> int:
+        """One generate with ``wrapped_step(i)`` in place of ``engine.step``; returns how many steps it took."""
+        counter = itertools.count()
+        with mock.patch.object(engine, "step", lambda: wrapped_step(next(counter))):
+            engine.generate(prompts, budgets, ignore_eos=True)
+        return next(counter)
+
+    with mock.patch.object(engine, "prepare", classify):
+        engine.generate(prompts, budgets, ignore_eos=True)  # warm-up
+    chosen = spread([i for i, r in enumerate(rows) if r], steps)  # decode-only steps
+    walls: dict[int, float] = {}
+
+    def timed(i):
+        sync()
+        t0 = time.perf_counter()
+        out = step()
+        sync()
+        walls[i] = time.perf_counter() - t0
+        return out
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if gpu else []
+    profiled: dict[int, list] = {}
+
+    def traced(i):
+        if i not in chosen:
+            return step()
+        sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            out = step()
+            sync()
+        profiled[i] = device_events(prof, gpu)
+        return out
+
+    counts = [run(timed), run(traced)]
+    if counts != [len(rows)] * 2:
+        raise RuntimeError(
+            f"{name}: the runs took {counts} steps, the warm-up {len(rows)}: not deterministic"
+        )
+    # kernel (or op) name -> [calls, microseconds] over the chosen steps
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    per_step = []
+    for i in chosen:
+        for event, us in profiled[i]:
+            totals[event][0] += 1
+            totals[event][1] += us
+        busy = sum(us for _, us in profiled[i]) / 1000 if gpu else None
+        per_step.append({"step": i, "rows": rows[i], "wall_ms": 1000 * walls[i], "device_busy_ms": busy,
+                         "launches": len(profiled[i]) if gpu else None})  # fmt: skip
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    n = max(len(chosen), 1)
+    return {
+        "device": describe(device),
+        "steps": per_step,
+        "top": [{"name": k, "calls_per_step": c / n, "ms_per_step": us / n / 1000} for k, (c, us) in top],
+    }
+
+
+def device_events(prof, gpu: bool) -> list[tuple[str, float]]:
+    """(name, microseconds) of what a profiled step ran: on a GPU every device-side event (kernels,
+    copies, memsets); on a CPU every op with its self CPU time (its time minus its child ops')."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    if gpu:
+        return [(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == DeviceType.CUDA]
+    return [
+        (e.name, e.self_cpu_time_total) for e in events if e.device_type == DeviceType.CPU and not e.is_async
+    ]
+
+
+def kernel_table(kernels: dict) -> str:
+    """Markdown: per torch stage, its profiled decode steps (wall against device busy time and launches),
+    then its top kernels by device time (ops by self CPU time on a CPU)."""
+
+    def na(value, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    device = next(iter(kernels.values()))["device"]
+    lines = [
+        f"torch.profiler, decode steps on {device}: wall = the step unprofiled, device synchronized around it; "
+        "device busy = its kernels, copies and memsets summed (n/a on a CPU: the host is the device)",
+        "",
+        "| stage | step | decode rows | wall ms | device busy ms | busy share | launches |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for spec, k in kernels.items():
+        for s in k["steps"]:
+            share = None if s["device_busy_ms"] is None else s["device_busy_ms"] / s["wall_ms"]
+            lines.append(
+                f"| {spec} | {s['step']} | {s['rows']} | {s['wall_ms']:.2f} | {na(s['device_busy_ms'], '.2f')} "
+                f"| {na(share, '.0%')} | {na(s['launches'], 'd')} |"
+            )
+    lines += ["", "| stage | top kernels by device time (a CPU: ops by self CPU time) | calls / step | ms / step |",
+              "|---|---|---|---|"]  # fmt: skip
+    for spec, k in kernels.items():
+        for t in k["top"]:
+            label = t["name"] if len(t["name"]) <= 80 else t["name"][:77] + "..."
+            lines.append(f"| {spec} | `{label}` | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} |")
     return "\n".join(lines)
 
 
@@ -180,8 +347,17 @@ def table(profiles: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--stages", default="L3,L4:torch,L4:cpp,L5:cpp,L6",
-        help="comma-separated stages, a torch one with an optional :kernel (default L3,L4:torch,L4:cpp,L5:cpp,L6)",
+        "--stages",
+        help="comma-separated stages, a torch one with an optional :kernel (default: cpu "
+        f"{DEFAULT_STAGES['cpu']}; cuda {DEFAULT_STAGES['cuda']})",
+    )
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the stages run (default auto: cuda where torch sees a GPU, else cpu)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--torch-profiler", action="store_true",
+        help="also run a few decode steps of each torch stage under torch.profiler (always on cuda)",
     )  # fmt: skip
     parser.add_argument(
         "--workload",
@@ -192,6 +368,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (for tests)")
     parser.add_argument("--model", help="model directory (default: the course model)")
     args = parser.parse_args(argv)
+    try:
+        device = bench_device(args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch
     sizes = QUICK if args.quick else FULL
     if args.quick and not args.model:
         import tempfile
@@ -209,18 +392,31 @@ def main(argv=None) -> int:
     else:
         prompts, budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
     max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + budgets[0])
-    profiles, l6 = {}, None
-    for spec in args.stages.split(","):
+    profiles, kernels, l6 = {}, {}, None
+    for spec in (args.stages or DEFAULT_STAGES[device.type]).split(","):
         name, _, kernel = spec.partition(":")
         cls = engine_class(name)
         if name == "L6":
-            l6 = profile_l6(model_dir, prompts, budgets, stage_options(cls, sizes, max_len))
+            l6 = profile_l6(model_dir, prompts, budgets, stage_options(cls, sizes, max_len, device))
             continue
         if not hasattr(cls, "prepare"):
             raise SystemExit(f"{name} has no scheduler step to profile; profile L3, L4, L5 or L6")
-        options = stage_options(cls, sizes, max_len) | ({"kernel": kernel} if kernel else {})
-        profiles[spec] = profile_stage(name, model_dir, prompts, budgets, options)
-    print("\n\n".join(([table(profiles)] if profiles else []) + ([l6_table(l6)] if l6 else [])))
+        options = stage_options(cls, sizes, max_len, device) | ({"kernel": kernel} if kernel else {})
+        try:
+            profiles[spec] = profile_stage(name, model_dir, prompts, budgets, options)
+        except ValueError as e:  # e.g. L4:cpp on a GPU
+            print(f"error: {spec}: {e}", file=sys.stderr)
+            return 2
+        if device.type == "cuda" or args.torch_profiler:
+            kernels[spec] = kernel_profile(name, model_dir, prompts, budgets, options)
+    parts = [table(profiles)] if profiles else []
+    if profiles and device.type == "cuda":
+        parts.append(
+            f"on {describe(device)} the timers above time launches and host work, not kernels (see below)"
+        )
+    parts += [kernel_table(kernels)] if kernels else []
+    parts += [l6_table(l6)] if l6 else []
+    print("\n\n".join(parts))
     return 0
 
 

@@ -1,12 +1,22 @@
 """``make bench``: every stage against Hugging Face and against the machine's ceilings, in one run.
 
-    python -m bench.run [--quick] [--out DIR] [--model DIR] [--stages L3,L4] [--peers none]
+    python -m bench.run [--device auto|cpu|cuda] [--workloads b,u] [--quick] [--out DIR] [--model DIR]
+                        [--stages L3,L4] [--peers none]
 
 Systems: HF ``generate`` one request at a time (``HF batch 1``, the token reference), HF ``generate``
 on all requests left-padded (``HF batched``), transformers' own paged continuous batching
-(``HF generate_batch``), and every stage present (L4 and L5 with their C++ kernel).
+(``HF generate_batch``), and every stage present (L4 and L5 with their C++ kernel on a CPU, their
+Triton kernel on a GPU: ``kernel="auto"``).
 
-Workloads (fixed-length: every request produces exactly its budget of tokens):
+Every system runs on one device, ``--device``: ``auto`` (the default) is a CUDA GPU where torch sees
+one, else the CPU; ``cuda`` without a GPU is refused in one ``error:`` line (exit status 2). The HF
+peers' model, every torch stage (``device=``) and L6 (``Engine(device=...)``, JAX's backend of that
+name: ``make bench`` leaves ``JAX_PLATFORMS`` unset, so a CUDA build of JAX has its GPU) all run there,
+with TF32 off (``kvcourse.devices``). On a GPU, JAX is told not to take 75% of the GPU's memory as it
+starts (``XLA_PYTHON_CLIENT_PREALLOCATE=false``): the torch systems share the card.
+
+Workloads (fixed-length: every request produces exactly its budget of tokens); a CPU runs them all, a
+GPU (a), (b) and (u) only (``PLANS``):
 
 - (a) batch-1 decode: one chat prompt, 128 new tokens;
 - (b) 32 mixed requests: prompt lengths 10-300, budgets 16-128 (seeded), all submitted at once;
@@ -21,13 +31,22 @@ Workloads (fixed-length: every request produces exactly its budget of tokens):
 - (f) one batch-1 decode token's matrix-vector products alone, per weight name, in PyTorch (L1-L5)
   and in XLA (L6): the time each takes and the cores it keeps busy (``bench/matvec.py``).
 
+On a GPU, (c), (d), (e) and (f) are skipped, each with its reason in the JSON (``skipped``, from
+``GPU_SKIPS``), and (b) runs first, so that L6's first run of (b) is the first thing JAX compiles in
+the process, as in a fresh one (XLA keeps what it autotuned for the process). ``--workloads`` runs a
+part of the device's plan (the rest goes into ``skipped`` as not asked for): a GPU session whose
+commands may run 10 minutes each runs (b) in one process and (u), (a) in another.
+
 How each time is taken (``measure.timed_together``): one workload at a time, every system on it
 built fresh; each gets one untimed warm-up run of the workload (it compiles L6's programs; its time
 is kept as ``warmup_seconds``), then ``repeats`` (3) timed runs, interleaved across the systems (A B
 C, A B C, A B C: this VM's speed drifts, and a drift then falls on every system alike). A time is the
-median of a system's runs, every run's seconds kept in ``runs``. Systems that run one request after
-another (HF batch 1, L1, L2) warm up on the first request and are timed once on (b) and (u): three
-runs would cost ten minutes each for numbers no target depends on. HF batched is credited only with the tokens each request asked
+median of a system's runs, every run's seconds kept in ``runs``. On a GPU each timed region begins and
+ends with ``torch.cuda.synchronize()``. An engine's ``stats().compiles`` (L6's traces per jit'd
+function) is kept after its warm-up and after its timed runs (``compiles``): equal when the timed runs
+compiled nothing. Systems that run one request after another (HF batch 1, L1, L2) warm up on the
+first request and are timed once on (b) and (u): three runs would cost ten minutes each for numbers
+no target depends on. HF batched is credited only with the tokens each request asked
 for; ``computed_new_tokens`` says what it generated.
 
 The outputs of the timed runs are compared token for token with HF batch 1's (``agreement``, the tie
@@ -37,10 +56,12 @@ a fresh engine that ran only that workload: live positions / positions held, sum
 
 Ceilings (``bench/ceilings.py``) are measured in the same run, and every speed is also reported as a
 ratio to the peers and to the ceilings, because this machine is shared and noisy: only ratios measured
-side by side mean anything. The targets of issue #13 are checked from those ratios (``targets`` in the
-JSON, met or missed). Results go to ``OUT/results/bench.json`` and ``OUT/plots/*.png`` (OUT defaults to
-``bench/``). ``--quick`` runs every part on a tiny random model with tiny sizes and one timed run, so
-that the test suite can check the benchmark code without paying for it.
+side by side mean anything. The targets of issue #13 (on a CPU) or of issue #27 (on a GPU) are checked
+from those ratios (``targets`` in the JSON, met or missed). Results go to ``OUT/results/bench.json`` and
+``OUT/plots/*.png`` (OUT defaults to ``bench/``); a GPU run's to ``bench-cuda.json`` and
+``*-cuda.png``, a part's with its letters (``bench-cuda-b.json``: ``report.result_name``), so that no
+run overwrites another device's. ``--quick`` runs every part on a tiny random model with tiny sizes
+and one timed run, so that the test suite can check the benchmark code without paying for it.
 
 The parts: ``workloads.py`` (sizes and requests), ``systems.py`` (the systems behind one call),
 ``measure.py`` (timing, agreement and memory), ``ceilings.py`` (the machine's limits), ``matvec.py``
@@ -48,14 +69,17 @@ The parts: ``workloads.py`` (sizes and requests), ``systems.py`` (the systems be
 separate: where a stage's step spends its time.
 
 Left out on purpose: sampling cost (every run is greedy, the clones of (c) too), latency
-percentiles under load, and any GPU/TPU numbers (there is no accelerator here).
+percentiles under load, TPUs, and the GPU's kernel table (the paged kernels alone against SDPA and
+the copy bandwidth: a part of its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 
@@ -65,11 +89,14 @@ from tqdm import tqdm
 from bench import ceilings, matvec
 from bench.measure import (
     agreement,
+    bench_device,
     block_size_sweep,
     cpp_kernel_problem,
     cpu_name,
     decode_latency,
+    gpu_info,
     kv_stats,
+    package_version,
     requests_job,
     requests_row,
     reset_times,
@@ -79,17 +106,38 @@ from bench.measure import (
     stage_options,
     timed_together,
 )
-from bench.report import add_ratios, plot, summary_table, targets
+from bench.report import add_ratios, plot, result_name, summary_table, targets
 from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stages, stage
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.cpp_kernels import compile_seconds
+from kvcourse.devices import describe
 from kvcourse.model import Transformer
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.stages import engine_class
 
+# The workloads each device type runs, in this order.
+PLANS = {"cpu": ("a", "b", "u", "c", "d", "e", "f"), "cuda": ("b", "u", "a")}
+GPU_SKIPS = {
+    "c": "not in the GPU plan: issue #27's targets are on (b) and (u); sharing a prompt's blocks is "
+    "measured on the CPU, and a GPU session's device time is short",
+    "d": "not in the GPU plan: 5 context lengths x 3 runs x 6 stages for a curve no GPU target uses; "
+    "bench.profile --device cuda times decode steps with torch.profiler instead",
+    "e": "not in the GPU plan: it sweeps the block sizes of L6's JAX reference attention for the CPU; "
+    "the GPU's paged kernels are timed alone in a kernel table of their own",
+    "f": "not in the GPU plan: it times batch-1 matrix-vector products on the host's CPU cores",
+}
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where every system runs (default auto: cuda where torch sees a GPU, else cpu)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workloads", help="comma-separated part of the device's plan (default: all of it; cpu: "
+        f"{','.join(PLANS['cpu'])}, cuda: {','.join(PLANS['cuda'])})",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (for tests)")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench"), help="folder for results/ and plots/")
     parser.add_argument("--model", help="model directory (default: the course model)")
@@ -99,6 +147,30 @@ def main(argv=None) -> int:
         help="comma-separated peers besides HF batch 1, or none (default: HF batched,HF generate_batch)",
     )
     args = parser.parse_args(argv)
+    try:
+        device = bench_device(args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = device.type == "cuda"
+    plan = PLANS[device.type]
+    chosen_works = plan if args.workloads is None else [w for w in args.workloads.split(",") if w]
+    if set(chosen_works) - set(plan):
+        parser.error(f"--workloads: choose from {','.join(plan)} on {device.type}, got {args.workloads}")
+    skipped = {w: GPU_SKIPS[w] for w in PLANS["cpu"] if gpu and w not in plan}
+    skipped |= {w: "not asked for (--workloads)" for w in plan if w not in chosen_works}
+    stages = args.stages.split(",") if args.stages else present_stages()
+    if gpu:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts its GPU client
+        if "L6" in stages:  # refuse now, not after minutes of other systems, where JAX has no GPU
+            from L6_tpu_jax.multihost import jax_device
+
+            try:
+                jax_device(str(device))
+            except ValueError as e:
+                print(f"error: --device {args.device}: L6 runs on JAX's GPU backend, and {e} (make setup "
+                      "ACCEL=cuda installs JAX's CUDA build; JAX_PLATFORMS must not say cpu)", file=sys.stderr)  # fmt: skip
+                return 2
     sizes = QUICK if args.quick else FULL
     tmp = None
     if args.quick and not args.model:
@@ -116,13 +188,17 @@ def main(argv=None) -> int:
     vocab = model.cfg.vocab_size
     max_len = max(sizes["d_contexts"]) + sizes["d_steps"] + 8
     max_len = max(max_len, sizes["b_prompt"][1] + sizes["b_new"][1], sizes["c_prompt"] + sizes["c_new"])
-    stages = args.stages.split(",") if args.stages else present_stages()
     results = {
+        "device": describe(device),
         "machine": {"platform": platform.platform(), "processor": cpu_name(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "triton": package_version("triton"),
+                    "jax": package_version("jax"), "jaxlib": package_version("jaxlib")}
+                   | ({"gpu": gpu_info(device)} if gpu else {}),
         "quick": args.quick,
         "sizes": sizes,
-        "ceilings": ceilings.measure(model.w, quick=args.quick),
+        "workloads": list(chosen_works),
+        "skipped": skipped,
+        "ceilings": ceilings.measure(model.w, quick=args.quick, device=device),
         "cpp_kernel_build_seconds": {str(p.relative_to(REPO_ROOT)): compile_seconds(p)
                                      for p in sorted(REPO_ROOT.glob("L[0-9]_*/*.cpp"))},
     }  # fmt: skip
@@ -144,11 +220,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(peers)} or none")
     # HF batch 1 comes first: its outputs (and top-2 gaps) are the token reference for everyone after.
-    makers = {"HF batch 1": lambda: hf_batch1(model_dir)}
-    makers |= {name: lambda name=name: peers[name](model_dir) for name in chosen}
-    options = {n: stage_options(engine_class(n), sizes, max_len) for n in stages}
+    makers = {"HF batch 1": lambda: hf_batch1(model_dir, str(device))}
+    makers |= {name: lambda name=name: peers[name](model_dir, str(device)) for name in chosen}
+    options = {n: stage_options(engine_class(n), sizes, max_len, device) for n in stages}
     results["stage_options"] = options
-    problems = {n: cpp_kernel_problem(engine_class(n)) for n in stages}
+    problems = {} if gpu else {n: cpp_kernel_problem(engine_class(n)) for n in stages}
     results["cpp_kernel_problems"] = {n: p for n, p in problems.items() if p}
     makers |= {n: lambda n=n: stage(n, model_dir, **options[n]) for n in stages}
     one_at_a_time = {"HF batch 1"} | {n for n in stages if not {"max_num_seqs", "max_seqs"} & set(options[n])}
@@ -158,7 +234,8 @@ def main(argv=None) -> int:
     peer_works = {"HF batch 1": ["a", "b", "u", "c"], "HF batched": ["a", "b", "u", "c"],
                   "HF generate_batch": ["b", "u", "c"]}  # the issue's peer rows; it has no batch-1 story  # fmt: skip
     works |= {name: w for name, w in peer_works.items() if name in works}
-    parts = {w: [name for name in makers if w in works[name]] for w in ("a", "b", "u", "c")}
+    works = {name: [w for w in ws if w in chosen_works] for name, ws in works.items()}  # the device's plan
+    parts = {w: [name for name in makers if w in works[name]] for w in chosen_works if w in "abuc"}
 
     def runs(name: str, work: str) -> int:  # a warm-up and the timed runs
         once = work != "c" and runs_once(name in one_at_a_time, len(requests[work][0]))
@@ -182,7 +259,8 @@ def main(argv=None) -> int:
             else:
                 jobs = {n: requests_job(s, *requests[work], repeats) for n, s in systems.items()}
             progress.set_postfix_str(f"({work}) {', '.join(names)}")
-            for name, (row, outs) in timed_together(jobs, progress.update).items():  # HF batch 1 first
+            timed = timed_together(jobs, progress.update, ceilings.synchronizer(device))
+            for name, (row, outs) in timed.items():  # HF batch 1 first
                 system = systems[name]
                 if work == "c":
                     rows[name]["c"] = samples_row(system, row, outs, sizes["c_new"], sizes["c_n"])
@@ -211,15 +289,16 @@ def main(argv=None) -> int:
                 -(sizes["c_prompt"] + sizes["c_new"]) // row["c_kv"]["block_size"]
             )
     results["systems"] = rows
-    if "L6" in stages:
+    if "L6" in stages and "e" in chosen_works:
         results["e"] = {
             "block_sizes_ms": block_size_sweep(model.cfg, sizes),
             "reset_ms": reset_times(model_dir, options["L6"]),
         }
-    results["f"] = matvec.measure(model.w, sizes["f_repeats"])
+    if "f" in chosen_works:
+        results["f"] = matvec.measure(model.w, sizes["f_repeats"])
     add_ratios(results)
     results["targets"] = targets(results)
-    (out / "results" / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results" / f"{result_name(results)}.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "plots")
     print(summary_table(results))
     if tmp:

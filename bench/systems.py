@@ -16,6 +16,10 @@ then compute the same greedy text, which the bench checks token for token.
 
 The three HF peers share one model (``fixed_length_model``): the same weights called three ways.
 - the course's stages, by name (``L1`` .. ``L6``), through their ``Engine.generate``.
+
+Every system runs on the bench's device: the HF model and its inputs are put there, the stages get it
+as ``device=`` (in ``options``). On a GPU, ``generate_batch`` decides for itself whether to capture CUDA
+graphs (its ``use_cuda_graph`` left at None, inferred), as a user calling it would.
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ class System:
 
 
 @functools.cache
-def fixed_length_model(model_dir):
-    """The HF model (SDPA attention) that never stops on eos and never masks it, like the engines'
-    ``ignore_eos``; one per checkpoint, shared by the HF peers.
+def fixed_length_model(model_dir, device: str = "cpu"):
+    """The HF model (SDPA attention) on ``device`` that never stops on eos and never masks it, like the
+    engines' ``ignore_eos``; one per checkpoint and device, shared by the HF peers.
 
     Shared, not one copy each, because transformers' continuous batching sizes its cache against the
     memory it thinks is free: on a CPU, its NUMA node's memory minus this process's, times 0.6. This
@@ -67,19 +71,19 @@ def fixed_length_model(model_dir):
     five pools) the process held 11.8 GB: ``generate_batch`` then refused (b)'s 0.49 GB cache. Two
     fewer copies leave it ~1.1 GB.
     """
-    model = load_hf_model(model_dir, attn_implementation="sdpa")
+    model = load_hf_model(model_dir, device, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None
     return model
 
 
-def hf_batch1(model_dir) -> System:
-    model = fixed_length_model(model_dir)
+def hf_batch1(model_dir, device: str = "cpu") -> System:
+    model = fixed_length_model(model_dir, device)
     references: list[Reference] = []  # refilled by every run
 
     def run(prompts, budgets):
         references.clear()
         for ids, budget in zip(prompts, budgets, strict=True):
-            inp = torch.tensor([ids])
+            inp = torch.tensor([ids], device=device)  # (1, P)
             with torch.inference_mode():
                 res = model.generate(
                     inp, attention_mask=torch.ones_like(inp), max_new_tokens=budget, do_sample=False,
@@ -94,13 +98,14 @@ def hf_batch1(model_dir) -> System:
     return System("HF batch 1", run, one_at_a_time=True, references=references)
 
 
-def hf_batched(model_dir) -> System:
-    model = fixed_length_model(model_dir)
+def hf_batched(model_dir, device: str = "cpu") -> System:
+    model = fixed_length_model(model_dir, device)
 
     def run(prompts, budgets):
         width, longest = max(map(len, prompts)), max(budgets)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        padded = [[0] * (width - len(p)) + p for p in prompts]  # left padding
+        ids = torch.tensor(padded, device=device)  # (B, W)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (B, W)
         with torch.inference_mode():
             seq = model.generate(
                 ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=0
@@ -110,14 +115,14 @@ def hf_batched(model_dir) -> System:
     return System("HF batched", run, runs_largest_budget=True)
 
 
-def hf_generate_batch(model_dir) -> System:
+def hf_generate_batch(model_dir, device: str = "cpu") -> System:
     """transformers' continuous batching. ``model.generate_batch`` gives every request one budget; the
     manager it wraps (``continuous_batching_context_manager``) takes each request's own."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model = fixed_length_model(model_dir)
+    model = fixed_length_model(model_dir, device)
 
     def run(prompts, budgets):
         config = GenerationConfig(

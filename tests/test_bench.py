@@ -1,12 +1,17 @@
 """The benchmark code runs end to end on tiny sizes, so ``make bench`` cannot rot between runs.
 
-Nothing here checks a speed: timing asserts would only measure how busy the machine is.
+Nothing here checks a speed: timing asserts would only measure how busy the machine is. The CPU tests
+ask for ``--device cpu`` (the default, ``auto``, would pick a GPU where there is one); the ``cuda`` ones
+run the GPU plan in a subprocess, without ``make test``'s ``JAX_PLATFORMS=cpu``, so that L6 gets JAX's GPU.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,12 +19,25 @@ import torch
 from cpp_kernel import PROBLEM
 
 from bench import ceilings, matvec, measure, profile, report, run, workloads
+from kvcourse.model_store import REPO_ROOT
+
+NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 
 
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
-    assert run.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert run.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
     systems, sizes = results["systems"], results["sizes"]
+    assert results["device"] == results["ceilings"]["device"] == "cpu" and results["skipped"] == {}
+    assert results["workloads"] == list(run.PLANS["cpu"]) and "gpu" not in results["machine"]
+    assert all(options["device"] == "cpu" for options in results["stage_options"].values())
+    # L6 traced its programs in its first run of each workload, and its timed runs traced nothing new
+    for work in ("a", "b", "u", "c"):
+        compiles = systems["L6"][work]["compiles"]
+        assert compiles["after_warmup"] and compiles["after_runs"] == compiles["after_warmup"], work
+    assert systems["L3"]["b"]["compiles"] == {"after_warmup": {}, "after_runs": {}}  # torch compiles nothing
+    assert "compiles" not in systems["HF batched"]["b"]
+    assert systems["L4"]["b_kv"]["kernel"] == ("cpp" if PROBLEM is None else "torch")
     budgets = workloads.mixed_workload(49152, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])[1]
     assert {"HF batch 1", "HF batched", "HF generate_batch", "L1"} <= set(systems)
     for name, row in systems.items():
@@ -52,6 +70,10 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| L1 |" in out and "| HF generate_batch |" in out and "| target | measured |" in out
     assert "| L6 | " in out.split("| first (untimed) run / median timed run, s |")[1]
+    assert (
+        out.startswith("device: cpu\n")
+        and "L6 compiles, after the first run / after the timed runs: (a)" in out
+    )
     assert "| whole token |" in out and "XLA's matrix-vector products alone ((f)) would allow" in out
     # the tables again from the saved file, measurements untouched; the plots into a folder not made yet
     again_plots = tmp_path / "plots again"
@@ -59,6 +81,25 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert (again_plots / "throughput.png").stat().st_size > 0
     again = capsys.readouterr().out.strip()
     assert again and again in out
+
+
+def test_a_part_of_the_plan_is_named_by_its_workloads(tmp_path, capsys):
+    """--workloads b: (b) alone, everything else of the CPU's plan skipped as not asked for, written to
+    bench-b.json and throughput-b.png (the whole plan's bench.json untouched); no (d), no latency plot."""
+    args = ["--quick", "--device", "cpu", "--workloads", "b", "--stages", "L3", "--peers", "none"]
+    assert run.main([*args, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results" / "bench-b.json").read_text())
+    assert results["workloads"] == ["b"] and set(results["skipped"]) == set(run.PLANS["cpu"]) - {"b"}
+    assert {name: set(row) for name, row in results["systems"].items()} == {
+        "HF batch 1": {"b"},
+        "L3": {"b", "b_kv"},
+    }
+    assert not (tmp_path / "results" / "bench.json").exists() and "e" not in results and "f" not in results
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["throughput-b.png"]
+    assert "skipped (a): not asked for (--workloads)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--device", "cpu", "--workloads", "b,x"])
+    assert "--workloads: choose from a,b,u,c,d,e,f on cpu, got b,x" in capsys.readouterr().err
 
 
 def test_timed_runs_are_interleaved_across_systems():
@@ -93,16 +134,140 @@ def test_mixed_workload_is_seeded_and_in_range():
 
 def test_quick_profile_splits_a_step_into_its_parts(capsys):
     l4 = "L4:cpp" if PROBLEM is None else "L4:torch"  # the C++ kernel where this machine could build it
-    assert profile.main(["--quick", "--stages", f"L3,{l4},L6"]) == 0
+    assert profile.main(["--quick", "--device", "cpu", "--stages", f"L3,{l4},L6"]) == 0
     out = capsys.readouterr().out
     for part in (*profile.PARTS, "prefill", "decode", "host_state", "host Python"):
         assert f"| {part} |" in out
     assert f"{l4} ms/decode step" in out and "decode steps on the device" in out
+    assert re.search(r"L6: first run [\d.]+ s \(tracing and compiling included\)", out), out
+    assert "torch.profiler" not in out  # only on a GPU or when asked for
+
+
+def test_quick_profile_under_torch_profiler_on_the_cpu(capsys):
+    """--torch-profiler on a CPU: the decode steps it picks (first, middle, last of the run's decode-only
+    steps, counted by the host-timer table), each with its wall time and 'n/a' for device busy time and
+    launches; then the ops with the most self CPU time."""
+    assert profile.main(["--quick", "--device", "cpu", "--stages", "L3,L4:torch", "--torch-profiler"]) == 0
+    out = capsys.readouterr().out
+    counts = re.findall(r"\| (\d+) steps \| (\d+) decode", out)  # the host-timer table's, per stage
+    for spec, (steps, decode) in zip(("L3", "L4:torch"), counts, strict=True):
+        row = rf"^\| {re.escape(spec)} \| (\d+) \| (\d+) \| ([\d.]+) \| n/a \| n/a \| n/a \|$"
+        rows = re.findall(row, out, re.M)
+        assert len(rows) == min(int(decode), profile.PROFILED_STEPS), out
+        assert int(rows[-1][0]) == int(steps) - 1  # (b)'s last step decodes the last request's last token
+        assert all(int(r) >= 1 and float(ms) > 0 for _, r, ms in rows)
+        assert len(re.findall(rf"^\| {re.escape(spec)} \| `aten::", out, re.M)) == profile.TOP_KERNELS
+    assert "ops by self CPU time" in out
+
+
+def test_spread_picks_first_last_and_between():
+    assert profile.spread([4, 5, 6, 7, 8], 3) == [4, 6, 8]
+    assert (
+        profile.spread([4, 9], 3) == [4, 9] and profile.spread([4], 3) == [4] and profile.spread([], 3) == []
+    )
+
+
+def test_cuda_without_a_gpu_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert measure.bench_device("auto") == torch.device("cpu")
+    for main in (run.main, profile.main):
+        assert main(["--quick", "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: --device cuda: {NO_GPU}"]
+
+
+def gpu_run(cmd: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """``python -m <cmd>`` from the repository root, JAX free to use its GPU backend."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    return subprocess.run(
+        [sys.executable, "-m", *cmd], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+
+
+@pytest.mark.cuda
+def test_quick_bench_on_a_gpu_runs_the_gpu_plan(tmp_path):
+    done = gpu_run(["bench.run", "--quick", "--device", "cuda", "--out", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results" / "bench-cuda.json").read_text())
+    systems = results["systems"]
+    assert (tmp_path / "plots" / "throughput-cuda.png").exists()
+    assert results["device"].startswith("cuda") and results["ceilings"]["device"].startswith("cuda")
+    assert results["workloads"] == ["b", "u", "a"] and set(results["skipped"]) == {"c", "d", "e", "f"}
+    assert (
+        results["machine"]["gpu"]["name"] in results["device"] and "e" not in results and "f" not in results
+    )
+    for name in ("L4", "L5"):
+        assert (
+            results["stage_options"][name]["kernel"] == "auto" and systems[name]["b_kv"]["kernel"] == "triton"
+        )
+    assert systems["L6"]["b_kv"]["device"].startswith("gpu")
+    assert systems["L6"]["b"]["compiles"]["after_runs"] == systems["L6"]["b"]["compiles"]["after_warmup"]
+    for name, row in systems.items():
+        assert "c" not in row and "d" not in row, name
+        for work in ("a", "b", "u"):
+            if name != "HF batch 1" and work in row:
+                assert not row[work]["agreement"]["mismatches"], (name, work)
+    assert {t["target"] for t in results["targets"]} == {
+        "L4 >= 1.5x L3 on (b)",
+        "best torch stage >= 2x HF generate_batch on (b)",
+        "best torch stage >= 2x HF generate_batch on (u)",
+        "best stage >= 5,000 tok/s on (b) (on an H100-class GPU)",
+        "L6 first run of (b) <= 15 s",
+    }
+    assert done.stdout.startswith("device: cuda")
+
+
+@pytest.mark.cuda
+def test_quick_profile_on_a_gpu_counts_kernels(tmp_path):
+    done = gpu_run(["bench.profile", "--quick", "--device", "cuda"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = re.findall(
+        r"^\| (L[345]) \| \d+ \| \d+ \| ([\d.]+) \| ([\d.]+) \| \d+% \| (\d+) \|$", done.stdout, re.M
+    )
+    assert {r[0] for r in rows} == {"L3", "L4", "L5"}, done.stdout
+    assert all(float(busy) > 0 and int(launches) > 0 for _, _, busy, launches in rows)
+    assert "L6: first run" in done.stdout
+
+
+def test_gpu_targets_from_a_gpu_run():
+    """Issue #27's targets from a GPU run's numbers (made up here): each met or missed by its ratio."""
+
+    def row(tok_s, **more):
+        return {"tok_s": tok_s, "seconds": 1.0, **more}
+
+    l6_b = row(
+        6000.0, warmup_seconds=12.0, compiles={"after_warmup": {"decode": 6}, "after_runs": {"decode": 6}}
+    )
+    results = {
+        "device": "cuda:0 (NVIDIA H100 80GB HBM3)",
+        "machine": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}},
+        "ceilings": {},
+        "systems": {
+            "HF generate_batch": {"b": row(400.0), "u": row(650.0)},
+            "L3": {"b": row(1000.0), "u": row(1000.0)},
+            "L4": {"b": row(1400.0), "u": row(1400.0)},
+            "L5": {"b": row(1500.0), "u": row(1200.0)},
+            "L6": {"b": l6_b, "u": row(2000.0, warmup_seconds=30.0)},
+        },
+    }
+    got = {t["target"]: (t["met"], t["measured"]) for t in report.targets(results)}
+    assert got["L4 >= 1.5x L3 on (b)"] == (False, "L4 1.40x L3 (1400.0 vs 1000.0 tok/s)")
+    assert got["best torch stage >= 2x HF generate_batch on (b)"][0] is True  # L5: 3.75x
+    assert got["best torch stage >= 2x HF generate_batch on (b)"][1].startswith("L5 3.75x")
+    assert got["best torch stage >= 2x HF generate_batch on (u)"][1].startswith("L4 2.15x")  # not L6's 3.08x
+    assert got["best stage >= 5,000 tok/s on (b) (on an H100-class GPU)"] == (
+        True, "L6 6,000 tok/s on NVIDIA H100 80GB HBM3",
+    )  # fmt: skip
+    met, measured = got["L6 first run of (b) <= 15 s"]
+    assert met and measured.startswith("12.0 s") and "compiled nothing new" in measured
+    l6_b["warmup_seconds"] = 80.0
+    assert not {t["target"]: t["met"] for t in report.targets(results)}["L6 first run of (b) <= 15 s"]
+    del results["device"]  # a run from before the device was recorded: the CPU's targets
+    assert "L4 >= L3 on (b)" in {t["target"] for t in report.targets(results)}
 
 
 def test_quick_profile_of_batch1_decode(capsys):
     """--workload a: one request; every step after its prefill is a one-row decode step."""
-    assert profile.main(["--quick", "--workload", "a", "--stages", "L3,L6"]) == 0
+    assert profile.main(["--quick", "--device", "cpu", "--workload", "a", "--stages", "L3,L6"]) == 0
     out = capsys.readouterr().out
     steps = re.search(r"\| steps \| (\d+) steps \| (\d+) decode \|", out)
     assert steps and int(steps[2]) == int(steps[1]) - 1 == workloads.QUICK["a_tokens"] - 1, out
