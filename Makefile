@@ -108,6 +108,7 @@ diffs: $(STAMP)
 
 bench: setup
 	$(PY) -m bench.run
+	$(PY) -m bench.kernels
 
 # Every stage on a CUDA GPU, with the kernel cases, ending with one line per stage (kvcourse/gpu_check.py).
 # Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.gpu_check.

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cpp_kernel import PROBLEM
 
-from bench import ceilings, matvec, measure, profile, report, run, workloads
+from bench import ceilings, kernels, matvec, measure, profile, report, run, workloads
 from kvcourse.model_store import REPO_ROOT
 
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
@@ -318,3 +318,53 @@ def test_first_runs_table_marks_one_request_warmups():
         "| C | 25.6 / 14.1 |",
         "| D | - |",
     ]
+
+
+def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
+    """bench.kernels on tiny decode shapes: every system, the sweep's launches included, agrees with dense
+    attention and is timed; the table shows the fastest launch of the sweep."""
+    out = tmp_path / "kernels.json"
+    assert kernels.main(["--quick", "--device", "cpu", "--sweep", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    systems = {r["system"] for r in results["rows"]}
+    assert {"paged kernel (Triton)", "gather + SDPA", "SDPA contiguous"} <= systems
+    assert len([s for s in systems if s.startswith("Triton tile")]) == 2 * len(
+        kernels.sweep_configs(quick=True)
+    )
+    assert all(r["max_error"] < kernels.TOLERANCE and r["ms"] > 0 for r in results["rows"])
+    table = capsys.readouterr().out
+    assert table.count("Triton, fastest of 4 launches") == len(kernels.QUICK_SHAPES), table
+
+
+def test_a_wrong_kernel_fails_the_kernel_table(tmp_path, monkeypatch, capsys):
+    """An attention that answers wrongly is not timed: its row reads WRONG and the run exits 1."""
+    monkeypatch.setattr(
+        kernels, "paged_kernels", lambda device, quick: {"off by one": lambda q, *rest: q + 1}
+    )
+    assert kernels.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "k.json")]) == 1
+    out = capsys.readouterr().out
+    assert "| off by one | WRONG |" in out and "kernels FAILED" in out
+
+
+def test_kernel_table_sizes():
+    assert kernels.kv_bytes((32, 512, 9, 3, 64)) == 25_165_824
+    assert kernels.programs_per_sm(128, 4, 0) == 4  # the docstring's example
+    assert kernels.programs_per_sm(64, 8, 100 * 1024) == 2  # shared memory binds first
+
+
+def test_kernel_resources_from_the_assembler(capsys):
+    """Registers and spills of the compiled kernel for an H100, read without a GPU."""
+    pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    rows = kernels.resources(kernels.sweep_configs(quick=True), head_shapes=((9, 3, 64),))
+    assert [(r["tile_n"], r["num_warps"]) for r in rows] == [(16, 4), (64, 8)]
+    assert all(0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1 for r in rows)
+
+
+@pytest.mark.cuda
+def test_kernel_table_on_a_gpu(tmp_path):
+    done = gpu_run(["bench.kernels", "--quick", "--device", "cuda", "--sweep", "--out", str(tmp_path / "k.json")],
+                   tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "k.json").read_text())
+    assert "paged kernel (Triton)" in {r["system"] for r in results["rows"]}
+    assert results["device_name"] in done.stdout
