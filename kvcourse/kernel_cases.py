@@ -60,9 +60,11 @@ def cases():
             yield block_size, n_heads, n_kv, [1, 3 * block_size, 23, 9], [1, 1, 6, 9]
 
 
-# Fewer and smaller cases, for the Triton interpreter (it runs each program in Python).
+# Fewer and smaller cases, for the Triton interpreter (it runs each program in Python). Each has a
+# history longer than the kernel's 32-position tile, so one program rescales across tiles (with 4
+# splits, the tiles of the 70-position history go to three programs and the merge combines them).
 TRITON_CASES = [
-    (1, 4, 4, [1, 5], [1, 5]),
-    (7, 9, 3, [1, 14, 10], [1, 1, 4]),
-    (16, 8, 2, [1, 32, 21], [1, 1, 21]),
+    (1, 4, 4, [1, 40], [1, 5]),
+    (7, 9, 3, [1, 45, 10], [1, 1, 4]),
+    (16, 8, 2, [1, 70, 21], [1, 1, 21]),
 ]
