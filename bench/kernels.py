@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import ceilings
-from bench.measure import bench_device, cpu_name, package_version
+from bench.measure import add_device_option, bench_device, cpu_name, package_version
 from kvcourse.kernel_cases import dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 
@@ -299,10 +299,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="where the kernels run (default auto: cuda where torch sees a GPU, else cpu)",
-    )  # fmt: skip
+    add_device_option(parser, "the kernels run")
     parser.add_argument(
         "--sweep", action="store_true", help="also time every launch shape of the Triton kernel"
     )

@@ -241,6 +241,15 @@ def decode_latency(system: System, vocab: int, context: int, steps: int, repeats
     return max(long - short, 0.0) / steps
 
 
+def add_device_option(parser, what: str) -> None:
+    """The bench scripts' ``--device auto|cpu|cuda`` option (``bench_device`` resolves it); ``what`` ends
+    its help: ``add_device_option(parser, "the kernels run")``."""
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help=f"where {what} (default auto: cuda where torch sees a GPU, else cpu)",
+    )  # fmt: skip
+
+
 def bench_device(name: str) -> torch.device:
     """The device ``--device`` names: ``auto`` is a CUDA GPU where torch sees one, else the CPU; ``cpu`` and
     ``cuda`` are resolved by ``kvcourse.devices.resolve_device`` (which turns TF32 off on a GPU).

@@ -48,7 +48,7 @@ from unittest import mock
 import torch
 
 from bench.ceilings import synchronizer
-from bench.measure import bench_device, stage_options
+from bench.measure import add_device_option, bench_device, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.devices import describe
 from kvcourse.model_store import resolve_model_dir
@@ -351,10 +351,7 @@ def main(argv=None) -> int:
         help="comma-separated stages, a torch one with an optional :kernel (default: cpu "
         f"{DEFAULT_STAGES['cpu']}; cuda {DEFAULT_STAGES['cuda']})",
     )
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="where the stages run (default auto: cuda where torch sees a GPU, else cpu)",
-    )  # fmt: skip
+    add_device_option(parser, "the stages run")
     parser.add_argument(
         "--torch-profiler", action="store_true",
         help="also run a few decode steps of each torch stage under torch.profiler (always on cuda)",

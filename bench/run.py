@@ -88,6 +88,7 @@ from tqdm import tqdm
 
 from bench import ceilings, matvec
 from bench.measure import (
+    add_device_option,
     agreement,
     bench_device,
     block_size_sweep,
@@ -130,10 +131,7 @@ GPU_SKIPS = {
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="where every system runs (default auto: cuda where torch sees a GPU, else cpu)",
-    )  # fmt: skip
+    add_device_option(parser, "every system runs")
     parser.add_argument(
         "--workloads", help="comma-separated part of the device's plan (default: all of it; cpu: "
         f"{','.join(PLANS['cpu'])}, cuda: {','.join(PLANS['cuda'])})",
