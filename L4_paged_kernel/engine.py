@@ -26,8 +26,15 @@ build it, or on a GPU) or ``"triton"`` (the Triton kernel: compiled for a GPU's 
 Triton's interpreter for a CPU's, slowly: use it there on small runs). ``num_splits`` takes the
 split-KV path (torch and Triton kernels).
 
+``cuda_graphs=True`` takes the fast path for decode steps: each decode batch replays a CUDA graph
+recorded once per batch-size bucket (``kvcourse.decode_graphs``), padded to its bucket, instead of
+launching every kernel from Python; prompt steps keep the readable path. It needs the Triton kernel on
+a GPU, and adds one block to the pool for the padding rows. On a CPU it runs the same padded step
+eagerly, which is how the tests check it.
+
 Left out on purpose: sampling (greedy only), streaming outputs to callers, sharing blocks between
-sequences (L5), and CUDA graphs or other launch-overhead tricks a GPU engine adds around the kernel.
+sequences (L5), and launch-overhead tricks beyond the decode graphs (graphs for prompt steps, a
+persistent kernel).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import itertools
 import torch
 
 from kvcourse.cpp_kernels import build_problem, load_cpp_kernel
+from kvcourse.decode_graphs import DecodeGraphs
 from kvcourse.devices import resolve_device
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
@@ -104,6 +112,7 @@ class Engine:
         max_model_len: int | None = None,
         kernel: str = "auto",
         num_splits: int = 1,
+        cuda_graphs: bool = False,
     ):
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -113,6 +122,11 @@ class Engine:
         self.kernel_name = choose_kernel(self.device, num_splits) if kernel == "auto" else kernel
         self.kernel = load_kernel(self.kernel_name, self.device)
         self.num_splits = num_splits
+        if cuda_graphs and self.device.type == "cuda" and self.kernel_name != "triton":
+            raise ValueError(
+                f"cuda_graphs=True needs kernel='triton' on a GPU (a graph cannot record the {self.kernel_name} "
+                "kernel's reads back to the host)"
+            )
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir, self.device)
         cfg = self.model.cfg
@@ -128,8 +142,9 @@ class Engine:
         if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
+        padding = 1 if cuda_graphs else 0  # the graphs' padding block: past the allocator's last id
         self.pool = KvPool(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
+            cfg.num_layers, num_blocks + padding, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
         )
         self.scheduler = Scheduler(
             self.allocator,
@@ -138,6 +153,10 @@ class Engine:
             prefill_chunk_size=prefill_chunk_size,
             eos_ids=cfg.eos_token_ids,
         )
+        self.graphs = None
+        if cuda_graphs:
+            max_blocks = blocks_needed(self.max_model_len, block_size)
+            self.graphs = DecodeGraphs(max_num_seqs, max_blocks, block_size, self.device)
         self.meter = UsageMeter()  # live vs held positions, step by step
         self.num_steps = self.num_tokens_run = 0
         self._ids = itertools.count()
@@ -156,7 +175,9 @@ class Engine:
             tokens_run=self.num_tokens_run,
             preemptions=self.scheduler.num_preemptions,
             device=str(self.device),
-            kernel=self.kernel_name + (f", {self.num_splits} splits" if self.num_splits > 1 else ""),
+            kernel=self.kernel_name
+            + (f", {self.num_splits} splits" if self.num_splits > 1 else "")
+            + (", decode graphs" if self.graphs else ""),
             max_num_seqs=self.scheduler.max_num_seqs,
         )
 
@@ -232,10 +253,18 @@ class Engine:
         if not batch:
             return []
         token_ids, meta = self.prepare(batch)
-        attend = functools.partial(attention, self.pool, meta, kernel=self.kernel, num_splits=self.num_splits)
-        logits = self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)  # (N, vocab)
+        if self.graphs is not None and len(meta.logits_at) == len(token_ids) == len(batch):  # decode only
+            logits = self.graphs.run(self.forward, token_ids, meta, self.pool.k, self.allocator.num_blocks)
+        else:
+            logits = self.forward(token_ids, meta)  # (N, vocab)
         self._count(len(token_ids))
         return self.scheduler.update(batch, logits.argmax(-1).tolist())  # the tokens back to the host
+
+    def forward(self, token_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The model over one packed batch, attention through the kernel: (N, vocab) logits of the rows
+        ``meta.logits_at`` names."""
+        attend = functools.partial(attention, self.pool, meta, kernel=self.kernel, num_splits=self.num_splits)
+        return self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)
 
     def _count(self, tokens: int) -> None:
         """After a forward: the step counters, and live vs held positions of the running sequences."""

@@ -3,7 +3,7 @@
     python L4_paged_kernel/l4_smoke.py [--model DIR] [--prompts FILE.jsonl] [--max-new-tokens N]
         [--device cpu|cuda]
 
-With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs four ways:
+With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs five ways:
 
 (a) the PyTorch kernel, every prompt at once, on a small pool sized from the prompts
     (``SmokeContext.tight_pool``: every prompt fits at once, their growth does not), so the
@@ -16,7 +16,10 @@ With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs
     prefill (chunk 8). On the CPU it runs in Triton's interpreter, which executes the kernel with
     NumPy, one program at a time, so this run takes the TRITON_PROMPTS shortest prompts and
     TRITON_TOKENS new tokens each, compared with the first TRITON_TOKENS tokens of L3 and HF (exact
-    for greedy decoding).
+    for greedy decoding);
+(e) the decode-graph fast path (``cuda_graphs=True``) with the device's default kernel on the small
+    pool of (a): on a GPU every decode step replays a recorded CUDA graph of the compiled Triton kernel;
+    on a CPU the same padded, static-buffer steps run eagerly.
 """
 
 from kvcourse.cpp_kernels import build_problem
@@ -51,7 +54,7 @@ def triton_run(ctx: SmokeContext) -> StageRun:
 
 
 def runs(ctx: SmokeContext) -> list[StageRun]:
-    """The four configurations this smoke checks."""
+    """The five configurations this smoke checks."""
     if resolve_device(ctx.device).type == "cpu":
         cpp_skip = build_problem(CPP_SOURCE)  # why it cannot be built here (no C++ compiler), or None
     else:
@@ -72,6 +75,10 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
             skip=cpp_skip,
         ),
         triton_run(ctx),
+        StageRun(
+            f"L4 decode graphs, default kernel, small pool of {small} blocks",
+            lambda ctx: engine(ctx, num_blocks=small, cuda_graphs=True),
+        ),
     ]
 
 

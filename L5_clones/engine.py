@@ -28,6 +28,12 @@ build it, or on a GPU) or ``"triton"`` (the Triton kernel: compiled for a GPU's 
 Triton's interpreter for a CPU's, slowly: use it there on small runs). ``num_splits`` takes the
 split-KV path (torch and Triton kernels).
 
+``cuda_graphs=True`` takes the fast path for decode steps: each decode batch replays a CUDA graph
+recorded once per batch-size bucket (``kvcourse.decode_graphs``), padded to its bucket, instead of
+launching every kernel from Python; prompt steps keep the readable path. It needs the Triton kernel on
+a GPU, and adds one block to the pool for the padding rows. On a CPU it runs the same padded step
+eagerly, which is how the tests check it.
+
 ``generate`` is L4's greedy call. ``generate_samples`` asks for ``n`` samples per prompt with
 ``SamplingParams`` (temperature, top-k, top-p, seed): with ``share=True`` each prompt is one request
 that prefills once and forks; with ``share=False`` its samples are n independent requests (sample i
@@ -37,7 +43,7 @@ An engine built with ``enable_prefix_caching=False`` and asked with ``share=Fals
 bytes that count a shared block once.
 
 Left out on purpose: streaming outputs to callers, stop strings, beam search, returning logprobs, and
-CUDA graphs or other launch-overhead tricks a GPU engine adds around the kernel.
+launch-overhead tricks beyond the decode graphs (graphs for prompt steps, a persistent kernel).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from dataclasses import replace
 import torch
 
 from kvcourse.cpp_kernels import build_problem, load_cpp_kernel
+from kvcourse.decode_graphs import DecodeGraphs
 from kvcourse.devices import resolve_device
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
@@ -117,6 +124,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         kernel: str = "auto",
         num_splits: int = 1,
+        cuda_graphs: bool = False,
     ):
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -126,6 +134,11 @@ class Engine:
         self.kernel_name = choose_kernel(self.device, num_splits) if kernel == "auto" else kernel
         self.kernel = load_kernel(self.kernel_name, self.device)
         self.num_splits = num_splits
+        if cuda_graphs and self.device.type == "cuda" and self.kernel_name != "triton":
+            raise ValueError(
+                f"cuda_graphs=True needs kernel='triton' on a GPU (a graph cannot record the {self.kernel_name} "
+                "kernel's reads back to the host)"
+            )
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir, self.device)
         cfg = self.model.cfg
@@ -141,8 +154,9 @@ class Engine:
         if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
+        padding = 1 if cuda_graphs else 0  # the graphs' padding block: past the allocator's last id
         self.pool = KvPool(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
+            cfg.num_layers, num_blocks + padding, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
         )
         self.scheduler = Scheduler(
             self.allocator,
@@ -153,6 +167,10 @@ class Engine:
             eos_ids=cfg.eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,
         )
+        self.graphs = None
+        if cuda_graphs:
+            max_blocks = blocks_needed(self.max_model_len, block_size)
+            self.graphs = DecodeGraphs(max_num_seqs, max_blocks, block_size, self.device)
         self.meter = UsageMeter()  # live vs held positions (a shared block's rows once), step by step
         self.num_steps = self.num_tokens_run = 0
         self._ids = itertools.count()
@@ -174,7 +192,9 @@ class Engine:
             forks=self.scheduler.num_forks,
             prefix_cache_hits=self.scheduler.num_cached_blocks,
             device=str(self.device),
-            kernel=self.kernel_name + (f", {self.num_splits} splits" if self.num_splits > 1 else ""),
+            kernel=self.kernel_name
+            + (f", {self.num_splits} splits" if self.num_splits > 1 else "")
+            + (", decode graphs" if self.graphs else ""),
             max_num_seqs=self.scheduler.max_num_seqs,
         )
 
@@ -278,10 +298,18 @@ class Engine:
         if not batch:
             return []
         token_ids, meta = self.prepare(batch)
-        attend = functools.partial(attention, self.pool, meta, kernel=self.kernel, num_splits=self.num_splits)
-        logits = self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)  # (N, vocab)
+        if self.graphs is not None and len(meta.logits_at) == len(token_ids) == len(batch):  # decode only
+            logits = self.graphs.run(self.forward, token_ids, meta, self.pool.k, self.allocator.num_blocks)
+        else:
+            logits = self.forward(token_ids, meta)  # (N, vocab)
         self._count(batch, len(token_ids))
         return self.scheduler.update(batch, logits)  # the tokens come back to the host there, row by row
+
+    def forward(self, token_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The model over one packed batch, attention through the kernel: (N, vocab) logits of the rows
+        ``meta.logits_at`` names."""
+        attend = functools.partial(attention, self.pool, meta, kernel=self.kernel, num_splits=self.num_splits)
+        return self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)
 
     def _count(self, batch: Batch, tokens: int) -> None:
         """After a forward: the step counters, and live vs held positions of the running sequences,

@@ -14,7 +14,8 @@ L4 and HF, each run printing its engine's stats (blocks held and shared, forks, 
     it again;
 (b) one request at a time, prefix cache on: each request finds the blocks the ones before it freed
     (a freed block keeps its key until it is handed out again);
-(c) as (a), with the PyTorch reference kernel.
+(c) as (a), with the PyTorch reference kernel; and as (a) on the decode-graph fast path
+    (``cuda_graphs=True``): recorded CUDA graphs on a GPU, the same padded steps run eagerly on a CPU.
 
 Then, counted in the summary line through the smoke's ``extra`` hook:
 
@@ -60,6 +61,10 @@ def runs(ctx: SmokeContext) -> list[StageRun]:
         ),
         StageRun("L5 one request at a time, prefix cache on", lambda ctx: engine(ctx), one_at_a_time),
         StageRun("L5 torch kernel, all at once, prefix cache on", lambda ctx: engine(ctx, kernel="torch")),
+        StageRun(
+            f"L5 decode graphs, all at once, prefix cache on, small pool of {small} blocks",
+            lambda ctx: engine(ctx, num_blocks=small, cuda_graphs=True),
+        ),
     ]
 
 
@@ -139,12 +144,12 @@ def prefix_prompts(ctx: SmokeContext) -> tuple[int, int]:
     for run in (
         StageRun(
             "L5 prefix-cache prompts (equal blocks after different prefixes), one at a time",
-            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+            lambda ctx: Engine(ctx.model_dir, device=ctx.device, max_model_len=ctx.max_model_len),
             one_at_a_time,
         ),
         StageRun(
             "L5 prefix-cache prompts (equal blocks after different prefixes), all at once",
-            lambda ctx: Engine(ctx.model_dir, max_model_len=ctx.max_model_len),
+            lambda ctx: Engine(ctx.model_dir, device=ctx.device, max_model_len=ctx.max_model_len),
         ),
     ):
         p, t, _, _ = compare_run(prefix, run, None, None)

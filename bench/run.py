@@ -6,7 +6,9 @@
 Systems: HF ``generate`` one request at a time (``HF batch 1``, the token reference), HF ``generate``
 on all requests left-padded (``HF batched``), transformers' own paged continuous batching
 (``HF generate_batch``), and every stage present (L4 and L5 with their C++ kernel on a CPU, their
-Triton kernel on a GPU: ``kernel="auto"``).
+Triton kernel on a GPU: ``kernel="auto"``). On a GPU, L4 and L5 also run on their decode-graph fast
+path (``cuda_graphs=True``, ``kvcourse/decode_graphs.py``) as systems of their own, ``L4 + decode graphs``
+and ``L5 + decode graphs``, beside the readable ones.
 
 Every system runs on one device, ``--device``: ``auto`` (the default) is a CUDA GPU where torch sees
 one, else the CPU; ``cuda`` without a GPU is refused in one ``error:`` line (exit status 2). The HF
@@ -76,6 +78,7 @@ the copy bandwidth: a part of its own).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -225,6 +228,11 @@ def main(argv=None) -> int:
     problems = {} if gpu else {n: cpp_kernel_problem(engine_class(n)) for n in stages}
     results["cpp_kernel_problems"] = {n: p for n, p in problems.items() if p}
     makers |= {n: lambda n=n: stage(n, model_dir, **options[n]) for n in stages}
+    if gpu:  # the decode-graph fast path beside each stage that has it, as a system of its own
+        for n in [n for n in stages if "cuda_graphs" in inspect.signature(engine_class(n)).parameters]:
+            label = f"{n} + decode graphs"
+            options[label] = options[n] | {"cuda_graphs": True}  # results["stage_options"] is this dict
+            makers[label] = lambda n=n, label=label: stage(n, model_dir, label=label, **options[label])
     one_at_a_time = {"HF batch 1"} | {n for n in stages if not {"max_num_seqs", "max_seqs"} & set(options[n])}
     works = {name: ["a", "b", "u", "c", "d"] for name in makers}
     for n in one_at_a_time & set(stages):  # L1, L2 are not peers on the uniform workload

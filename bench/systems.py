@@ -160,7 +160,8 @@ def hf_generate_batch(model_dir, device: str = "cpu") -> System:
     return System("HF generate_batch", run)
 
 
-def stage(name: str, model_dir, **options) -> System:
+def stage(name: str, model_dir, label: str | None = None, **options) -> System:
+    """Stage ``name``'s engine built with ``options``, as a system called ``label`` (default: ``name``)."""
     engine = engine_class(name)(model_dir, **options)
 
     def run(prompts, budgets):
@@ -168,7 +169,7 @@ def stage(name: str, model_dir, **options) -> System:
 
     params = inspect.signature(engine_class(name)).parameters
     batched = "max_num_seqs" in params or "max_seqs" in params  # L1 and L2 run one request at a time
-    return System(name, run, engine, one_at_a_time=not batched)
+    return System(label or name, run, engine, one_at_a_time=not batched)
 
 
 def present_stages() -> list[str]:

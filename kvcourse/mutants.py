@@ -431,6 +431,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "where = dests",
         ("tests/test_l6_attention.py::test_update_kv_is_one_scatter_to_page_and_slot",),
     ),
+    Mutation(
+        "decode graphs' padding rows write their K/V into block 0, which a sequence owns",
+        "kvcourse/decode_graphs.py",
+        "self.slot_mapping[b:size] = padding_block * self.block_size",
+        "self.slot_mapping[b:size] = 0",
+        ("tests/test_decode_graphs.py::test_decode_graphs_equal_hf_and_the_readable_path",),
+    ),
     # ---- the comparison every smoke relies on
     Mutation(
         "a comparison that accepts a short output",
