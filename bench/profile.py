@@ -1,4 +1,4 @@
-"""Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L6] [--workload b|a] [--quick]
+"""Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L4:graphs,L6] [--workload b|a] [--quick]
 [--device auto|cpu|cuda] [--torch-profiler]``.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
@@ -55,7 +55,8 @@ from kvcourse.model_store import resolve_model_dir
 from kvcourse.stages import STAGES, engine_class
 
 PARTS = ("schedule + pack", "matmuls + rest", "K/V write", "kernel", "gather + loop")
-DEFAULT_STAGES = {"cpu": "L3,L4:torch,L4:cpp,L5:cpp,L6", "cuda": "L3,L4,L5,L6"}  # on cuda L4, L5: Triton
+# on cuda L4, L5: Triton; L4:graphs is L4 on its decode-graph fast path (cuda_graphs=True)
+DEFAULT_STAGES = {"cpu": "L3,L4:torch,L4:cpp,L5:cpp,L6", "cuda": "L3,L4,L4:graphs,L5,L6"}
 PROFILED_STEPS = 3  # decode steps per torch stage under torch.profiler: the first, one midway, the last
 TOP_KERNELS = 5
 
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--stages",
-        help="comma-separated stages, a torch one with an optional :kernel (default: cpu "
+        help="comma-separated stages, a torch one with an optional :kernel or :graphs (its decode graphs) (default: cpu "
         f"{DEFAULT_STAGES['cpu']}; cuda {DEFAULT_STAGES['cuda']})",
     )
     add_device_option(parser, "the stages run")
@@ -391,14 +392,15 @@ def main(argv=None) -> int:
     max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + budgets[0])
     profiles, kernels, l6 = {}, {}, None
     for spec in (args.stages or DEFAULT_STAGES[device.type]).split(","):
-        name, _, kernel = spec.partition(":")
+        name, _, variant = spec.partition(":")  # "L4:cpp": a kernel; "L4:graphs": the decode graphs
         cls = engine_class(name)
         if name == "L6":
             l6 = profile_l6(model_dir, prompts, budgets, stage_options(cls, sizes, max_len, device))
             continue
         if not hasattr(cls, "prepare"):
             raise SystemExit(f"{name} has no scheduler step to profile; profile L3, L4, L5 or L6")
-        options = stage_options(cls, sizes, max_len, device) | ({"kernel": kernel} if kernel else {})
+        options = stage_options(cls, sizes, max_len, device)
+        options |= {"cuda_graphs": True} if variant == "graphs" else {"kernel": variant} if variant else {}
         try:
             profiles[spec] = profile_stage(name, model_dir, prompts, budgets, options)
         except ValueError as e:  # e.g. L4:cpp on a GPU
