@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -293,7 +292,8 @@ def table(results: dict) -> str:
         timed = [r for r in swept if not math.isnan(r["ms"])]
         if timed:
             best = min(timed, key=lambda r: r["ms"])
-            lines.append(line(best, f"Triton, fastest of {len(swept)} launches: {best['system'][7:]}"))
+            launch = best["system"].removeprefix("Triton ")
+            lines.append(line(best, f"Triton, fastest of {len(swept)} launches: {launch}"))
     return "\n".join(lines)
 
 
@@ -348,5 +348,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise SystemExit(main())

@@ -102,6 +102,7 @@ class DecodeGraphs:
         self.token_ids[b:size] = 0
         self.positions[b:size] = 0
         self.slot_mapping[b:size] = padding_block * self.block_size
+        self.block_tables[b:size] = -1
         self.block_tables[b:size, 0] = padding_block
         self.context_lens[b:size] = 1
         if size not in self.graphs:
