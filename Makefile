@@ -86,7 +86,7 @@ lint: $(STAMP)
 # The learner's copies of the exercise notebooks, in git-ignored workspace/ (never overwritten), with
 # the venv and the model prepared.
 workspace: setup
-	@$(PY) -m kvcourse.workspace
+	@$(PY) -m kvcourse.grading.workspace
 
 # JupyterLab on the repository, opened at workspace/ (the chapters in lessons/ open from the notebooks'
 # links). Headless: make notebooks JUPYTER_ARGS="--no-browser --port 8888"
@@ -96,29 +96,29 @@ notebooks: setup workspace
 # make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook);
 # TIMEOUT= seconds per cell (default 60), SEED= the hidden cases' seed (default: a new one per run)
 grade: setup
-	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grade $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR)) \
+	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grading.gradebook $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR)) \
 	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED))
 
 exercises: $(STAMP)
-	$(PY) -m kvcourse.exercises
+	$(PY) -m kvcourse.grading.exercises
 
 # lessons/diffs/L{N-1}_L{N}.diff: what each stage changes, as a unified diff of the two folders.
 diffs: $(STAMP)
-	$(PY) -m kvcourse.diffs
+	$(PY) -m kvcourse.tools.diffs
 
 bench: setup
 	$(PY) -m bench.run
 	$(PY) -m bench.kernels
 
-# Every stage on a CUDA GPU, with the kernel cases, ending with one line per stage (kvcourse/gpu_check.py).
-# Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.gpu_check.
+# Every stage on a CUDA GPU, with the kernel cases, ending with one line per stage (kvcourse/tools/gpu_check.py).
+# Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.tools.gpu_check.
 gpu-check: setup
-	$(PY) -m kvcourse.gpu_check
+	$(PY) -m kvcourse.tools.gpu_check
 
 # Each promise the chapters make, broken on purpose in a scratch copy, one at a time: a test must fail
-# for every one (kvcourse/mutants.py). Not part of make test, which only checks the list still applies.
+# for every one (kvcourse/tools/mutants.py). Not part of make test, which only checks the list still applies.
 mutants: setup
-	$(PY) -m kvcourse.mutants
+	$(PY) -m kvcourse.tools.mutants
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

@@ -7,7 +7,7 @@ With no --model it runs the course model and a seeded random tiny Qwen3. L1 is t
 it is compared with HF only.
 """
 
-from kvcourse.smoke import SmokeContext, StageRun, run_smoke
+from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke
 from L1_contiguous.engine import Engine
 
 

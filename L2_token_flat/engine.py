@@ -21,9 +21,9 @@ import functools
 import torch
 
 from kvcourse.devices import resolve_device
+from kvcourse.limits import check_blocks, check_requests, finished, resolve_max_model_len
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.requests import check_blocks, check_requests, finished, resolve_max_model_len
 from kvcourse.stats import EngineStats, UsageMeter
 
 from .allocator import BlockAllocator, blocks_needed

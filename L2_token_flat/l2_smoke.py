@@ -8,7 +8,7 @@ block_size 16 (the default), 1 (every token its own block) and 7 (blocks that ne
 powers of two the prompts and budgets tend to be), since odd sizes catch slot-index bugs.
 """
 
-from kvcourse.smoke import SmokeContext, StageRun, run_smoke
+from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke
 from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat.engine import Engine
 

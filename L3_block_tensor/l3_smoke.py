@@ -13,8 +13,8 @@ printing its engine's stats (steps, preemptions, blocks held):
 (d) chunked prefill, 8 tokens per chunk, interleaved with the decode tokens of the others.
 """
 
-from kvcourse.smoke import SmokeContext, StageRun, run_smoke
-from kvcourse.workloads import staggered
+from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke
+from kvcourse.harness.workloads import staggered
 from L2_token_flat.engine import Engine as L2Engine
 from L3_block_tensor.engine import Engine
 

@@ -24,7 +24,7 @@ With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs
 
 from kvcourse.cpp_kernels import build_problem
 from kvcourse.devices import resolve_device
-from kvcourse.smoke import SmokeContext, StageRun, run_smoke
+from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke
 from L3_block_tensor.engine import Engine as L3Engine
 from L4_paged_kernel.cpp_paged_attention import SOURCE as CPP_SOURCE
 from L4_paged_kernel.engine import Engine

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from bisect import insort
 
-from kvcourse.requests import finished
+from kvcourse.limits import finished
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .sequence import FinishReason, Sequence, Status, reserve

@@ -37,7 +37,7 @@ element, a few times slower than its NumPy ``tl.max``.
 
 Verified here (no GPU): the interpreted kernel against dense attention, and the compiled kernel's
 build for NVIDIA GPUs (Triton's compiler down to a GPU binary, which needs no GPU). Running the compiled
-kernel needs a CUDA GPU: ``python -m kvcourse.gpu_check`` does it.
+kernel needs a CUDA GPU: ``python -m kvcourse.tools.gpu_check`` does it.
 
 Left out on purpose: autotuning at run time (the bench sweeps instead, and the chosen shapes are plain
 code), fp16/bf16 inputs, and the vLLM-style tricks that matter only for speed (persistent programs,

@@ -57,9 +57,9 @@ import torch
 from kvcourse.cpp_kernels import build_problem, load_cpp_kernel
 from kvcourse.decode_graphs import DecodeGraphs
 from kvcourse.devices import resolve_device
+from kvcourse.limits import check_blocks, check_requests, resolve_max_model_len
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.requests import check_blocks, check_requests, resolve_max_model_len
 from kvcourse.sampling import SamplingParams
 from kvcourse.stats import EngineStats, UsageMeter
 
@@ -189,7 +189,7 @@ class Engine:
             steps=self.num_steps,
             tokens_run=self.num_tokens_run,
             preemptions=self.scheduler.num_preemptions,
-            forks=self.scheduler.num_forks,
+            clones=self.scheduler.num_forks,
             prefix_cache_hits=self.scheduler.num_cached_blocks,
             device=str(self.device),
             kernel=self.kernel_name

@@ -25,17 +25,17 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
     shortest prompts, CLONE_TOKENS tokens each: == SAMPLES independent requests seeded 1234 ..,
     with nothing shared, token for token. Sampling has no HF reference: these rows compare L5 with
     itself, forked against unshared;
-(f) the prefix-cache prompt file (``kvcourse/prompts_prefix.jsonl``, its own budgets): the same
+(f) the prefix-cache prompt file (``kvcourse/harness/prompts_prefix.jsonl``, its own budgets): the same
     16-token blocks after different prefixes, one request at a time and then all at once, against HF.
     A cache key that forgot the blocks before its block would hit there and change the tokens.
 """
 
 from __future__ import annotations
 
-from kvcourse.compare import Row, compare, first_difference, format_rows
-from kvcourse.prompts import PREFIX_PROMPTS, read_prompts
+from kvcourse.harness.compare import Row, compare, first_difference, format_rows
+from kvcourse.harness.prompts import PREFIX_PROMPTS, read_prompts
+from kvcourse.harness.smoke import SmokeContext, StageRun, blocks_for, compare_run, prepare, run_smoke
 from kvcourse.sampling import SamplingParams
-from kvcourse.smoke import SmokeContext, StageRun, blocks_for, compare_run, prepare, run_smoke
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine
 

@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from kvcourse.requests import finished
+from kvcourse.limits import finished
 from kvcourse.sampling import sample
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed

@@ -69,8 +69,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvcourse.jax_model import forward, load_params
+from kvcourse.limits import check_requests, resolve_max_model_len
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.requests import check_requests, resolve_max_model_len
 from kvcourse.stats import EngineStats, UsageMeter
 
 from . import decode_state as ds
@@ -370,7 +370,7 @@ class Engine:
             blocks_shared=meter.blocks_shared_peak,
             steps=steps,
             tokens_run=tokens,
-            forks=self.num_forks,
+            clones=self.num_forks,
             compiles=dict(self.traces),
         )
 

@@ -307,7 +307,7 @@ def watch(hosts: list[subprocess.Popen], logs: list[Path], deadline: float, time
 def compare_hosts(contexts, entries: list[dict], reports: list[dict]) -> tuple[int, int]:
     """Print each host's calls and compiles and, per model, every prompt's row: all hosts read the
     same tokens, equal to single-process L6 and HF (the tie rule applies). Returns (passed, total)."""
-    from kvcourse.compare import Row, compare, format_rows
+    from kvcourse.harness.compare import Row, compare, format_rows
 
     passed = total = 0
     for k, ((title, ctx), entry) in enumerate(zip(contexts, entries, strict=True)):
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host is not None:
         return host_main(args)
 
-    from kvcourse.smoke import prepare_models
+    from kvcourse.harness.smoke import prepare_models
     from L6_tpu_jax.engine import Engine
 
     with tempfile.TemporaryDirectory(prefix="kvcourse-multihost-") as work:

@@ -31,8 +31,8 @@ Not run here: the Pallas kernel compiled for a real TPU (this checks it interpre
 
 from __future__ import annotations
 
-from kvcourse.compare import Row, compare, format_rows
-from kvcourse.smoke import SmokeContext, StageRun, run_smoke
+from kvcourse.harness.compare import Row, compare, format_rows
+from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke
 from L5_clones.engine import Engine as L5Engine
 from L6_tpu_jax.engine import Engine
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from bench import ceilings
 from bench.measure import add_device_option, bench_device, cpu_name, package_version
-from kvcourse.kernel_cases import dense_reference, make_case
+from kvcourse.harness.kernel_cases import dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 
 BLOCK_SIZE = 16

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     if args.quick and not args.model:
         import tempfile
 
-        from kvcourse.tiny import make_tiny_checkpoint
+        from kvcourse.harness.tiny import make_tiny_checkpoint
 
         model_dir = make_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="kvcourse-matvec-"))
     else:

@@ -29,11 +29,11 @@ import torch
 from bench import ceilings
 from bench.systems import System
 from bench.workloads import mixed_workload
-from kvcourse.compare import compare
 from kvcourse.cpp_kernels import build_problem
 from kvcourse.devices import resolve_device
+from kvcourse.harness.compare import compare
+from kvcourse.harness.reference import Reference
 from kvcourse.model_store import REPO_ROOT
-from kvcourse.reference import Reference
 
 
 @dataclass

@@ -51,8 +51,8 @@ from bench.ceilings import synchronizer
 from bench.measure import add_device_option, bench_device, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.devices import describe
+from kvcourse.harness.stages import STAGES, engine_class
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.stages import STAGES, engine_class
 
 PARTS = ("schedule + pack", "matmuls + rest", "K/V write", "kernel", "gather + loop")
 # on cuda L4, L5: Triton; L4:graphs is L4 on its decode-graph fast path (cuda_graphs=True)
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     if args.quick and not args.model:
         import tempfile
 
-        from kvcourse.tiny import make_tiny_checkpoint
+        from kvcourse.harness.tiny import make_tiny_checkpoint
 
         model_dir = make_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="kvcourse-profile-"))
     else:

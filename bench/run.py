@@ -52,7 +52,7 @@ no target depends on. HF batched is credited only with the tokens each request a
 for; ``computed_new_tokens`` says what it generated.
 
 The outputs of the timed runs are compared token for token with HF batch 1's (``agreement``, the tie
-rule of ``kvcourse.compare`` the only tolerance). A mismatch fails the bench (exit status 1) after
+rule of ``kvcourse.harness.compare`` the only tolerance). A mismatch fails the bench (exit status 1) after
 the results are written. KV utilization on (b) and the blocks held on (c) come from the ``stats()`` of
 a fresh engine that ran only that workload: live positions / positions held, summed over every step.
 
@@ -115,9 +115,9 @@ from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stag
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.cpp_kernels import compile_seconds
 from kvcourse.devices import describe
+from kvcourse.harness.stages import engine_class
 from kvcourse.model import Transformer
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
-from kvcourse.stages import engine_class
 
 # The workloads each device type runs, in this order.
 PLANS = {"cpu": ("a", "b", "u", "c", "d", "e", "f"), "cuda": ("b", "u", "a")}
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     sizes = QUICK if args.quick else FULL
     tmp = None
     if args.quick and not args.model:
-        from kvcourse.tiny import make_tiny_checkpoint
+        from kvcourse.harness.tiny import make_tiny_checkpoint
 
         tmp = tempfile.TemporaryDirectory(prefix="kvcourse-bench-")
         model_dir = make_tiny_checkpoint("llama", tmp.name)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcourse.reference import Reference, load_hf_model
-from kvcourse.stages import STAGES, engine_class
+from kvcourse.harness.reference import Reference, load_hf_model
+from kvcourse.harness.stages import STAGES, engine_class
 
 Run = Callable[[list[list[int]], list[int]], list[list[int]]]
 PAGE = 16  # generate_batch's page size: the stages' block size

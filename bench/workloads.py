@@ -34,7 +34,7 @@ def mixed_workload(vocab: int, n: int, prompt_range, new_range, seed: int = 0):
 def batch1_workload(model_dir, new_tokens: int):
     """(a): one chat prompt (the model's chat template around a request for a story) and its budget,
     as ([prompt ids], [new_tokens])."""
-    from kvcourse.prompts import Prompt, encode, load_tokenizer
+    from kvcourse.harness.prompts import Prompt, encode, load_tokenizer
 
     message = "Tell me a long story about a lighthouse keeper."
     return [encode(load_tokenizer(model_dir), Prompt(messages=(("user", message),)))], [new_tokens]

@@ -2,7 +2,7 @@
 
 Every engine of L1-L5 takes ``device=`` ("cpu", "cuda", "cuda:N" or a ``torch.device``) and puts its
 weights, KV pool, block tables and step metadata there; the smoke scripts, the CLI, the benchmark and
-``python -m kvcourse.gpu_check`` take ``--device cpu|cuda``, whose default is the environment variable
+``python -m kvcourse.tools.gpu_check`` take ``--device cpu|cuda``, whose default is the environment variable
 ``KVCOURSE_DEVICE``, else the CPU. All of them resolve the name here, so a bad one is refused the same
 way everywhere::
 

@@ -44,7 +44,7 @@ class EngineStats:
     steps: int = 0  # forward calls
     tokens_run: int = 0  # tokens through the model (prefill the prefix cache skipped is not run)
     preemptions: int = 0
-    forks: int = 0  # requests split into their n samples
+    clones: int = 0  # requests split into their n samples (clones sharing their prompt blocks)
     prefix_cache_hits: int = 0  # blocks shared at admission instead of computed
     compiles: dict[str, int] = field(default_factory=dict)  # traces per compiled function
     device: str = "cpu"  # where the weights and the cache live
@@ -75,8 +75,8 @@ class EngineStats:
                 f"{self.blocks_held}/{self.num_blocks} blocks held at peak, {self.blocks_shared} shared"
             )
         counts = f"{self.steps} steps, {self.preemptions} preemptions"
-        if self.forks or self.prefix_cache_hits:
-            counts += f", {self.forks} forks, {self.prefix_cache_hits} prefix-cache block hits"
+        if self.clones or self.prefix_cache_hits:
+            counts += f", {self.clones} clones, {self.prefix_cache_hits} prefix-cache block hits"
         if self.compiles:
             counts += ", compiles " + ", ".join(f"{k} {v}" for k, v in sorted(self.compiles.items()))
         return "; ".join([*parts, counts])

@@ -2,7 +2,7 @@
 
 A checker prints one line per case (``case k (name): ok`` or ``WRONG — ...`` or ``raised ...``), then
 ``k/n passed``. ``hidden_problems`` and ``assert_fails_hidden`` judge a function on an exercise's hidden
-cases (``kvcourse/hidden.py``) as the grader does.
+cases (``kvcourse/grading/hidden.py``) as the grader does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from kvcourse import hidden
+from kvcourse.grading import hidden
 
 
 def graded_lines(capsys) -> list[str]:

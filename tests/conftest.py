@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcourse.harness.tiny import make_tiny_checkpoint
 from kvcourse.model_store import default_model_dir
-from kvcourse.tiny import make_tiny_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,7 +44,7 @@ def tiny_llama_dir(tmp_path_factory):
 def course_prompts_subset(tmp_path_factory):
     """Four lines of the course prompt set (the first, the longest, the first with a system prompt, the
     last), for the course-model smokes of make test that are slowest; make smoke runs all of them."""
-    from kvcourse.prompts import DEFAULT_PROMPTS
+    from kvcourse.harness.prompts import DEFAULT_PROMPTS
 
     lines = DEFAULT_PROMPTS.read_text(encoding="utf-8").splitlines()
     chosen = [lines[0], max(lines, key=len), *[x for x in lines if '"system"' in x][:1], lines[-1]]

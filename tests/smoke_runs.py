@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from kvcourse.smoke import smoke_main
-from kvcourse.stages import STAGES
+from kvcourse.harness.smoke import smoke_main
+from kvcourse.harness.stages import STAGES
 
 COURSE_SMOKE_TOKENS = 8  # new tokens per prompt in make test's course-model smokes (make smoke: 64)
 

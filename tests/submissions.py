@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from kvcourse import exercises
+from kvcourse.grading import exercises
 
 REFERENCE = exercises.NOTEBOOKS / "L2_token_flat.ipynb"
 CHECKERS = {1: "check_alloc_blocks", 2: "check_free", 3: "check_reserve"}

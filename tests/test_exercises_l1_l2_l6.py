@@ -16,7 +16,7 @@ checker's reference is the stage's own code (``KvCache.write``, ``Engine.generat
 ``ModelConfig.kv_bytes_per_token``, ``BlockAllocator.free``, ``reserve``, ``allocate_for_seq``,
 ``update_kv``, ...), so the two hold each other in check, and the stage's code is held to fixed values
 here and in ``test_l1.py``, ``test_l2.py``, ``test_l6_state.py`` and ``test_l6_attention.py``. Every
-wrong answer also fails the hidden cases the grader draws (``kvcourse/hidden.py``). L6.4's visible check
+wrong answer also fails the hidden cases the grader draws (``kvcourse/grading/hidden.py``). L6.4's visible check
 needs the notebook's 4 devices and runs only when a notebook is graded; its hidden cases need none and
 run here.
 
@@ -39,17 +39,17 @@ import pytest
 from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines, hidden_problems
 from jax.sharding import PartitionSpec as P
 
-from kvcourse import hidden
 from kvcourse.config import ModelConfig
-from kvcourse.prompts import encode
-from L1_contiguous import answers as l1_answers
-from L1_contiguous import checks as l1
+from kvcourse.grading import hidden
+from kvcourse.harness.prompts import encode
 from L1_contiguous.engine import Engine as L1Engine
-from L2_token_flat import answers as l2_answers
-from L2_token_flat import checks as l2
+from L1_contiguous.exercises import answers as l1_answers
+from L1_contiguous.exercises import checks as l1
 from L2_token_flat.allocator import OutOfBlocksError
-from L6_tpu_jax import answers as l6_answers
-from L6_tpu_jax import checks as l6
+from L2_token_flat.exercises import answers as l2_answers
+from L2_token_flat.exercises import checks as l2
+from L6_tpu_jax.exercises import answers as l6_answers
+from L6_tpu_jax.exercises import checks as l6
 from L6_tpu_jax.kv_cache import update_kv
 from L6_tpu_jax.multihost import DATA
 

@@ -6,7 +6,7 @@ kv_splits):
 - plausible wrong answers (an off-by-one, the wrong victim, a missing reset, a forgotten rescale, the
   wrong block index, ...) fail: the summary line is not ``n/n passed`` and the case built to catch the
   mistake is reported ``WRONG`` or ``raised``;
-- the same wrong answers fail the hidden cases the grader draws (``kvcourse/hidden.py``), on three
+- the same wrong answers fail the hidden cases the grader draws (``kvcourse/grading/hidden.py``), on three
   seeds each;
 - the reference solution of the reference notebook (the code between its solution markers, run as the
   notebook runs it) passes every case, and so does the independent answer of each stage's
@@ -30,11 +30,11 @@ import pytest
 import torch
 from checker_asserts import assert_fails_hidden
 
-from L3_block_tensor import answers as l3_answers
-from L3_block_tensor import checks as l3_checks
+from L3_block_tensor.exercises import answers as l3_answers
+from L3_block_tensor.exercises import checks as l3_checks
 from L3_block_tensor.sequence import Sequence, Status, slots
-from L4_paged_kernel import answers as l4_answers
-from L4_paged_kernel import checks as l4_checks
+from L4_paged_kernel.exercises import answers as l4_answers
+from L4_paged_kernel.exercises import checks as l4_checks
 from L4_paged_kernel.paged_attention import attend_blocks, merge_partials
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"

@@ -31,9 +31,10 @@ from pathlib import Path
 import pytest
 from checker_asserts import assert_fails, assert_passes, graded_lines, hidden_problems
 
-from kvcourse.exercises import read
-from L5_clones import answers, checks, prefix_cache
+from kvcourse.grading.exercises import read
+from L5_clones import prefix_cache
 from L5_clones.allocator import BlockAllocator
+from L5_clones.exercises import answers, checks
 from L5_clones.prefix_cache import block_hash, register_full_blocks
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipynb"

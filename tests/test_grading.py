@@ -10,7 +10,7 @@ For each ``notebooks/LN_*.ipynb`` (so later stages' notebooks are covered as soo
 
 Grading runs the same command as the Makefile's ``grade`` target, as a subprocess; each run executes the
 notebook once (without its cells tagged ``demo``). The tests at the bottom cover the marker handling on
-a small hand-made notebook and the harness in ``kvcourse/grading.py`` (a case's own prints are
+a small hand-made notebook and the harness in ``kvcourse/grading/cases.py`` (a case's own prints are
 dropped; a runaway loop is cut off).
 """
 
@@ -28,11 +28,11 @@ import nbformat
 import pytest
 import submissions
 
-from kvcourse import exercises
-from kvcourse import grade as grade_module
-from kvcourse.grading import CallLimit, Case, run_cases, tensor_problem
-from kvcourse.sandbox import Sandbox, bwrap_works
-from kvcourse.workspace import LINK_RE, make_workspace, relinked
+from kvcourse.grading import exercises
+from kvcourse.grading import gradebook as grade_module
+from kvcourse.grading.cases import CallLimit, Case, run_cases, tensor_problem
+from kvcourse.grading.sandbox import Sandbox, bwrap_works
+from kvcourse.grading.workspace import LINK_RE, make_workspace, relinked
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCES = exercises.reference_notebooks(ROOT / "notebooks")
@@ -57,7 +57,7 @@ WRONG_AND_RIGHT = {
 
 
 def grade(*args: str) -> subprocess.CompletedProcess:
-    """``make grade NB=...`` without make: ``python -m kvcourse.grade`` with the Makefile's environment."""
+    """``make grade NB=...`` without make: ``python -m kvcourse.grading.gradebook`` with the Makefile's environment."""
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
@@ -68,7 +68,7 @@ def grade(*args: str) -> subprocess.CompletedProcess:
         # step took 1.9 s instead of 45 ms on the shared 2-core machine); make grade sets this too.
         OMP_WAIT_POLICY="PASSIVE",
     )
-    cmd = [sys.executable, "-m", "kvcourse.grade", *args]
+    cmd = [sys.executable, "-m", "kvcourse.grading.gradebook", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -267,7 +267,7 @@ def test_a_repository_under_tmp_stays_visible_in_the_box():
 
 def test_without_bubblewrap_the_grader_says_so_and_how_to_install_it(monkeypatch):
     box = Sandbox(ROOT, memory_bytes=1 << 30, cpu_seconds=10, use_bwrap=False)
-    monkeypatch.setattr("kvcourse.sandbox.bwrap_works", lambda: "bubblewrap (bwrap) is not installed")
+    monkeypatch.setattr("kvcourse.grading.sandbox.bwrap_works", lambda: "bubblewrap (bwrap) is not installed")
     assert box.warning().startswith("warning: bubblewrap (bwrap) is not installed: notebooks run with")
     assert "apt-get install bubblewrap" in box.warning()
     argv, _ = box.wrap(["python", "-c", "pass"], ROOT)

@@ -1,4 +1,4 @@
-"""Hidden cases (kvcourse/hidden.py) of every exercise: drawn, observed and judged as make grade does.
+"""Hidden cases (kvcourse/grading/hidden.py) of every exercise: drawn, observed and judged as make grade does.
 
 For each exercise of each exercise notebook:
 
@@ -22,9 +22,9 @@ import json
 
 import pytest
 
-from kvcourse import hidden
-from kvcourse.grade import known_exercises
-from kvcourse.stages import STAGES
+from kvcourse.grading import hidden
+from kvcourse.grading.gradebook import known_exercises
+from kvcourse.harness.stages import STAGES
 
 SEEDS = range(5)
 
@@ -33,13 +33,13 @@ EXERCISES = [(STAGES[ex.split(".")[0]], ex) for ex in known_exercises()]  # (sta
 
 
 def spec(package: str, exercise_id: str) -> hidden.Hidden:
-    return importlib.import_module(f"{package}.checks").HIDDEN[exercise_id]
+    return importlib.import_module(f"{package}.exercises.checks").HIDDEN[exercise_id]
 
 
 def stage_function(package: str, exercise_id: str):
     """The stage's own implementation, in the learner's signature (``STAGE_ADAPTERS`` of the stage's
     answers module where the signatures differ)."""
-    adapters = getattr(importlib.import_module(f"{package}.answers"), "STAGE_ADAPTERS", {})
+    adapters = getattr(importlib.import_module(f"{package}.exercises.answers"), "STAGE_ADAPTERS", {})
     if exercise_id in adapters:
         return adapters[exercise_id]
     return hidden.resolve(spec(package, exercise_id).answers[0])[2]
@@ -49,7 +49,7 @@ def stage_function(package: str, exercise_id: str):
 def context(package: str, exercise_id: str) -> tuple:
     """What the exercise's check cell passes after the function (L1.2's engine), built once: the
     ``CONTEXT`` of the stage's answers module, or nothing."""
-    made = getattr(importlib.import_module(f"{package}.answers"), "CONTEXT", {}).get(exercise_id)
+    made = getattr(importlib.import_module(f"{package}.exercises.answers"), "CONTEXT", {}).get(exercise_id)
     return made() if made else ()
 
 
@@ -61,7 +61,7 @@ def harvested(package: str, exercise_id: str, fn, seed: int, tmp_path, *context)
 
 @pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
 def test_every_exercise_has_hidden_cases_and_an_answer(package, exercise_id):
-    answers = importlib.import_module(f"{package}.answers")
+    answers = importlib.import_module(f"{package}.exercises.answers")
     assert exercise_id in answers.EXPECT
     assert spec(package, exercise_id).answers, "no stage implementation named for the watch"
     cases = spec(package, exercise_id).draw(hidden.rng_for(0, exercise_id))
@@ -91,7 +91,7 @@ def test_an_answer_that_runs_the_stage_code_is_caught(package, exercise_id, tmp_
 
 @pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
 def test_a_broken_stage_changes_no_verdict(package, exercise_id, tmp_path, monkeypatch):
-    answers = importlib.import_module(f"{package}.answers")
+    answers = importlib.import_module(f"{package}.exercises.answers")
     for target in spec(package, exercise_id).answers:  # the mutant: the stage's own code raises
         owner, name, _ = hidden.resolve(target)
         monkeypatch.setattr(owner, name, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("mutant")))

@@ -1,4 +1,4 @@
-"""The static scan of a submission's code (kvcourse/integrity.py): it flags what it should and
+"""The static scan of a submission's code (kvcourse/grading/integrity.py): it flags what it should and
 nothing a learner's honest answer does.
 
 - the reference solutions of every notebook, which are honest answers, give no finding;
@@ -13,9 +13,9 @@ import importlib
 
 import pytest
 
-from kvcourse import exercises
-from kvcourse.grade import package_of
-from kvcourse.integrity import scan
+from kvcourse.grading import exercises
+from kvcourse.grading.gradebook import package_of
+from kvcourse.grading.integrity import scan
 
 ALLOC = "L2_token_flat.allocator:BlockAllocator.alloc_blocks"
 RESERVE = "L2_token_flat.sequence:reserve"
@@ -27,7 +27,7 @@ REFERENCES = exercises.reference_notebooks(exercises.NOTEBOOKS)
 def test_reference_solutions_are_clean(reference):
     """Every solution, as the learner's cell would hold it (the whole reference cell), is clean."""
     package = package_of(reference.name)
-    hidden = importlib.import_module(f"{package}.checks").HIDDEN
+    hidden = importlib.import_module(f"{package}.exercises.checks").HIDDEN
     answers = {ex: spec.answers for ex, spec in hidden.items()}
     cells = [
         (None, c.source)

@@ -139,7 +139,7 @@ CLI_ARGS = ["--max-new-tokens", "6", "--ignore-eos", "Hello there"]
 @pytest.mark.parametrize("stage", ["L1", "L2", "L3", "L4", "L5", "L6"])
 def test_cli_generate(tiny_llama_dir, stage, capsys):
     """``python -m kvcourse generate`` for every stage (in process; the entry point is run once below)."""
-    from kvcourse.__main__ import main
+    from kvcourse.harness.cli import main
 
     assert main(["generate", "--stage", stage, "--model", str(tiny_llama_dir), *CLI_ARGS]) == 0
     out = capsys.readouterr().out
@@ -182,7 +182,7 @@ def test_cli_refuses_unknown_stage():
 
 @pytest.mark.parametrize("stage", ["L1", "L2", "L3", "L4", "L5", "L6"])
 def test_zero_length_limit_is_refused_not_defaulted(tiny_llama_dir, stage):
-    from kvcourse.stages import engine_class
+    from kvcourse.harness.stages import engine_class
 
     with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 2048\] .*got 0"):
         engine_class(stage)(tiny_llama_dir, max_model_len=0)

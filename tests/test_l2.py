@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smoke_runs import course_smoke
 
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.reference import hf_greedy
 from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from L2_token_flat.cache import KvPool

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smoke_runs import course_smoke
 
-from kvcourse.reference import hf_greedy
-from kvcourse.workloads import staggered
+from kvcourse.harness.reference import hf_greedy
+from kvcourse.harness.workloads import staggered
 from L2_token_flat.allocator import BlockAllocator as L2Allocator
 from L2_token_flat.engine import Engine as L2Engine
 from L2_token_flat.sequence import Sequence as L2Sequence

@@ -8,7 +8,7 @@ import pytest
 from cpp_kernel import PROBLEM, needs_cpp
 from smoke_runs import course_smoke, smoke_module
 
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.reference import hf_greedy
 from L3_block_tensor.engine import Engine as L3Engine
 from L4_paged_kernel.engine import Engine
 

@@ -24,7 +24,7 @@ from smoke_runs import run_smoke_in_process, smoke_module
 
 from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_name, build_problem, load_cpp_kernel
 from kvcourse.devices import resolve_device
-from kvcourse.kernel_cases import TRITON_CASES, cases, dense_reference, make_case
+from kvcourse.harness.kernel_cases import TRITON_CASES, cases, dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 from L4_paged_kernel import engine as l4_engine
 from L4_paged_kernel.cpp_paged_attention import SOURCE, cpp_paged_attention
@@ -178,7 +178,7 @@ def test_the_triton_kernel_runs_whoever_imported_triton_first():
     triton_kernels()
     code = (
         "import transformers.models.llama.modeling_llama, triton\n"
-        "from kvcourse.kernel_cases import make_case, dense_reference\n"
+        "from kvcourse.harness.kernel_cases import make_case, dense_reference\n"
         "from L4_paged_kernel.triton_paged_attention import triton_paged_attention\n"
         "args = make_case(7, 9, 3, [1, 14, 10], [1, 1, 4])\n"
         "print((triton_paged_attention(*args, num_splits=2) - dense_reference(*args)).abs().max().item())\n"

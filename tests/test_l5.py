@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smoke_runs import course_smoke
 
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.reference import hf_greedy
 from kvcourse.sampling import SamplingParams
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones import prefix_cache
@@ -556,7 +556,7 @@ def test_sampled_clones_equal_independent_runs(tiny_qwen3_dir, kwargs):
     alone = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, enable_prefix_caching=False, **kwargs))
     assert alone.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED, share=False) == shared
     assert sum(len({tuple(s) for s in samples}) > 1 for samples in shared) >= 4  # the samples do differ
-    assert forked.stats().forks == len(PROMPTS) and forked.stats().blocks_held < alone.stats().blocks_held
+    assert forked.stats().clones == len(PROMPTS) and forked.stats().blocks_held < alone.stats().blocks_held
     finish_clean(forked)
 
 
@@ -585,13 +585,13 @@ def test_stats_count_a_shared_block_once(tiny_llama_dir):
     # step 1: the 8-token prompt (2 full blocks); the fork shares both; step 2: each sample's first
     # token in a block of its own: 8 + 3 positions in 5 blocks, 2 of them shared
     stats = eng.stats()
-    assert (stats.blocks_held, stats.blocks_shared, stats.forks, stats.steps) == (5, 2, 1, 2)
+    assert (stats.blocks_held, stats.blocks_shared, stats.clones, stats.steps) == (5, 2, 1, 2)
     assert stats.kv_bytes_live == 11 * eng.model.cfg.kv_bytes_per_token()
     assert stats.kv_utilization == pytest.approx((8 + 11) / (4 * (2 + 5)))
 
 
 def test_staggered_arrivals_with_prefix_hits(tiny_qwen3_dir):
-    from kvcourse.workloads import staggered
+    from kvcourse.harness.workloads import staggered
 
     prompts = [SYSTEM + [300 + i] * (i + 1) for i in range(5)]
     ref = [r.tokens for r in hf_greedy(tiny_qwen3_dir, prompts, [8] * 5)]

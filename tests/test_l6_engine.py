@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.reference import hf_greedy
 from L6_tpu_jax import decode_state as ds
 from L6_tpu_jax.engine import Engine, OutOfPagesError, bucket, pages_for
 
@@ -178,7 +178,7 @@ def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_ll
     stats = engine.stats()
     assert stats.kv_utilization == pytest.approx(sum(live) / sum(held))
     assert (stats.steps, stats.tokens_run) == (2 * 6, 2 * (10 + 5))
-    assert (stats.blocks_held, stats.blocks_shared, stats.forks, stats.preemptions) == (4, 0, 0, 0)
+    assert (stats.blocks_held, stats.blocks_shared, stats.clones, stats.preemptions) == (4, 0, 0, 0)
     assert stats.kv_bytes_live == 15 * per_token
     assert stats.kv_bytes_reserved == 16 * 4 * per_token  # 16 pages: one 64-token sequence
     assert (stats.block_size, stats.num_blocks) == (4, 16)
@@ -192,7 +192,7 @@ def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_ll
     stats = engine.stats()
     assert stats.kv_utilization == pytest.approx(sum(live) / sum(held))
     assert (stats.steps, stats.tokens_run) == (6, 10 + 5 * 3)
-    assert (stats.blocks_held, stats.blocks_shared, stats.forks) == (8, 2, 1)
+    assert (stats.blocks_held, stats.blocks_shared, stats.clones) == (8, 2, 1)
     assert stats.kv_bytes_live == 29 * per_token
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcourse import jax_model
-from kvcourse.reference import load_hf_model
+from kvcourse.harness.reference import load_hf_model
 
 TOKENS = [1, 5, 17, 300, 42, 7, 9, 9, 120, 4000, 2, 77, 31, 8, 600, 12, 19, 44, 3, 250]
 

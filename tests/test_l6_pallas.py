@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.reference import hf_greedy
 from L6_tpu_jax import attention, pallas_attention
 from L6_tpu_jax.engine import Engine
 from L6_tpu_jax.kv_cache import interleave_kv

@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kvcourse.config import ModelConfig
+from kvcourse.harness.reference import load_hf_model
 from kvcourse.model import Transformer, apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
-from kvcourse.reference import load_hf_model
 
 
 def test_rms_norm_equals_hf():

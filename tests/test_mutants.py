@@ -1,11 +1,11 @@
-"""The mutation check (``python -m kvcourse.mutants``, ``make mutants``) without running its mutations:
+"""The mutation check (``python -m kvcourse.tools.mutants``, ``make mutants``) without running its mutations:
 every mutation still applies to this tree, and the runner tells caught from survived from stale on a
 toy repository of two files."""
 
 from __future__ import annotations
 
 from kvcourse.model_store import REPO_ROOT
-from kvcourse.mutants import MUTATIONS, Mutation, run_all, stale
+from kvcourse.tools.mutants import MUTATIONS, Mutation, run_all, stale
 
 
 def test_every_mutation_still_applies_to_this_tree():

@@ -1,7 +1,7 @@
 """What the engines promise, end to end and under pressure (issue 29).
 
 Each test runs an engine on a tiny seeded checkpoint where a promise matters, and checks tokens
-against HF greedy (``kvcourse.reference``, cached) or a run that must finish:
+against HF greedy (``kvcourse.harness.reference``, cached) or a run that must finish:
 
 - pools just big enough for the longest request, several requests of mixed lengths: L3 and L4 preempt
   and recompute, L5 too with its prefix cache on, L6 admits a prompt only while the pool can hold it
@@ -14,7 +14,7 @@ against HF greedy (``kvcourse.reference``, cached) or a run that must finish:
 - two ``generate()`` calls in a row under every L6 cleanup and reset mode, the reset checked by the
   state the second call starts from (not by comparing two runs that could skip the same reset).
 
-``python -m kvcourse.mutants`` breaks each of these promises on purpose and checks that a test here
+``python -m kvcourse.tools.mutants`` breaks each of these promises on purpose and checks that a test here
 (or next to the stage's own tests) fails.
 """
 
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 from cpp_kernel import needs_cpp
 
-from kvcourse.prompts import PREFIX_PROMPTS, encode, load_tokenizer, read_prompts
-from kvcourse.reference import hf_greedy
+from kvcourse.harness.prompts import PREFIX_PROMPTS, encode, load_tokenizer, read_prompts
+from kvcourse.harness.reference import hf_greedy
+from kvcourse.harness.smoke import blocks_for
 from kvcourse.sampling import SamplingParams
-from kvcourse.smoke import blocks_for
 from L3_block_tensor.engine import Engine as L3Engine
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine
@@ -128,7 +128,7 @@ def test_sampled_clones_sharing_blocks_equal_independent_requests(tiny_qwen3_dir
         forked = L5Engine(tiny_qwen3_dir, block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=16)
         assert forked.generate_samples(prompts, budgets, n=3, sampling=HOT) == want
         stats = forked.stats()
-        assert stats.forks == len(prompts) and stats.blocks_shared >= 1
+        assert stats.clones == len(prompts) and stats.blocks_shared >= 1
         drained(forked)
     assert stats.preemptions >= 1  # the smallest pool
 
@@ -159,7 +159,7 @@ def test_blocks_after_other_prefixes_example():
 
 
 def test_the_prefix_prompt_file_repeats_blocks_after_other_prefixes(model_dir):
-    """``kvcourse/prompts_prefix.jsonl``, as the L5 smoke runs it: with the course tokenizer its
+    """``kvcourse/harness/prompts_prefix.jsonl``, as the L5 smoke runs it: with the course tokenizer its
     prompts repeat 16-token blocks after other prefixes, and also share leading blocks."""
     tok = load_tokenizer(model_dir)
     ids = [encode(tok, p) for p in read_prompts(PREFIX_PROMPTS)]

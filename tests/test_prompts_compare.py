@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvcourse.compare import TIE_GAP, Comparison, Row, compare, first_difference, format_rows
-from kvcourse.prompts import Prompt, budgets, encode, load_tokenizer, parse_prompt, read_prompts
-from kvcourse.reference import Reference
+from kvcourse.harness.compare import TIE_GAP, Comparison, Row, compare, first_difference, format_rows
+from kvcourse.harness.prompts import Prompt, budgets, encode, load_tokenizer, parse_prompt, read_prompts
+from kvcourse.harness.reference import Reference
 
 
 def write_jsonl(path, objs):

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from kvcourse.stages import STAGES
+from kvcourse.harness.stages import STAGES
 from L5_clones.allocator import BlockAllocator as L5Allocator
 from L5_clones.allocator import OutOfBlocksError as L5OutOfBlocks
 from L5_clones.prefix_cache import match_prefix

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from smoke_runs import run_smoke_in_process
 
-from kvcourse.smoke import StageRun, smoke_main
-from kvcourse.stages import STAGES
+from kvcourse.harness.smoke import StageRun, smoke_main
+from kvcourse.harness.stages import STAGES
 from kvcourse.stats import EngineStats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def long_prompts(tmp_path_factory, model_dir):
     block before any of them finishes: in the tight pools (every prompt fits, their growth does not)
     the scheduler has to preempt. The budget-1 prompt finishes at its prefill.
     """
-    from kvcourse.prompts import Prompt, encode, load_tokenizer
+    from kvcourse.harness.prompts import Prompt, encode, load_tokenizer
 
     assert len(encode(load_tokenizer(model_dir), Prompt(text=LONG_TEXT))) >= 300
     return write_jsonl(
@@ -178,7 +178,7 @@ def test_smoke_fails_an_engine_that_is_wrong(fault, tiny_llama_dir, tmp_path, ca
 
 def test_the_cli_answers_bad_input_the_same_way(tmp_path, tiny_llama_dir, capsys):
     """``python -m kvcourse generate`` with the smoke's bad-input cases: exit 2, one error line."""
-    from kvcourse.__main__ import main
+    from kvcourse.harness.cli import main
 
     for what, argv, pattern in bad_cases(tmp_path, tiny_llama_dir):
         if "--model" not in argv:

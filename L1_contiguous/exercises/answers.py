@@ -1,0 +1,104 @@
+"""Independent answers to the L1 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
+
+Each function has the signature the notebook asks for and is written apart from the stage's own
+code (``cache.py``, ``engine.py``, ``kvcourse/config.py``), so a bug in the stage cannot make a wrong
+answer pass: ``write_kv`` copies one token's row at a time, ``decode_loop`` keeps its position as
+the length of prompt plus output, ``kv_bytes_per_token`` adds up the K and V vectors layer by layer.
+Tests check that the stage and these answers agree on many drawn cases.
+
+``EXPECT`` maps each exercise to ``case -> observation``. For L1.1 and L1.3 it is the exercise's
+``observe`` (``checks.py``) run on the answer. L1.2's observation needs the notebook's engine, which
+the grader does not build: its expected tokens are Hugging Face's greedy output
+(``kvcourse/harness/reference.py``, cached on disk) for the same prompt on the same checkpoint. HF runs each
+pool prompt once, to ``POOL_BUDGET`` new tokens, and a case with a smaller budget takes the first
+``max_new_tokens`` of them: greedy decoding with a smaller budget is a prefix of the longer run. The
+grader imports this file; a submission's sandbox cannot read it.
+
+``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures (``KvCache.write``
+as ``write_kv``, ``Engine.generate`` as ``decode_loop``); ``CONTEXT`` builds what L1.2's check cell
+passes after the function, an engine on the course model. Both are for the tests.
+
+Left out on purpose: error messages (only the error's type is graded).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvcourse.harness.prompts import encode
+from kvcourse.model_store import resolve_model_dir
+
+from .checks import HIDDEN, POOL_BUDGET, _tokenizer, decode_call, decode_observation, prompt_of
+
+
+def write_kv(k_cache, v_cache, start, k, v):
+    """Copy token i's K and V rows to position start + i, after checking the last one fits."""
+    last = start + len(k) - 1
+    if last >= len(k_cache):
+        raise ValueError(f"positions {start}..{last} do not fit max_model_len={len(k_cache)}")
+    for i in range(len(k)):
+        k_cache[start + i].copy_(k[i])  # (H_kv, D)
+        v_cache[start + i].copy_(v[i])
+
+
+def decode_loop(engine, prompt, max_new_tokens):
+    """Greedy: the prefill's pick, then one decode step per token until eos or the budget."""
+    out = [int(engine.prefill(prompt).argmax())]
+    while out[-1] not in engine.model.cfg.eos_token_ids and len(out) < max_new_tokens:
+        pos = len(prompt) + len(out) - 1  # the newest token's position; it is not cached yet
+        out.append(int(engine.decode_step(out[-1], pos).argmax()))
+    return out
+
+
+def kv_bytes_per_token(cfg, dtype_bytes=4):
+    """Every layer keeps a K vector and a V vector per KV head for the token."""
+    total = 0
+    for _layer in range(cfg.num_layers):
+        for _kind in ("K", "V"):
+            total += cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def hf_tokens(prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """HF's greedy new tokens for a prompt, up to ``POOL_BUDGET`` (eos included when HF stops on it)."""
+    from kvcourse.harness.reference import hf_greedy
+
+    return tuple(hf_greedy(resolve_model_dir(), [list(prompt_ids)], [POOL_BUDGET])[0].tokens)
+
+
+def expect_decode(case: dict) -> list[dict]:
+    """L1.2's observation of a right loop: HF's tokens for the case's prompt, cut to its budget."""
+    ids = encode(_tokenizer(resolve_model_dir()), prompt_of(case))
+    return decode_observation(decode_call(case), list(hf_tokens(tuple(ids))[: case["max_new_tokens"]]))
+
+
+def kvcache_write(k_cache, v_cache, start, k, v):
+    """``KvCache.write`` as ``write_kv``: a one-layer cache whose storage is the given tensors."""
+    from ..cache import KvCache
+
+    cache = KvCache(1, k_cache.shape[0], *k_cache.shape[1:])
+    cache.k, cache.v = k_cache[None], v_cache[None]  # views: the write lands in the caller's tensors
+    cache.write(0, start, k, v)
+
+
+def engine_generate(engine, prompt, max_new_tokens):
+    """``Engine.generate`` as ``decode_loop``."""
+    return engine.generate([prompt], max_new_tokens)[0]
+
+
+def course_engine() -> tuple:
+    """The L1.2 check cell's context: an engine on the course model (a short cache is enough)."""
+    from ..engine import Engine
+
+    return (Engine(max_model_len=256),)
+
+
+ANSWERS = {"L1.1": write_kv, "L1.2": decode_loop, "L1.3": kv_bytes_per_token}
+EXPECT = {
+    "L1.1": lambda case: HIDDEN["L1.1"].observe(write_kv, case),
+    "L1.2": expect_decode,
+    "L1.3": lambda case: HIDDEN["L1.3"].observe(kv_bytes_per_token, case),
+}
+STAGE_ADAPTERS = {"L1.1": kvcache_write, "L1.2": engine_generate}
+CONTEXT = {"L1.2": course_engine}

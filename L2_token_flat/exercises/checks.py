@@ -1,0 +1,294 @@
+"""The L2 notebook's exercise checkers: the learner's bookkeeping against this stage's own code.
+
+- ``check_alloc_blocks`` and ``check_free``: the free list's two methods, each put into
+  ``BlockAllocator`` (``allocator.py``) in place of its own and run side by side with it on fixed
+  sequences of calls;
+- ``check_reserve``: growing a sequence's blocks, against ``reserve`` on a ``Sequence``
+  (``sequence.py``).
+
+The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
+deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
+``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
+compares them. The references are the stage's own code, never a copy kept here.
+
+Left out on purpose: partial credit and hints; a case stops at the first call that differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvcourse.grading.cases import Case, describe, first_line, outcome, run_cases
+from kvcourse.grading.hidden import Hidden
+
+from ..allocator import BlockAllocator, OutOfBlocksError
+from ..sequence import Sequence
+from ..sequence import reserve as ref_reserve
+
+
+def run_free_list_cases(allocator_cls: Callable, cases: list[tuple[str, int, list]]) -> None:
+    """Run ``allocator_cls`` and ``BlockAllocator`` side by side on each (name, num_blocks, calls).
+
+    After every call the return value (or the exception type: ``OutOfBlocksError``, ``ValueError``)
+    and the free list must match the reference's.
+    """
+
+    def case(num_blocks: int, ops: list[tuple[str, object]]) -> Callable[[], str | None]:
+        def run() -> str | None:
+            ref, got = BlockAllocator(num_blocks, 4), allocator_cls(num_blocks, 4)
+            for op, arg in ops:
+                call = f"{op}({arg!r})" if op == "free" else f"alloc_blocks({arg})"
+                want = outcome(getattr(ref, op), list(arg) if op == "free" else arg)
+                have = outcome(getattr(got, op), list(arg) if op == "free" else arg)
+                if want[0] == "raised":
+                    expected = OutOfBlocksError if isinstance(want[1], OutOfBlocksError) else ValueError
+                    if have[0] != "raised" or not isinstance(have[1], expected):
+                        return f"{call}: expected {expected.__name__}, {describe(have)}"
+                elif have[0] == "raised":
+                    return f"{call}: expected {want[1]!r}, raised {type(have[1]).__name__}: {have[1]}"
+                elif op == "alloc_blocks" and (not isinstance(have[1], list) or have[1] != want[1]):
+                    return f"{call}: expected {want[1]!r}, {describe(have)}"
+                if list(got.free_blocks) != list(ref.free_blocks):
+                    return (
+                        f"after {call}: free list {list(got.free_blocks)}, expected {list(ref.free_blocks)}"
+                    )
+            return None
+
+        return run
+
+    run_cases([Case(name, case(num_blocks, ops)) for name, num_blocks, ops in cases])
+
+
+def check_alloc_blocks(alloc_blocks: Callable) -> None:
+    """Grade ``alloc_blocks(self, n)``: ``BlockAllocator`` with this method in place of its own.
+
+    Example: 4 blocks; alloc_blocks(3) -> [0, 1, 2], free list [3]; alloc_blocks(2) then raises
+    OutOfBlocksError and the free list is still [3].
+    """
+    yours = type("YourAllocBlocks", (BlockAllocator,), {"alloc_blocks": alloc_blocks})
+    run_free_list_cases(
+        yours,
+        [
+            ("alloc 3 of 4 blocks", 4, [("alloc_blocks", 3)]),
+            ("alloc 0 blocks", 4, [("alloc_blocks", 0), ("alloc_blocks", 1)]),
+            ("all 4 blocks, in id order", 4, [("alloc_blocks", 4)]),
+            (
+                "OutOfBlocksError takes nothing",
+                4,
+                [("alloc_blocks", 2), ("alloc_blocks", 3), ("alloc_blocks", 2)],
+            ),
+            ("a freed block comes back last", 4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
+        ],
+    )
+
+
+def check_free(free: Callable) -> None:
+    """Grade ``free(self, blocks)``: ``BlockAllocator`` with this method in place of its own.
+
+    Example: 4 blocks; alloc_blocks(3); free([1]) -> free list [3, 1]; free([1]) again raises
+    ValueError (a double free) and changes nothing.
+    """
+    yours = type("YourFree", (BlockAllocator,), {"free": free})
+    run_free_list_cases(
+        yours,
+        [
+            ("a freed block goes to the back", 4, [("alloc_blocks", 3), ("free", [1]), ("alloc_blocks", 2)]),
+            ("double free is refused", 4, [("alloc_blocks", 2), ("free", [0]), ("free", [0])]),
+            (
+                "a repeated id in one call frees nothing",
+                4,
+                [("alloc_blocks", 3), ("free", [2, 1, 2]), ("free", [2])],
+            ),
+            ("an id outside the pool is refused", 4, [("alloc_blocks", 4), ("free", [1, 7])]),
+            (
+                "interleaved allocs and frees, 6 blocks",
+                6,
+                [
+                    ("alloc_blocks", 2),
+                    ("alloc_blocks", 3),
+                    ("free", [3, 0]),
+                    ("alloc_blocks", 3),
+                    ("free", [1, 4]),
+                    ("alloc_blocks", 2),
+                ],
+            ),
+        ],
+    )
+
+
+def check_reserve(reserve: Callable) -> None:
+    """Grade ``reserve(seq, allocator, target_len)`` against this stage's ``reserve``.
+
+    Both get a ``Sequence`` and a ``BlockAllocator`` in the same state (another sequence has taken and
+    returned blocks, so free ids are not in order); after each call ``seq.block_table``,
+    ``seq.slot_indices`` and the free list must match, and a call that needs more blocks than are free
+    must raise ``OutOfBlocksError`` leaving sequence and free list as they were. Example with
+    block_size 4, block table [0] and free list 2, 3: target_len 6 -> block table [0, 2],
+    slot_indices [0, 1, 2, 3, 8, 9, 10, 11].
+    """
+
+    def case(block_size: int, num_blocks: int, taken: int, returned: list[int], targets: list[int]):
+        def state():
+            allocator = BlockAllocator(num_blocks, block_size)
+            allocator.alloc_blocks(taken)  # another sequence's blocks ...
+            allocator.free(returned)  # ... some given back: the free list is no longer in id order
+            return Sequence(prompt_ids=[1]), allocator
+
+        def run() -> str | None:
+            (ref_seq, ref_alloc), (seq, allocator) = state(), state()
+            for target in targets:
+                want = outcome(ref_reserve, ref_seq, ref_alloc, target)
+                have = outcome(reserve, seq, allocator, target)
+                call = f"reserve(target_len={target})"
+                if want[0] == "raised":
+                    if have[0] != "raised" or not isinstance(have[1], OutOfBlocksError):
+                        return f"{call}: expected OutOfBlocksError, {describe(have)}"
+                elif have[0] == "raised":
+                    return f"{call}: raised {type(have[1]).__name__}: {first_line(str(have[1]))}"
+                for what in ("block_table", "slot_indices"):
+                    if getattr(seq, what) != getattr(ref_seq, what):
+                        return f"after {call}: {what} {getattr(seq, what)}, expected {getattr(ref_seq, what)}"
+                if list(allocator.free_blocks) != list(ref_alloc.free_blocks):
+                    return (
+                        f"after {call}: free list {list(allocator.free_blocks)}, "
+                        f"expected {list(ref_alloc.free_blocks)}"
+                    )
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("block_size 4: 4 then 6 positions", case(4, 8, 2, [0], [4, 6])),
+            Case("block_size 4: target 0 allocates nothing", case(4, 8, 0, [], [0, 1])),
+            Case("block_size 1: a block per position", case(1, 8, 5, [3, 1], [2, 3, 5])),
+            Case("block_size 7: 15, 21, 22 positions", case(7, 6, 3, [2, 0], [15, 21, 22])),
+            Case("block_size 4: a prompt of 9 in one call", case(4, 8, 4, [1, 3], [9, 10])),
+            Case("OutOfBlocksError leaves sequence and free list alone", case(4, 4, 2, [], [4, 13, 8])),
+        ]
+    )
+
+
+# Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py.
+
+
+def draw_free_list_ops(rng) -> list[dict]:
+    """Random runs of calls on a small pool: allocations that fit, that do not, and zero-sized ones;
+    frees of held blocks, and now and then of a free block (a double free), a repeated id or an id
+    outside the pool. The draw keeps its own rough idea of which blocks are held, only to aim frees."""
+    cases = []
+    for _ in range(8):
+        num_blocks, ops = rng.randint(1, 10), []
+        free, held = list(range(num_blocks)), []
+        for _ in range(rng.randint(3, 9)):
+            if not held or rng.random() < 0.45:
+                n = rng.choice([0, 1, 1, 2, 3, len(free), len(free) + 1])
+                ops.append(["alloc_blocks", n])
+                if n <= len(free):
+                    held, free = held + free[:n], free[n:]
+                continue
+            pick = rng.sample(held, rng.randint(1, len(held)))
+            if rng.random() < 0.3:
+                pick.append(rng.choice([pick[0], num_blocks, -1, *free]))  # repeated, outside, or free
+            else:
+                held, free = [b for b in held if b not in pick], free + pick
+            ops.append(["free", pick])
+        cases.append({"num_blocks": num_blocks, "ops": ops})
+    return cases
+
+
+def observe_free_list(method: str):
+    """Run a case's calls on ``BlockAllocator`` with ``fn`` as its ``method``; after each call record
+    what it returned (or which error it raised) and the free list."""
+
+    def observe(fn, case) -> list[dict]:
+        allocator = type("Yours", (BlockAllocator,), {method: fn})(case["num_blocks"], 4)
+        steps = []
+        for op, arg in case["ops"]:
+            call = f"{op}({arg!r})"
+            try:
+                returned = getattr(allocator, op)(list(arg) if op == "free" else arg)
+                step = {"call": call, "returned": returned if op == "alloc_blocks" else None}
+            except (OutOfBlocksError, ValueError) as e:
+                step = {
+                    "call": call,
+                    "raised": "OutOfBlocksError" if isinstance(e, OutOfBlocksError) else "ValueError",
+                }
+            steps.append({**step, "free": list(allocator.free_blocks)})
+        return steps
+
+    return observe
+
+
+def describe_free_list_ops(case: dict) -> str:
+    calls = ", ".join(f"{op}({arg!r})" for op, arg in case["ops"])
+    return f"{case['num_blocks']} blocks: {calls}"
+
+
+def draw_reserve(rng) -> list[dict]:
+    """Random pools whose free list is out of id order, and growing targets, some past the pool."""
+    cases = []
+    for _ in range(8):
+        block_size, num_blocks = rng.choice([1, 2, 3, 4, 7, 16]), rng.randint(2, 9)
+        taken = rng.randint(0, num_blocks - 1)
+        returned = rng.sample(range(taken), rng.randint(0, taken))
+        targets, t = [], 0
+        for _ in range(rng.randint(2, 4)):
+            t += rng.randint(0, 2 * block_size + 1)
+            targets.append(t)
+        cases.append(
+            {
+                "block_size": block_size,
+                "num_blocks": num_blocks,
+                "taken": taken,
+                "returned": returned,
+                "targets": targets,
+            }
+        )
+    return cases
+
+
+def observe_reserve(fn, case) -> list[dict]:
+    allocator = BlockAllocator(case["num_blocks"], case["block_size"])
+    allocator.alloc_blocks(case["taken"])  # another sequence's blocks ...
+    allocator.free(case["returned"])  # ... some given back: the free list is out of id order
+    seq, steps = Sequence(prompt_ids=[1]), []
+    for target in case["targets"]:
+        call = f"reserve(target_len={target})"
+        try:
+            fn(seq, allocator, target)
+            step = {"call": call, "raised": None}
+        except OutOfBlocksError:
+            step = {"call": call, "raised": "OutOfBlocksError"}
+        steps.append(
+            {**step, "block_table": list(seq.block_table), "slot_indices": list(seq.slot_indices),
+             "free": list(allocator.free_blocks)}
+        )  # fmt: skip
+    return steps
+
+
+def describe_reserve(case: dict) -> str:
+    return (
+        f"block_size {case['block_size']}, {case['num_blocks']} blocks, {case['taken']} taken and "
+        f"{case['returned']} given back, targets {case['targets']}"
+    )
+
+
+HIDDEN = {
+    "L2.1": Hidden(
+        draw_free_list_ops,
+        observe_free_list("alloc_blocks"),
+        describe_free_list_ops,
+        answers=("L2_token_flat.allocator:BlockAllocator.alloc_blocks",),
+    ),
+    "L2.2": Hidden(
+        draw_free_list_ops,
+        observe_free_list("free"),
+        describe_free_list_ops,
+        answers=("L2_token_flat.allocator:BlockAllocator.free",),
+    ),
+    "L2.3": Hidden(
+        draw_reserve, observe_reserve, describe_reserve, answers=("L2_token_flat.sequence:reserve",)
+    ),
+}

@@ -1,0 +1,86 @@
+"""Independent answers to the L4 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
+
+Each function has the signature the notebook asks for and is written apart from the stage's own
+code (``paged_attention.py``), so a bug in the stage cannot make a wrong answer pass. The two float
+answers are dense and in float64, the definition rather than the kernel's algorithm: ``merge`` puts
+the two partials back together row by row with ``math.exp``, ``attend_blocks`` gathers each query's
+visible keys position by position and takes one softmax over them. ``kv_splits`` counts each split's
+keys row by row. Tests check that the stage and these answers agree on many drawn cases, within the
+tolerance of ``checks.HIDDEN`` (the stage sums in float32, in another order).
+
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
+(``merge_partials`` as ``merge``, ``attend_blocks`` with one KV head as the exercise's, the splits
+``paged_attention`` runs as ``kv_splits``), for the tests. The grader imports this file; a
+submission's sandbox cannot read it.
+
+Left out on purpose: speed (Python loops over rows, positions and keys).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import paged_attention as kernel
+from .checks import HIDDEN, _kernel_splits
+
+
+def merge(m1, l1, acc1, m2, l2, acc2):
+    """Per row: weigh each side that saw a key by exp(its max - the larger max), then divide."""
+    rows = []
+    for r in range(len(m1)):
+        sides = [
+            (float(m[r]), float(l[r]), acc[r].double()) for m, l, acc in ((m1, l1, acc1), (m2, l2, acc2))
+        ]
+        sides = [side for side in sides if side[0] != -math.inf]  # a side with no key drops out
+        top = max(m for m, _, _ in sides)
+        numerator = sum(math.exp(m - top) * acc for m, _, acc in sides)  # (D,)
+        denominator = sum(math.exp(m - top) * l for m, l, _ in sides)
+        rows.append(numerator / denominator)
+    return torch.stack(rows)  # (R, D) float64
+
+
+def attend_blocks(q, k_pool, v_pool, blocks, q_pos, scale):
+    """Per query at position p: the keys and values of positions 0..p, fetched one by one from
+    their blocks, and a dense softmax over them, in float64."""
+    block_size = k_pool.shape[1]
+    out = []
+    for i, p in enumerate(q_pos.tolist()):
+        where = [(blocks[t // block_size], t % block_size) for t in range(p + 1)]  # (block id, row)
+        k = torch.stack([k_pool[b, row] for b, row in where]).double()  # (p + 1, D)
+        v = torch.stack([v_pool[b, row] for b, row in where]).double()
+        weights = torch.softmax(k @ q[i].double() * scale, dim=0)  # (p + 1,)
+        out.append(weights @ v)  # (D,)
+    return torch.stack(out)  # (Tq, D) float64
+
+
+def kv_splits(block_table, context_len, block_size, num_splits):
+    """ceil(n_blocks / num_splits) blocks a split, the last what is left; keys counted row by row."""
+    n_blocks = (context_len + block_size - 1) // block_size
+    per_split = (n_blocks + num_splits - 1) // num_splits
+    splits = []
+    for first in range(0, n_blocks, per_split):
+        logical = range(first, min(first + per_split, n_blocks))
+        keys = sum(1 for j in logical for row in range(block_size) if j * block_size + row < context_len)
+        splits.append((first, [block_table[j] for j in logical], keys))
+    return splits
+
+
+def stage_merge(m1, l1, acc1, m2, l2, acc2):
+    """``merge_partials`` as ``merge``: the two sides stacked as two splits."""
+    return kernel.merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
+
+
+def stage_attend(q, k_pool, v_pool, blocks, q_pos, scale):
+    """The stage's ``attend_blocks`` with one KV head and one query head, normalized."""
+    m, l, acc = kernel.attend_blocks(
+        q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
+    )  # (1, 1, Tq) and (1, 1, Tq, D)
+    return acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
+
+
+ANSWERS = {"L4.1": merge, "L4.2": attend_blocks, "L4.3": kv_splits}
+EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
+STAGE_ADAPTERS = {"L4.1": stage_merge, "L4.2": stage_attend, "L4.3": _kernel_splits}

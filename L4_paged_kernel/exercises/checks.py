@@ -1,0 +1,471 @@
+"""The L4 notebook's exercise checkers: the learner's kernel pieces against this stage's own kernel.
+
+- ``check_merge``: merging two softmax partials, against dense softmax over the union of the keys and
+  against ``merge_partials`` (``paged_attention.py``);
+- ``check_attend_blocks``: the online-softmax loop over one sequence's blocks, read in place, against
+  dense masked softmax over the gathered history and against ``attend_blocks`` (``paged_attention.py``);
+- ``check_kv_splits``: how the split-KV path cuts one decode query's blocks into ranges, against the
+  calls ``paged_attention`` itself makes to ``attend_decode_batch`` on the same block table.
+
+Dense softmax is the definition the first two pieces must reproduce; the stage's kernel is the code
+the course runs, and for the split ranges it is the only reference. Floats are compared within a
+tolerance (``close_problem``), since online softmax sums in another order than dense softmax.
+
+The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed, seeded cases and prints
+one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception),
+then ``k/n passed``. The reference notebook stores those lines as the check cell's output and
+``make grade`` compares them.
+
+Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
+(``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
+the independent answers of ``answers.py``, never against this stage's code.
+
+Left out on purpose: GQA and batches of sequences (the exercises take one sequence and one KV head;
+the stage's kernel adds those axes), timing (the check cannot tell whether the learner gathered), and
+the splits of a prefill chunk (``kv_splits`` is graded on decode queries; ``paged_attention`` cuts a
+chunk's blocks the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+
+from kvcourse.grading.cases import Case, close_problem, run_cases
+from kvcourse.grading.hidden import Hidden
+
+from .. import paged_attention as kernel
+from ..paged_attention import attend_blocks as ref_attend_blocks
+from ..paged_attention import merge_partials
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
+    """Softmax partial of queries q (R, D) over keys k, v (n, D): m, l (R,) and acc (R, D).
+
+    visible: (R, n) bool. A row that sees no key gets m = -inf, l = 0, acc = 0.
+    """
+    s = (q @ k.T).masked_fill(~visible, float("-inf"))  # (R, n)
+    m = s.amax(dim=-1) if s.shape[1] else torch.full((q.shape[0],), float("-inf"))  # (R,)
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[:, None])  # (R, n), 0 where masked
+    return m, p.sum(dim=-1), p @ v
+
+
+def check_merge(merge: Callable) -> None:
+    """Grade ``merge(m1, l1, acc1, m2, l2, acc2) -> out`` on fixed, seeded cases.
+
+    Each side is a softmax partial of R query rows over its own keys: running max m (R,), denominator
+    l (R,) and un-normalised numerator acc (R, D); a row that saw no visible key on a side has m = -inf,
+    l = 0, acc = 0 there. ``out`` (R, D) must be softmax attention over the union of both sides' keys.
+    Two references: dense masked softmax over the union, computed here from the raw scores, and
+    ``merge_partials``. Example: one key per side, scores 0 and ln 3, values 1 and 5:
+    m = (0, ln 3), l = (1, 1), acc = (1, 5) -> (1 * 1 + 3 * 5) / (1 + 3) = 4.0.
+    """
+
+    def case(rows: int, n1: int, n2: int, dim: int, seed: int, hide1=None, hide2=None, size: float = 1.0):
+        """hide1 / hide2: rows that see no key on that side ("all" = every row)."""
+
+        def run() -> str | None:
+            gen = torch.Generator().manual_seed(seed)
+            q = torch.randn(rows, dim, generator=gen) * size  # (R, D); size scales the scores
+            k = torch.randn(n1 + n2, dim, generator=gen)  # (n1 + n2, D)
+            v = torch.randn(n1 + n2, dim, generator=gen)
+            visible = torch.ones(rows, n1 + n2, dtype=torch.bool)  # (R, n1 + n2)
+            for hide, cols in ((hide1, slice(0, n1)), (hide2, slice(n1, n1 + n2))):
+                if hide is not None:
+                    visible[slice(None) if hide == "all" else hide, cols] = False
+            s = (q @ k.T).masked_fill(~visible, float("-inf"))  # (R, n1 + n2) the union's scores
+            dense = s.softmax(dim=-1) @ v  # (R, D)
+            m1, l1, acc1 = _partial(q, k[:n1], v[:n1], visible[:, :n1])
+            m2, l2, acc2 = _partial(q, k[n1:], v[n1:], visible[:, n1:])
+            ref = merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
+            got = merge(m1.clone(), l1.clone(), acc1.clone(), m2.clone(), l2.clone(), acc2.clone())
+            return close_problem("out (against dense softmax)", dense, got) or close_problem(
+                "out (against merge_partials)", ref, got
+            )
+
+        return run
+
+    def docstring_example() -> str | None:
+        m1, m2 = torch.tensor([0.0]), torch.log(torch.tensor([3.0]))
+        one = torch.ones(1)
+        got = merge(m1, one.clone(), torch.tensor([[1.0]]), m2, one.clone(), torch.tensor([[5.0]]))
+        return close_problem("out", torch.tensor([[4.0]]), got)
+
+    run_cases(
+        [
+            Case("one key per side, scores 0 and ln 3, values 1 and 5: 4.0", docstring_example),
+            Case("4 rows, 5 + 7 keys, D 8", case(4, 5, 7, 8, seed=1)),
+            Case("one row, 1 + 16 keys, D 16", case(1, 1, 16, 16, seed=2)),
+            Case("side 2 saw no key (m2 = -inf, l2 = 0)", case(3, 6, 4, 8, seed=3, hide2="all")),
+            Case("side 1 saw no key (m1 = -inf, l1 = 0)", case(3, 6, 4, 8, seed=4, hide1="all")),
+            Case(
+                "rows 0 and 2 see nothing on side 2, row 1 nothing on side 1",
+                case(4, 5, 5, 8, seed=5, hide1=[1], hide2=[0, 2]),
+            ),
+            Case(
+                "large scores (maxima 157 to 234): exp must not overflow",
+                case(4, 6, 6, 16, seed=6, size=30.0),
+            ),
+        ]
+    )
+
+
+def check_attend_blocks(attend_blocks: Callable) -> None:
+    """Grade ``attend_blocks(q, k_pool, v_pool, blocks, q_pos, scale) -> out`` on fixed, seeded cases.
+
+    One sequence, one KV head: q (Tq, D); k_pool, v_pool (num_blocks, block_size, D) hold every
+    sequence's K/V (shuffled, so ``blocks`` is not contiguous, and a few blocks belong to nobody);
+    blocks: the sequence's physical block ids in position order, ceil(context_len / block_size) of them;
+    q_pos: (Tq,) int64 absolute positions of the queries, the last Tq of the history (query at position p
+    sees keys 0..p). ``out`` (Tq, D) must equal dense masked softmax attention over the gathered history
+    (computed here the L3 way) and this stage's ``attend_blocks`` with one KV head and one query head.
+    Rows of the last block past the history hold stale K/V and must be masked. Example: block_size 16,
+    blocks [5, 2], q_pos [20]: the query reads 16 keys of block 5, then rows 0..4 of block 2.
+    """
+
+    def case(block_size: int, context_len: int, q_len: int, dim: int, seed: int, size: float = 1.0):
+        def run() -> str | None:
+            gen = torch.Generator().manual_seed(seed)
+            n_blocks = -(-context_len // block_size)
+            num_blocks = n_blocks + 3  # a few blocks nobody owns
+            k_pool = torch.randn(num_blocks, block_size, dim, generator=gen)  # (N, B, D)
+            v_pool = torch.randn(num_blocks, block_size, dim, generator=gen)
+            blocks = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()  # shuffled ids
+            q = torch.randn(q_len, dim, generator=gen) * size  # (Tq, D)
+            q_pos = torch.arange(context_len - q_len, context_len)  # (Tq,)
+            scale = dim**-0.5
+            k = k_pool[blocks].flatten(0, 1)[:context_len]  # (ctx, D): the L3 gather
+            v = v_pool[blocks].flatten(0, 1)[:context_len]
+            s = (q @ k.T * scale).masked_fill(
+                torch.arange(context_len)[None, :] > q_pos[:, None], float("-inf")
+            )
+            dense = s.softmax(dim=-1) @ v  # (Tq, D)
+            m, l, acc = ref_attend_blocks(  # the stage's kernel, H_kv = G = 1: (1, 1, Tq[, D])
+                q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
+            )
+            kernel = acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
+            got = attend_blocks(q.clone(), k_pool.clone(), v_pool.clone(), list(blocks), q_pos.clone(), scale)
+            return close_problem("out", dense, got) or close_problem(
+                "out (against attend_blocks)", kernel, got
+            )
+
+        return run
+
+    run_cases(
+        [
+            Case("decode: 1 query at position 20, block_size 16 (2 blocks)", case(16, 21, 1, 16, seed=1)),
+            Case("decode, block_size 1: one key per block, 9 blocks", case(1, 9, 1, 8, seed=2)),
+            Case("decode, block_size 7: 23 keys, the last block partly stale", case(7, 23, 1, 8, seed=3)),
+            Case("decode, block_size 16: exactly 3 full blocks", case(16, 48, 1, 16, seed=4)),
+            Case("a whole 16-token prompt in one block (causal)", case(16, 16, 16, 8, seed=5)),
+            Case(
+                "prefill chunk: positions 17..22, block_size 7; rows 17..20 see nothing in block 3",
+                case(7, 23, 6, 8, seed=6),
+            ),
+            Case("prefill chunk: positions 30..37, block_size 16 (3 blocks)", case(16, 38, 8, 16, seed=7)),
+            Case(
+                "large scores (maxima 52 to 71): the running max must be used",
+                case(7, 30, 3, 16, seed=8, size=30.0),
+            ),
+        ]
+    )
+
+
+def _kernel_splits(block_table: list[int], context_len: int, block_size: int, num_splits: int) -> list:
+    """The splits ``paged_attention`` runs for one decode query: (first_block, block ids, keys) each.
+
+    The kernel runs on a pool whose keys are all zero, so every visible score is 0 and each split's
+    denominator ``l`` is the number of keys it attends; a wrapper around ``attend_decode_batch`` records
+    the logical block range of each call, the physical ids it reads from the table, and that count.
+    """
+    num_blocks = max(block_table) + 1
+    k_pool = torch.zeros(num_blocks, block_size, 1, 2)  # (num_blocks, block_size, H_kv, D): scores all 0
+    v_pool = torch.ones(num_blocks, block_size, 1, 2)
+    original = kernel.attend_decode_batch
+    calls = []
+
+    def recording(q, k_pool, v_pool, tables, context_lens, first, last, scale, blocks_per_tile):
+        m, l, acc = original(q, k_pool, v_pool, tables, context_lens, first, last, scale, blocks_per_tile)
+        calls.append((first, tables[0, first:last].tolist(), round(float(l[0, 0, 0]))))  # l: (1, 1, 1)
+        return m, l, acc
+
+    with mock.patch.object(kernel, "attend_decode_batch", recording):
+        kernel.paged_attention(
+            torch.ones(1, 1, 2),  # q (T = 1, H = 1, D = 2): one decode token
+            k_pool,
+            v_pool,
+            torch.tensor([block_table]),  # (1, len(block_table))
+            torch.tensor([context_len]),
+            torch.tensor([0, 1]),  # cu_q_lens: one query
+            num_splits=num_splits,
+        )
+    return calls
+
+
+def _shuffled(table_len: int, seed: int) -> list[int]:
+    """A block table of ``table_len`` distinct ids, drawn in a seeded order from 0 .. table_len + 2."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(table_len + 3, generator=gen)[:table_len].tolist()
+
+
+def check_kv_splits(kv_splits: Callable) -> None:
+    """Grade ``kv_splits(block_table, context_len, block_size, num_splits) -> list of splits``.
+
+    One sequence's decode query with ``context_len`` tokens of history in the blocks of
+    ``block_table`` (a list of physical ids, maybe longer than the history needs). Each split is a tuple
+    ``(first_block, blocks, num_keys)``: the logical index of its first block, the physical ids it reads
+    in order, and how many keys it attends (rows at or past ``context_len`` are masked). The answer must
+    be the splits ``paged_attention(..., num_splits=num_splits)`` runs, in order, recorded from its calls
+    to ``attend_decode_batch`` on a pool of all-zero keys (where each split's denominator counts its
+    keys). Example: block table [7, 2, 9, 4, 0], context_len 18, block_size 4, num_splits 2: 5 blocks,
+    ceil(5 / 2) = 3 per split -> [(0, [7, 2, 9], 12), (3, [4, 0], 6)].
+    """
+
+    def case(block_table: list[int], context_len: int, block_size: int, num_splits: int):
+        def run() -> str | None:
+            want = _kernel_splits(block_table, context_len, block_size, num_splits)
+            got = kv_splits(list(block_table), context_len, block_size, num_splits)
+            try:
+                got = [(int(first), [int(b) for b in blocks], int(keys)) for first, blocks, keys in got]
+            except (TypeError, ValueError):
+                return f"returned {got!r}, expected a list of (first_block, blocks, num_keys) tuples"
+            if len(got) != len(want):
+                return f"{len(got)} splits {got}, expected {len(want)}: {want}"
+            for i, (have, expected) in enumerate(zip(got, want, strict=True)):
+                if have != expected:
+                    return f"split {i} is {have}, expected {expected}"
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case("table [7, 2, 9, 4, 0], 18 keys, block_size 4, 2 splits", case([7, 2, 9, 4, 0], 18, 4, 2)),
+            Case("10 blocks, 2 splits: 5 + 5 blocks, the last holds 1 key", case(_shuffled(10, 1), 37, 4, 2)),
+            Case(
+                "7 blocks, 3 splits: ceil(7 / 3) = 3 blocks each, the last gets 1",
+                case(_shuffled(7, 2), 100, 16, 3),
+            ),
+            Case("5 full blocks, 4 splits: only 3 splits (2 + 2 + 1)", case(_shuffled(5, 3), 40, 8, 4)),
+            Case("1 split: every block, 13 keys", case(_shuffled(4, 4), 13, 4, 1)),
+            Case("more splits than blocks: one block each", case(_shuffled(2, 5), 20, 16, 4)),
+            Case("block_size 1: 6 keys, 4 splits", case(_shuffled(6, 6), 6, 1, 4)),
+            Case("a table longer than the history: its tail is never read", case(_shuffled(6, 7), 17, 8, 2)),
+        ]
+    )
+
+
+# Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
+# judged in the grader's process against the independent answers of answers.py (dense, float64) within
+# a tolerance. A right float32 answer differs from them by float32 rounding: below 1e-6 in a merge
+# (its inputs are the same float32 partials), and in the block loop by the rounding of scores in the
+# hundreds (|s| * 2^-24): 3e-5 at most for the notebook's solution over 8,000 drawn cases with such
+# scores. The tolerances leave room for that, and none for a missing rescale or mask.
+
+
+def row_steps(call: str, value, row_names: list[str]) -> list[dict]:
+    """A float result as steps: its shape after ``call``, then each row's values under its name (NaN
+    and inf kept: they never match), so a difference is reported by the row it is in. Anything but
+    a tensor is its repr. Example: ``row_steps("merge(...)", torch.ones(2, 1), ["row 0", "row 1"])`` ->
+    ``[{"call": "merge(...)", "shape": [2, 1]}, {"call": "row 0", "out": [1.0]}, {"call": "row 1",
+    "out": [1.0]}]``."""
+    if not isinstance(value, torch.Tensor):
+        return [{"call": call, "shape": f"not a tensor: {value!r}"}]
+    rows = value.tolist() if value.dim() else []
+    return [{"call": call, "shape": list(value.shape)}] + [
+        {"call": name, "out": row} for name, row in zip(row_names, rows, strict=False)
+    ]
+
+
+def draw_merges(rng) -> list[dict]:
+    """Eight pairs of partials: 1 to 5 query rows, D 1 to 8, 1 to 8 keys a side, each key visible to a
+    row or not. In two cases every row sees keys on both sides; in four a row may see nothing on one
+    side; in one a whole side sees nothing, in one a side has no keys at all (never both sides).
+    Two cases or more have scores in the hundreds, where exponentiating a max on its own overflows."""
+    kinds = ["both", "both", "any", "any", "any", "any", "one side blind", "one side empty"]
+    sizes = [100.0, 100.0] + [rng.choice([1.0, 1.0, 3.0, 40.0]) for _ in range(6)]  # scales the scores
+    rng.shuffle(kinds)
+    rng.shuffle(sizes)
+    cases = []
+    for kind, size in zip(kinds, sizes, strict=True):
+        rows, n1, n2 = rng.randint(1, 5), rng.randint(1, 8), rng.randint(1, 8)
+        if kind == "one side empty":
+            n1, n2 = rng.choice([(0, n2), (n1, 0)])
+        keys = {1: range(n1), 2: range(n1, n1 + n2)}  # the columns of each side
+        seen_by_all = {"both": (1, 2), "one side blind": (rng.choice([1, 2]),)}.get(kind)
+        p = rng.choice([1.0, 0.7, 0.4])  # how often a row sees a key of a side it looks at
+        visible = []
+        for _ in range(rows):
+            sides = seen_by_all or rng.choice([(1, 2), (1, 2), (1,), (2,)])
+            sides = [side for side in sides if keys[side]] or [side for side in (1, 2) if keys[side]]
+            row = [0] * (n1 + n2)
+            for side in sides:
+                for c in keys[side]:
+                    row[c] = int(rng.random() < p)
+                row[rng.choice(keys[side])] = 1  # at least one key of each side it looks at
+            visible.append(row)
+        cases.append(
+            {
+                "rows": rows,
+                "n1": n1,
+                "n2": n2,
+                "dim": rng.randint(4 if size > 1 else 1, 8),
+                "seed": rng.randrange(10**6),
+                "size": size,
+                "visible": visible,
+            }
+        )
+    return cases
+
+
+def observe_merge(fn, case) -> list[dict]:
+    """Random q, keys and values from the case's seed; each side's partial (``_partial``) over its
+    keys as the case's visibility allows; ``fn`` merges them."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    n1, n = case["n1"], case["n1"] + case["n2"]
+    q = torch.randn(case["rows"], case["dim"], generator=gen) * case["size"]  # (R, D)
+    k = torch.randn(n, case["dim"], generator=gen)  # (n1 + n2, D)
+    v = torch.randn(n, case["dim"], generator=gen)
+    visible = torch.tensor(case["visible"], dtype=torch.bool).reshape(case["rows"], n)  # (R, n1 + n2)
+    m1, l1, acc1 = _partial(q, k[:n1], v[:n1], visible[:, :n1])
+    m2, l2, acc2 = _partial(q, k[n1:], v[n1:], visible[:, n1:])
+    out = fn(m1, l1, acc1, m2, l2, acc2)
+    return row_steps("merge(m1, l1, acc1, m2, l2, acc2)", out, [f"row {r}" for r in range(case["rows"])])
+
+
+def describe_merge(case: dict) -> str:
+    return (
+        f"{case['rows']} rows, {case['n1']} + {case['n2']} keys, D {case['dim']}, scores x{case['size']:g}, "
+        f"visible {case['visible']}"
+    )
+
+
+def draw_attends(rng) -> list[dict]:
+    """Random sequences in a shuffled pool: block sizes 1 to 16 (odd ones too), 1 to 6 blocks with
+    the last one partly stale, decode queries, prefill chunks and whole prompts. Two cases or more
+    have scores above 88 (and 8 keys or more), where exp overflows unless the running max is taken
+    off."""
+    cases = []
+    sizes = [100.0, 100.0] + [rng.choice([1.0, 1.0, 5.0, 60.0]) for _ in range(6)]  # scales the scores
+    rng.shuffle(sizes)
+    for size in sizes:
+        block_size, n_blocks = rng.choice([1, 2, 3, 4, 5, 7, 8, 16]), rng.randint(1, 6)
+        least = max((n_blocks - 1) * block_size + 1, 8 if size > 1 else 1)
+        n_blocks = max(n_blocks, -(-least // block_size))
+        context_len = rng.randint(least, n_blocks * block_size)
+        q_len = rng.choice([1, 1, rng.randint(1, min(8, context_len)), min(context_len, 16)])
+        cases.append(
+            {
+                "block_size": block_size,
+                "context_len": context_len,
+                "q_len": q_len,
+                "dim": rng.choice([1, 2, 4, 8, 16]),
+                "spare_blocks": rng.randint(0, 3),
+                "seed": rng.randrange(10**6),
+                "size": size,
+            }
+        )
+    return cases
+
+
+def observe_attend(fn, case) -> list[dict]:
+    """A pool of random K/V whose blocks the sequence holds in shuffled order (with spare blocks
+    nobody holds), the last ``q_len`` positions as queries; ``fn`` attends."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    block_size, context_len, dim = case["block_size"], case["context_len"], case["dim"]
+    n_blocks = -(-context_len // block_size)
+    num_blocks = n_blocks + case["spare_blocks"]
+    k_pool = torch.randn(num_blocks, block_size, dim, generator=gen)  # (N, B, D)
+    v_pool = torch.randn(num_blocks, block_size, dim, generator=gen)
+    blocks = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()
+    q = torch.randn(case["q_len"], dim, generator=gen) * case["size"]  # (Tq, D)
+    q_pos = torch.arange(context_len - case["q_len"], context_len)  # (Tq,)
+    out = fn(q, k_pool, v_pool, blocks, q_pos, dim**-0.5)
+    call = f"attend_blocks(q, k_pool, v_pool, {blocks}, q_pos, scale)"
+    return row_steps(call, out, [f"the query at position {p}" for p in q_pos.tolist()])
+
+
+def describe_positions(case: dict) -> str:
+    first, last = case["context_len"] - case["q_len"], case["context_len"] - 1
+    return f"{first}..{last}" if last > first else f"{last}"
+
+
+def describe_attend(case: dict) -> str:
+    return (
+        f"block_size {case['block_size']}, {case['context_len']} keys, queries at positions "
+        f"{describe_positions(case)}, D {case['dim']}, scores x{case['size']:g}"
+    )
+
+
+def draw_splits(rng) -> list[dict]:
+    """Decode queries, one aimed and nine random. The aimed one has one block more than splits (3 to
+    8 splits), so ceil(n_blocks / num_splits) = 2 and there are fewer splits than asked, and its last
+    block is partly stale. The random ones: block sizes 1 to 16, 1 to 12 blocks of history (the last
+    one full or not), 1 split, a few, as many as the blocks, or more. Tables hold shuffled ids and
+    are sometimes longer than the history."""
+
+    def splits(block_size: int, n_blocks: int, num_splits: int, stale: bool) -> dict:
+        """``stale``: the last block is not full (needs block_size > 1)."""
+        full = n_blocks * block_size
+        context_len = rng.randint(full - block_size + 1, full - 1) if stale else full
+        table_len = n_blocks + rng.choice([0, 0, 1, 3])
+        return {
+            "block_table": rng.sample(range(table_len + 4), table_len),
+            "context_len": context_len,
+            "block_size": block_size,
+            "num_splits": num_splits,
+        }
+
+    fewer = rng.randint(3, 8)
+    cases = [splits(rng.choice([3, 4, 16]), fewer + 1, fewer, stale=True)]
+    for _ in range(9):
+        block_size, n_blocks = rng.choice([1, 2, 3, 4, 5, 7, 8, 16]), rng.randint(1, 12)
+        num_splits = rng.choice([1, 2, 3, 4, rng.randint(1, n_blocks + 3), n_blocks, n_blocks + 2])
+        cases.append(splits(block_size, n_blocks, num_splits, stale=block_size > 1 and rng.random() < 0.5))
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_splits(fn, case) -> list[dict]:
+    got = fn(list(case["block_table"]), case["context_len"], case["block_size"], case["num_splits"])
+    try:
+        returned = [[int(first), [int(b) for b in blocks], int(keys)] for first, blocks, keys in got]
+    except (TypeError, ValueError):
+        returned = repr(got)
+    return [{"call": f"kv_splits({describe_splits(case)})", "returned": returned}]
+
+
+def describe_splits(case: dict) -> str:
+    return (
+        f"block table {case['block_table']}, context_len {case['context_len']}, "
+        f"block_size {case['block_size']}, num_splits {case['num_splits']}"
+    )
+
+
+HIDDEN = {
+    "L4.1": Hidden(
+        draw_merges,
+        observe_merge,
+        describe_merge,
+        answers=("L4_paged_kernel.paged_attention:merge_partials",),
+        atol=2e-5,
+    ),
+    "L4.2": Hidden(
+        draw_attends,
+        observe_attend,
+        describe_attend,
+        answers=(
+            "L4_paged_kernel.paged_attention:attend_blocks",
+            "L4_paged_kernel.paged_attention:online_softmax_update",
+        ),
+        atol=1e-4,
+    ),
+    "L4.3": Hidden(
+        draw_splits,
+        observe_splits,
+        describe_splits,
+        answers=("L4_paged_kernel.paged_attention:paged_attention",),
+    ),
+}

@@ -1,0 +1,1 @@
+"""L5's exercise checkers (``checks.py``) and the grader's independent answers (``answers.py``): not the lesson."""

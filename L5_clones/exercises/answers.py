@@ -1,0 +1,105 @@
+"""Independent answers to the L5 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
+
+Each function has the signature the notebook asks for and is written apart from the stage's own
+code (``allocator.py``, ``prefix_cache.py``), so a bug in the stage cannot make a wrong answer pass:
+the fork walks each child's table block by block, ``free`` first counts every reference down and
+then queues the blocks that reached zero, the keys are sha256 of the documented text computed here
+(not by ``block_hash``), and ``match_prefix`` computes every key first and reads the index itself.
+Tests check that the stage and these answers agree on many drawn cases.
+
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+run on the answer. ``STAGE_ADAPTERS`` gives the stage's own code the learner's signature where the two
+differ (``BlockAllocator.fork``, ``register_full_blocks``), for the tests only. The grader imports
+this file; a submission's sandbox cannot read it.
+
+Left out on purpose: error cases (the exercises hand over valid tables and enough free blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+
+from ..allocator import BlockAllocator
+from ..prefix_cache import register_full_blocks
+from .checks import HIDDEN
+
+
+def fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """Each child's table, block by block: a full block is the parent's (one more holder), a block
+    the parent has not filled is a fresh one."""
+    tables = []
+    for _ in range(n):
+        table = []
+        for i, block in enumerate(parent_table):
+            if (i + 1) * block_size <= num_tokens:  # block i is full
+                ref_counts[block] += 1
+                table.append(block)
+            else:
+                table.append(alloc())
+        tables.append(table)
+    return tables
+
+
+def free(self, blocks):
+    """Count every block of the table down, then queue those that reached 0, last block first."""
+    for b in blocks:
+        self.blocks[b].ref_count -= 1
+    self.free_blocks.extend(b for b in blocks[::-1] if self.blocks[b].ref_count == 0)
+
+
+def key(prev, tokens) -> int:
+    """The documented key of a full block: the first 8 bytes, little-endian, of the sha256 of
+    ``"<previous key>|<token ids joined by commas>"`` (``None`` before the first block)."""
+    text = str(prev) + "|" + ",".join(str(t) for t in tokens)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def block_hashes(token_ids, block_size):
+    """The chained keys of the full blocks: each block's key is taken over the one before it."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        keys.append(key(keys[-1] if keys else None, token_ids[start : start + block_size]))
+    return keys
+
+
+def match_prefix(token_ids, allocator):
+    """Every key the prompt's blocks could have (the last token's block left out), then the leading
+    run of them the index holds with the same tokens."""
+    bs = allocator.block_size
+    looked_at = token_ids[: (len(token_ids) - 1) // bs * bs] if token_ids else []
+    hits = []
+    for i, k in enumerate(block_hashes(looked_at, bs)):
+        b = allocator.hash_to_block.get(k)
+        if b is None or tuple(allocator.blocks[b].token_ids) != tuple(looked_at[i * bs : (i + 1) * bs]):
+            break
+        hits.append(b)
+    return hits
+
+
+def stage_fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """L5.1 by ``BlockAllocator.fork``: an allocator holding the same counts, whose fresh blocks come
+    from ``alloc()``; the counts of the parent's blocks are copied back into ``ref_counts``."""
+    allocator = BlockAllocator(max(ref_counts) + 1, block_size)
+    for block, count in ref_counts.items():
+        allocator.blocks[block].ref_count = count
+    allocator.free_blocks = deque(range(n))  # fork only reads its length: fresh blocks come from alloc()
+    allocator._take_free = alloc
+    tables, _ = allocator.fork(list(parent_table), num_tokens, n)
+    for block in parent_table[: num_tokens // block_size]:
+        ref_counts[block] = allocator.blocks[block].ref_count
+    return tables
+
+
+def stage_block_hashes(token_ids, block_size):
+    """L5.3 by ``register_full_blocks``: the keys it gives the full blocks of one table."""
+    full = len(token_ids) // block_size
+    allocator = BlockAllocator(max(full, 1), block_size)
+    table = allocator.alloc_blocks(full)
+    register_full_blocks(allocator, table, list(token_ids), 0, len(token_ids))
+    return [allocator.blocks[b].hash for b in table]
+
+
+ANSWERS = {"L5.1": fork_table, "L5.2": free, "L5.3": block_hashes, "L5.4": match_prefix}
+EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
+STAGE_ADAPTERS = {"L5.1": stage_fork_table, "L5.3": stage_block_hashes}

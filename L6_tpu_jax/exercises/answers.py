@@ -1,0 +1,125 @@
+"""Independent answers to the L6 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
+
+Each function has the signature the notebook asks for and is written apart from the stage's own
+code (``page_table.py``, ``kv_cache.py``, ``engine.py``), so a bug in the stage cannot make a wrong
+answer pass: the allocation and the free step work on plain Python lists (a sorted list of free
+pages, a loop over the slots), the KV write puts one token at a time into the pool in a
+``lax.fori_loop`` (Levanter's first version; the stage scatters all tokens at once), and the specs
+are spelled out axis by axis.
+
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+run on the answer. L6.4's observation needs no devices (the specs are laid on an abstract mesh), so
+the grader's process, with its one CPU device, computes it for meshes of any size. ``STAGE_ADAPTERS``
+gives the stage's own code the learner's signature where the two differ, for the tests only. The
+grader imports this file; a submission's sandbox cannot read it.
+
+Left out on purpose: shortages (every hidden case has enough free pages, as the exercise says).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ..page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
+from .checks import HIDDEN
+
+
+def allocate(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
+    """Grow the slots of the batch, then hand out the free pages, lowest id first, slot by slot."""
+    refs, table, lens = page_ref_counts.tolist(), page_indices.tolist(), seq_lens.tolist()
+    for s, p in zip(slot_ids.tolist(), positions.tolist(), strict=True):
+        lens[s] = max(lens[s], p + 1)
+    free = sorted(page for page, count in enumerate(refs) if count == 0)
+    for s, row in enumerate(table):
+        held = sum(page >= 0 for page in row)
+        for j in range(held, -(-lens[s] // page_size)):
+            row[j] = free.pop(0)
+            refs[row[j]] = 1
+    dests = [
+        table[s][p // page_size] * page_size + p % page_size for s, p in zip(slot_ids, positions, strict=True)
+    ]
+    return np.array(refs), np.array(table), np.array(lens), np.array(dests, dtype=np.int64)
+
+
+def free_finished(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
+    """One reference off every page a finished slot holds; its row, length and flag cleared."""
+    refs, table, lens, used = (
+        page_ref_counts.tolist(),
+        page_indices.tolist(),
+        seq_lens.tolist(),
+        used_mask.tolist(),
+    )
+    for s, done in enumerate(finished_mask.tolist()):
+        if done:
+            for page in table[s]:
+                if page >= 0:
+                    refs[page] -= 1
+            table[s], lens[s], used[s] = [-1] * len(table[s]), 0, False
+    return np.array(refs), np.array(table), np.array(lens), np.array(used, dtype=bool)
+
+
+def write_kv_pages(kv_pages, dests, k, v):
+    """One token at a time: its row of heads ``k0, v0, k1, v1, ...`` at ``dests[t]``, or, for a
+    padding token (-1), row 0 written back with what it holds."""
+    n_pages, page_size, two_h, dim = kv_pages.shape
+    rows = jnp.zeros((k.shape[0], two_h, dim), kv_pages.dtype).at[:, 0::2].set(k).at[:, 1::2].set(v)
+    flat = kv_pages.reshape(n_pages * page_size, two_h, dim)  # (P * page_size, 2 * H_kv, D)
+
+    def put(t, flat):
+        row = jnp.maximum(dests[t], 0)
+        new = jnp.where(dests[t] >= 0, rows[t], flat[row])  # (2 * H_kv, D)
+        return jax.lax.dynamic_update_slice(flat, new[None], (row, 0, 0))
+
+    return jax.lax.fori_loop(0, dests.shape[0], put, flat).reshape(kv_pages.shape)
+
+
+def mesh_specs():
+    """Weights and tables whole on every device; each layer's pool cut along its page axis."""
+    whole = PartitionSpec()
+    return {"params": whole, "decode_state": whole, "kv_pages": PartitionSpec("data", None, None, None)}
+
+
+def tables(refs, page_indices, seq_lens, page_size, used=None) -> tuple[SequenceTable, PageTable]:
+    """A ``SequenceTable`` and ``PageTable`` holding these NumPy arrays (used: slots with tokens)."""
+    used = np.asarray(seq_lens) > 0 if used is None else used
+    seqs = SequenceTable(
+        seq_lens=jnp.asarray(seq_lens, jnp.int32),
+        page_indices=jnp.asarray(page_indices, jnp.int32),
+        used_mask=jnp.asarray(used, bool),
+        page_size=page_size,
+    )
+    return seqs, PageTable(jnp.asarray(refs, jnp.int32))
+
+
+def stage_allocate(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
+    """L6.1 by ``allocate_for_seq``, jit'd, the batch padded to 16, 32, ... tokens (padding slot -1),
+    so that it compiles once per table shape and width."""
+    n = len(slot_ids)
+    width = max(16, 1 << (n - 1).bit_length())
+    pad = np.full(width - n, -1, np.int32)
+    slots, pos = np.concatenate([slot_ids, pad]), np.concatenate([positions, np.zeros(width - n, np.int32)])
+    seqs, pages = tables(page_ref_counts, page_indices, seq_lens, page_size)
+    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.asarray(slots), jnp.asarray(pos))
+    return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, info.new_token_dests[:n]
+
+
+def stage_free_finished(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
+    """L6.2 by ``free_pages_for_finished``, jit'd."""
+    seqs, pages = tables(page_ref_counts, page_indices, seq_lens, 1, used=used_mask)
+    seqs, pages = jax.jit(free_pages_for_finished)(seqs, pages, jnp.asarray(finished_mask))
+    return pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, seqs.used_mask
+
+
+def stage_mesh_specs():
+    """L6.4 by the engine's own ``SPECS``."""
+    from ..engine import SPECS
+
+    return SPECS
+
+
+ANSWERS = {"L6.1": allocate, "L6.2": free_finished, "L6.3": write_kv_pages, "L6.4": mesh_specs}
+EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
+STAGE_ADAPTERS = {"L6.1": stage_allocate, "L6.2": stage_free_finished, "L6.4": stage_mesh_specs}

@@ -1,0 +1,224 @@
+"""Make the exercise notebooks from the reference notebooks: ``python -m kvcourse.grading.exercises``.
+
+    notebooks/L1_contiguous.ipynb  (solutions, executed)  ->  notebooks/exercises/L1_contiguous.ipynb
+
+Markers. In a code cell of a reference notebook, the lines between ``# BEGIN SOLUTION`` and
+``# END SOLUTION`` are an exercise's solution; an optional title follows a colon::
+
+    def write_kv(k_cache, v_cache, start, k, v):
+        # BEGIN SOLUTION: write K/V into the cache
+        end = start + k.shape[0]
+        ...
+        # END SOLUTION
+
+In the exercise notebook the whole region, markers included, becomes one stub line at the BEGIN
+marker's indentation::
+
+    def write_kv(k_cache, v_cache, start, k, v):
+        raise NotImplementedError("Exercise L1.1: write K/V into the cache")
+
+"L1" comes from the file name, and k counts the regions of the notebook from the top (1, 2, ...), so
+a cell may hold several. Without a title the stub says just ``"Exercise L1.1"``. Solution regions are
+function bodies: the stub must leave valid code behind, and the graders call the function.
+
+Outputs. Check cells (code cells containing ``# NBVAL_CHECK_OUTPUT``) keep their outputs, which are the
+expected answers, and their execution counts (nbval skips comparing a cell whose count is empty).
+Every other code cell loses its outputs and execution count. Per-cell execution timestamps are
+dropped everywhere. Relative markdown links (``[chapter](../lessons/L1_contiguous.md)``) get one more
+``../``, since the exercise notebooks sit one folder deeper. The result is written with ``nbformat``
+in a fixed format, so running this twice gives identical bytes and ``--check`` can tell whether the
+committed notebooks are up to date.
+
+``put_back(exercise_nb, answers)`` does the reverse for tests: it replaces stubs with code, the
+reference solutions (``solutions(reference_nb)``) or a deliberately wrong answer.
+
+Left out on purpose: hiding anything outside solution regions (markdown stays as written, links
+aside), and exercises whose solution is not a function body. Hidden cases are not in any notebook:
+each stage's ``checks.py`` draws them at grading time (``kvcourse/grading/hidden.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import sys
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from kvcourse.grading.generated import sync
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
+BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<title>.*?))?[ \t]*$")
+END_RE = re.compile(r"^[ \t]*# END SOLUTION[ \t]*$")
+RELATIVE_LINK_RE = re.compile(r"\]\((?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)")  # "](" + a relative target
+STUB_RE = re.compile(r'^(?P<indent>[ \t]*)raise NotImplementedError\("Exercise L\d+\.(?P<number>\d+)[:"]')
+
+
+@dataclass(frozen=True)
+class Exercise:
+    number: int  # k in "Exercise LN.k", counted from the top of the notebook
+    title: str  # "" when the BEGIN marker has none
+    solution: str  # the region's code, dedented, without the markers
+
+    def stub(self, stage: str, indent: str) -> str:
+        """The line that replaces the region, e.g. ``raise NotImplementedError("Exercise L1.2: ...")``."""
+        message = f"Exercise {stage}.{self.number}" + (f": {self.title}" if self.title else "")
+        return f"{indent}raise NotImplementedError({json.dumps(message, ensure_ascii=False)})"
+
+
+def stage_of(path: str | Path) -> str:
+    """The stage tag of a notebook file: ``notebooks/L1_contiguous.ipynb -> 'L1'``."""
+    m = re.match(r"(L\d+)_", Path(path).name)
+    if not m:
+        raise ValueError(f"{path}: a notebook name starts with its stage tag and an underscore (LN_...)")
+    return m.group(1)
+
+
+def exercise_path(reference: str | Path) -> Path:
+    """Where the exercise version of a reference notebook lives: ``notebooks/exercises/<same name>``."""
+    reference = Path(reference)
+    return reference.parent / "exercises" / reference.name
+
+
+def _split(source: str, stage: str, first: int, where: str) -> tuple[str, list[Exercise]]:
+    """Replace each solution region of one cell's source by its stub; return the new source and regions.
+
+    Example (stage "L1", first=3), one line per list item::
+
+        ["def f():", "    # BEGIN SOLUTION: add", "    return 1 + 1", "    # END SOLUTION"]
+        -> ["def f():", '    raise NotImplementedError("Exercise L1.3: add")'],
+           [Exercise(number=3, title="add", solution="return 1 + 1\\n")]
+    """
+    out: list[str] = []
+    found: list[Exercise] = []
+    region: list[str] | None = None
+    indent = title = ""
+    for lineno, line in enumerate(source.split("\n"), start=1):
+        begin, end = BEGIN_RE.match(line), END_RE.match(line)
+        if region is None:
+            if end:
+                raise ValueError(f"{where}, line {lineno}: '# END SOLUTION' without '# BEGIN SOLUTION'")
+            if begin:
+                region, indent, title = [], begin["indent"], begin["title"] or ""
+            else:
+                out.append(line)
+        elif begin:
+            raise ValueError(f"{where}, line {lineno}: '# BEGIN SOLUTION' inside another solution region")
+        elif end:
+            if not any(s.strip() for s in region):
+                raise ValueError(f"{where}, line {lineno}: empty solution region")
+            ex = Exercise(first + len(found), title, textwrap.dedent("\n".join(region) + "\n"))
+            found.append(ex)
+            out.append(ex.stub(stage, indent))
+            region = None
+        else:
+            region.append(line)
+    if region is not None:
+        raise ValueError(f"{where}: '# BEGIN SOLUTION' without '# END SOLUTION'")
+    return "\n".join(out), found
+
+
+def _is_check(cell) -> bool:
+    return cell.cell_type == "code" and CHECK_MARKER in cell.source
+
+
+def split_notebook(reference, stage: str):
+    """The exercise notebook (a new object; ``reference`` is untouched) and its list of ``Exercise``."""
+    nb = copy.deepcopy(reference)
+    exercises: list[Exercise] = []
+    for i, cell in enumerate(nb.cells):
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "markdown":
+            cell.source = RELATIVE_LINK_RE.sub("](../", cell.source)  # one folder deeper
+        if cell.cell_type != "code":
+            continue
+        source, found = _split(cell.source, stage, len(exercises) + 1, f"cell {i}")
+        if found and _is_check(cell):
+            raise ValueError(f"cell {i}: a check cell cannot hold a solution region")
+        cell.source = source
+        exercises.extend(found)
+        if not _is_check(cell):
+            cell.outputs = []
+            cell.execution_count = None
+    return nb, exercises
+
+
+def make_exercise_notebook(reference, stage: str):
+    """The exercise version of a reference notebook (an ``nbformat`` node), built in memory."""
+    return split_notebook(reference, stage)[0]
+
+
+def solutions(reference) -> dict[int, str]:
+    """Each exercise's solution code by number: ``{1: "end = start + ...\\n", 2: ...}``."""
+    _, exercises = split_notebook(reference, "LN")  # the stage only names the stubs, dropped here
+    return {ex.number: ex.solution for ex in exercises}
+
+
+def put_back(exercise, answers: Mapping[int, str]):
+    """A copy of an exercise notebook with the stub of exercise k replaced by ``answers[k]``.
+
+    ``answers`` holds unindented code; it is indented like the stub it replaces. Stubs without an
+    answer stay. ``put_back(ex, solutions(ref))`` gives the reference's code back; tests also use it
+    to plant a wrong answer.
+    """
+    nb = copy.deepcopy(exercise)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        lines = []
+        for line in cell.source.split("\n"):
+            m = STUB_RE.match(line)
+            if m and int(m["number"]) in answers:
+                code = answers[int(m["number"])].rstrip("\n")
+                lines.append(textwrap.indent(code, m["indent"]))
+            else:
+                lines.append(line)
+        cell.source = "\n".join(lines)
+    return nb
+
+
+def read(path: str | Path):
+    return nbformat.read(str(path), as_version=4)
+
+
+def render(nb) -> str:
+    """The notebook as the exact text ``nbformat.write`` puts in a file (so tests can compare bytes)."""
+    text = nbformat.writes(nb, version=4)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def reference_notebooks(folder: str | Path = NOTEBOOKS) -> list[Path]:
+    """Every reference notebook ``LN_*.ipynb`` of the course, sorted by name."""
+    return sorted(Path(folder).glob("L[0-9]*_*.ipynb"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcourse.grading.exercises", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
+    parser.add_argument("--notebooks", default=NOTEBOOKS, help="folder of reference notebooks")
+    args = parser.parse_args(argv)
+    stale = 0
+    for ref in reference_notebooks(args.notebooks):
+        nb, exercises = split_notebook(read(ref), stage_of(ref))
+        target = exercise_path(ref)
+        differs, shown = sync(target, render(nb), args.check), os.path.relpath(target)
+        if args.check:
+            stale += differs
+            print(f"{shown}: {'OUT OF DATE' if differs else 'up to date'}")
+        else:
+            print(f"{shown}: {len(exercises)} exercise(s), {'written' if differs else 'unchanged'}")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

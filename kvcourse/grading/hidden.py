@@ -1,0 +1,349 @@
+"""Hidden cases: what ``make grade`` checks beyond the cases a notebook shows.
+
+A check cell prints its fixed cases, and the exercise notebook stores what it must print; printing
+that text is not solving the exercise. So the grader also draws cases the notebook never shows, from
+a seed it picks per run, and judges them outside the learner's process:
+
+1. in the learner's kernel (sandboxed), right after an exercise's check cell, ``harvest`` draws the
+   cases from the seed, calls the learner's function on each, and writes only what came back (an
+   *observation*: JSON, no pickles) to a file;
+2. in the grader's own process, which never ran the learner's code, ``expected`` draws the same cases
+   and observes the stage's independent answer (``LN/exercises/answers.py``: a second implementation written
+   apart from the stage's, never the stage function the exercise re-implements), and ``compare``
+   tells the first difference.
+
+Each stage declares its exercises' hidden cases in ``LN/exercises/checks.py`` as ``HIDDEN = {"L2.1": Hidden(...)}``
+and their answers in ``LN/exercises/answers.py`` as ``EXPECT = {"L2.1": callable(case) -> observation}``.
+A ``Hidden`` holds:
+
+- ``draw(rng) -> [case, ...]``: JSON-able inputs, from a ``random.Random``;
+- ``observe(fn, case, *context) -> observation``: runs ``fn`` on one case. ``context`` is what the
+  check cell passes after the function (L1.2's ``engine``), so the learner's function meets the same
+  objects as in the visible check;
+- ``describe(case) -> str``: the case in words, for the report;
+- ``answers``: the stage's own implementation of the exercise, as ``"module:Qualified.name"``. While
+  the learner's function runs on hidden cases, a profile hook watches for their code running
+  (``watching``), so an answer that calls, aliases or copies the stage's code
+  (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught however it got hold of it, and the grader
+  flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
+  ``SPECS``) is caught when one of its values is used;
+- ``atol``: the tolerance for floats (online softmax against a dense one), else exact.
+
+Observations are lists of steps, each a dict (``{"call": "alloc_blocks(2)", "returned": [0, 1],
+"free": [2, 3]}``), or any JSON value; ``compare`` names the first step and key that differ.
+
+Left out on purpose: hiding the cases from a learner who reads this file (the seed changes per run;
+what is drawn is not secret, what the answer is must be computed), and partial credit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcourse.grading.cases import first_line
+
+SECONDS = 60  # the time all of an exercise's hidden cases may take in the learner's kernel
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """One exercise's hidden cases (see the module docstring)."""
+
+    draw: Callable[[random.Random], list[dict]]
+    observe: Callable[..., Any]
+    describe: Callable[[dict], str]
+    answers: tuple[str, ...] = ()
+    atol: float = 0.0
+
+
+class CaseTimeout(Exception):
+    """The hidden cases ran past their time."""
+
+
+def rng_for(seed: int, exercise_id: str) -> random.Random:
+    """The generator an exercise's cases are drawn from: the same in the kernel and in the grader.
+
+    Example: ``rng_for(7, "L2.1").random()`` is the same number in every process.
+    """
+    return random.Random(f"{seed}:{exercise_id}")
+
+
+def resolve(target: str):
+    """``"pkg.module:Class.method"`` -> (owner object, attribute name, the function found there)."""
+    module_name, _, qualname = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
+
+
+def code_identity(target: str) -> set[tuple[str, str]]:
+    """The (file, qualified name) pairs that the code of ``target`` runs under, e.g.
+    ``{("/repo/L2_token_flat/sequence.py", "reserve")}`` for ``"L2_token_flat.sequence:reserve"``."""
+    module_name, _, qualname = target.partition(":")
+    path = importlib.import_module(module_name).__file__
+    return {(path, qualname), (os.path.realpath(path), qualname)}
+
+
+class AliasedAnswer(Exception):
+    """Raised when the answer uses a value of a watched constant (see ``Tripped``)."""
+
+
+class Tripped:
+    """What each value of a watched constant (a dict, such as L6's ``SPECS``) is while the hidden cases
+    run: reading an attribute of it, or iterating it, records the target in ``caught`` and raises (a
+    constant runs no code a profile hook could see)."""
+
+    def __init__(self, target: str, caught: list[str]):
+        self.__dict__.update(_target=target, _caught=caught)
+
+    def _trip(self):
+        self._caught.append(self._target)
+        raise AliasedAnswer(f"the answer uses the stage's own {self._target.partition(':')[2]}")
+
+    def __getattr__(self, name):
+        self._trip()
+
+    def __iter__(self):
+        self._trip()
+
+
+@contextlib.contextmanager
+def watching(targets: tuple[str, ...], caught: list[str]):
+    """Record in ``caught`` every target whose code runs while the block runs.
+
+    A profile hook looks at each Python call's code object: its file and qualified name say whether
+    it is the stage's own implementation, whatever object it was reached through (the class
+    attribute, an alias taken earlier, a wrapper, a copy of the function). The learner's own code,
+    defined in the notebook, never matches, even when it has replaced the stage's attribute.
+
+    A target that is a dict (a constant the exercise asks for) keeps its keys, and its values become
+    ``Tripped`` until the block ends. JAX's caches are cleared first: ``jit`` runs a function it traced
+    before from its cache, without running its Python code again.
+    """
+    forbidden, constants = {}, []
+    for target in targets:
+        *_, value = resolve(target)
+        if isinstance(value, dict):
+            constants.append((value, dict(value)))
+            value.update({key: Tripped(target, caught) for key in value})
+        else:
+            forbidden.update({key: target for key in code_identity(target)})
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+
+    def hook(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            target = forbidden.get((code.co_filename, code.co_qualname))
+            if target is not None:
+                caught.append(target)
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+        for constant, values in constants:
+            constant.update(values)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Raise ``CaseTimeout`` in the block after ``seconds`` (main thread only; elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CaseTimeout(f"the hidden cases ran past their {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def load_fresh(package: str, module: str = "exercises.checks"):
+    """A new copy of ``package.module`` loaded from its file, so that changes a notebook made to the
+    imported module (a checker replaced, a dict edited) do not reach the hidden cases."""
+    origin = (
+        Path(importlib.util.find_spec(package).origin).parent.joinpath(*module.split(".")).with_suffix(".py")
+    )
+    spec = importlib.util.spec_from_file_location(f"{package}.{module}", origin)
+    fresh = importlib.util.module_from_spec(spec)
+    fresh.__package__ = f"{package}.{module}".rpartition(".")[0]
+    spec.loader.exec_module(fresh)
+    return fresh
+
+
+def harvest(
+    package: str, exercise_id: str, fn, *context, seed: int, out: str, seconds: float = SECONDS
+) -> None:
+    """Run the learner's ``fn`` on an exercise's hidden cases; write the observations to ``out``.
+
+    Called by the cell the grader adds after each check cell, in the learner's kernel. The cases
+    share ``seconds``; the first one to run out of time is recorded as such and ends the run. Prints
+    one line (how many cases ran), never the observations.
+    """
+    hidden = load_fresh(package).HIDDEN[exercise_id]
+    cases = hidden.draw(rng_for(seed, exercise_id))
+    observations, caught = [], []
+    deadline = time.monotonic() + seconds
+    for case in cases:
+        try:
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                time_limit(max(1, round(deadline - time.monotonic()))),
+            ):
+                with watching(hidden.answers, caught):
+                    got = hidden.observe(fn, case, *context)
+            observations.append({"ok": to_json(got)})
+        except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
+            observations.append({"error": f"{type(e).__name__}: {first_line(str(e))}"})
+            if isinstance(e, CaseTimeout):
+                break  # a loop that never ends would cost every other case the same
+    record = {
+        "exercise": exercise_id,
+        "seed": seed,
+        "observations": observations,
+        "aliased": sorted(set(caught)),
+    }
+    Path(out).write_text(json.dumps(record), encoding="utf-8")
+    print(f"{exercise_id}: {len(observations)} hidden cases run")
+
+
+def expected(package: str, exercise_id: str, seed: int) -> tuple[list[dict], list]:
+    """The hidden cases of one exercise and the independent answer's observation of each."""
+    hidden = importlib.import_module(f"{package}.exercises.checks").HIDDEN[exercise_id]
+    answer = importlib.import_module(f"{package}.exercises.answers").EXPECT[exercise_id]
+    cases = hidden.draw(rng_for(seed, exercise_id))
+    return cases, [to_json(answer(case)) for case in cases]
+
+
+def judge(package: str, exercise_id: str, seed: int, record: dict | None) -> list[str]:
+    """Each failing hidden case once, in words (empty when all pass). ``record`` is what ``harvest``
+    wrote, or None when the cell never ran."""
+    if record is None:
+        return ["hidden cases: did not run (the notebook stopped before them)"]
+    hidden = importlib.import_module(f"{package}.exercises.checks").HIDDEN[exercise_id]
+    cases, wants = expected(package, exercise_id, seed)
+    got = record.get("observations")
+    if not isinstance(got, list):
+        return ["hidden cases: the record is malformed"]
+    problems = [
+        f"hidden cases: the answer runs {t.partition(':')[2]}, the stage's own"
+        for t in record.get("aliased", [])
+    ]
+    for k, (case, want) in enumerate(zip(cases, wants, strict=False), start=1):
+        if k > len(got):
+            problems.append(f"hidden case {k} ({hidden.describe(case)}): did not run")
+            break
+        obs = got[k - 1] if isinstance(got[k - 1], dict) else {}
+        if "error" in obs:
+            problems.append(f"hidden case {k} ({hidden.describe(case)}): raised {obs['error']}")
+            continue
+        problem = compare(want, obs.get("ok"), hidden.atol)
+        if problem:
+            problems.append(f"hidden case {k} ({hidden.describe(case)}): {problem}")
+    return problems
+
+
+def to_json(value):
+    """A JSON-able copy of an observation: tuples become lists, tensors and arrays their ``tolist()``,
+    numbers plain ints and floats. ``to_json((1, torch.tensor([2.0]))) -> [1, [2.0]]``."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    return repr(value)
+
+
+def compare(want, got, atol: float = 0.0) -> str | None:
+    """None when ``got`` matches ``want`` (floats within ``atol``), else the first difference.
+
+    Steps (dicts in a list) are named by their ``call``::
+
+        >>> compare([{"call": "alloc_blocks(2)", "returned": [0, 1]}],
+        ...         [{"call": "alloc_blocks(2)", "returned": [1, 0]}])
+        'after alloc_blocks(2): returned is [1, 0], expected [0, 1]'
+    """
+    if isinstance(want, list) and want and all(isinstance(w, dict) and "call" in w for w in want):
+        if not isinstance(got, list):
+            return f"got {short(got)}, expected {len(want)} steps"
+        for k, step in enumerate(want):
+            if k >= len(got) or not isinstance(got[k], dict):
+                return f"stopped before {step['call']}"
+            for key, value in step.items():
+                if not same(value, got[k].get(key), atol):
+                    return f"after {step['call']}: {key} is {short(got[k].get(key))}, expected {short(value)}"
+        return None
+    return None if same(want, got, atol) else f"got {short(got)}, expected {short(want)}"
+
+
+def same(want, got, atol: float) -> bool:
+    """Structural equality, floats within ``atol`` (NaN never equal)."""
+    if isinstance(want, float) or (isinstance(want, int) and isinstance(got, float) and atol):
+        if isinstance(got, bool) or not isinstance(got, int | float) or math.isnan(got):
+            return False
+        return abs(got - want) <= atol if atol else got == want
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(same(w, g, atol) for w, g in zip(want, got, strict=True))
+        )
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and got.keys() == want.keys()
+            and all(same(want[k], got[k], atol) for k in want)
+        )
+    return type(want) is type(got) and want == got
+
+
+def short(value, width: int = 120) -> str:
+    """A value in at most ``width`` characters: ``short(list(range(100)), 20) -> '[0, 1, 2, 3, 4, 5...'``."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcourse.grading.hidden PACKAGE EXERCISE SEED``: print the hidden cases and the answer's
+    observations as JSON (for instructors who want to see what a seed draws)."""
+    package, exercise_id, seed = (argv or sys.argv[1:])[:3]
+    cases, wants = expected(package, exercise_id, int(seed))
+    print(json.dumps([{"case": c, "expected": w} for c, w in zip(cases, wants, strict=True)], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

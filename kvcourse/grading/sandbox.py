@@ -1,0 +1,115 @@
+"""The box a submission runs in while it is graded: bubblewrap where installed, resource limits always.
+
+``make grade`` executes learners' notebooks, which are code. Each one runs under
+
+- **bubblewrap** (``bwrap``, Debian's ``bubblewrap`` package), when it is installed and works here:
+  the whole file system read-only (the repository included), a private ``/tmp`` and home, no network
+  (a network namespace of its own: loopback only, which the Jupyter kernel talks over), its own
+  process, IPC and host-name namespaces, killed with the grader. The grader's work folder is the one
+  writable place (what the run reads from the host's /tmp, a clone of the repository there say, is
+  brought back read-only). The answer key is out of sight: ``notebooks/`` (the reference notebooks hold the
+  solutions), each stage's ``answers.py`` and the git history are covered by empty ones;
+- **limits** set with ``setrlimit`` (what ``prlimit`` sets): address space (``memory_bytes``) and CPU
+  seconds (``cpu_seconds``). A process over its CPU time is killed, which the grader reports as a
+  dead kernel.
+
+Without bubblewrap the limits still apply, and ``warning()`` says once what is missing and how to
+install it. Example::
+
+    box = Sandbox.here(repo, memory_bytes=8 << 30, cpu_seconds=1800)
+    argv, preexec = box.wrap([sys.executable, "-m", "pytest", ...], workdir)
+    subprocess.run(argv, preexec_fn=preexec, ...)
+
+Left out on purpose: seccomp filters and cgroups (a container per submission, as Gradescope does, is
+the next step up), and hiding the stages' code (the notebooks import it; an answer that calls it is
+caught by the hidden cases' watch instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcourse.model_store import cache_root
+
+INSTALL_HINT = "apt-get install bubblewrap (Debian/Ubuntu) or dnf install bubblewrap (Fedora)"
+
+
+@functools.cache
+def bwrap_works() -> str | None:
+    """None when ``bwrap`` can make a box here, else why not (missing, or refused by the kernel)."""
+    path = shutil.which("bwrap")
+    if path is None:
+        return "bubblewrap (bwrap) is not installed"
+    probe = [path, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap does not run here ({e})"
+    if done.returncode != 0:
+        return f"bwrap cannot make a sandbox here ({done.stderr.strip().splitlines()[-1:]})"
+    return None
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """How to box one grading run (see the module docstring)."""
+
+    repo: Path
+    memory_bytes: int
+    cpu_seconds: int
+    use_bwrap: bool
+
+    @classmethod
+    def here(cls, repo: Path, memory_bytes: int, cpu_seconds: int) -> Sandbox:
+        return cls(repo, memory_bytes, cpu_seconds, use_bwrap=bwrap_works() is None)
+
+    def warning(self) -> str | None:
+        """The one line to print when submissions will run outside bubblewrap."""
+        if self.use_bwrap:
+            return None
+        return (
+            f"warning: {bwrap_works()}: notebooks run with the grader's permissions, under memory and "
+            f"CPU-time limits only. Install it: {INSTALL_HINT}"
+        )
+
+    def covered(self) -> list[Path]:
+        """What the box hides: the answer key and the history that holds it."""
+        hidden = [self.repo / "notebooks", self.repo / ".git"]
+        return hidden + sorted(self.repo.glob("L[0-9]*_*/exercises/answers.py"))
+
+    def wrap(self, argv: list[str], workdir: Path) -> tuple[list[str], Callable[[], None]]:
+        """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits."""
+        return (self._bwrap(workdir) + argv if self.use_bwrap else argv), self._limits
+
+    def needed(self) -> list[Path]:
+        """What a run reads that may live under /tmp, which the box replaces by an empty one: the
+        repository (a clone in /tmp), the Python environment and the model cache."""
+        paths = [self.repo, Path(sys.prefix), Path(sys.base_prefix), cache_root()]
+        found = {Path(os.path.realpath(p)) for p in paths} | {p.absolute() for p in paths}
+        return sorted(p for p in found if p.is_relative_to("/tmp") and p.exists())
+
+    def _bwrap(self, workdir: Path) -> list[str]:
+        args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for path in self.needed():  # brought back, still read-only, into the empty /tmp
+            args += ["--ro-bind", str(path), str(path)]
+        args += ["--dir", "/tmp/home", "--setenv", "HOME", "/tmp/home"]
+        for path in self.covered():
+            if path.is_dir():
+                args += ["--tmpfs", str(path)]
+            elif path.exists():
+                args += ["--ro-bind", "/dev/null", str(path)]
+        args += ["--bind", str(workdir), str(workdir)]  # after /tmp's tmpfs: the work folder stays
+        args += ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(self.repo)]
+        return args + ["--"]
+
+    def _limits(self) -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds))

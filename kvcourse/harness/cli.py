@@ -1,0 +1,108 @@
+"""Command line: ``python -m kvcourse prepare`` and ``python -m kvcourse generate``.
+
+    python -m kvcourse prepare                       # convert the bundled model and build the stages'
+                                                     # C++ kernels, once (idempotent)
+    python -m kvcourse generate --stage L1 "What is a KV cache?"
+    python -m kvcourse generate --stage L1 --prompts kvcourse/harness/prompts.jsonl --max-new-tokens 32
+    python -m kvcourse generate --stage L4 --device cuda "What is a KV cache?"
+
+``generate`` prints each prompt's generated text, then the tokens/s, how the engine was set up (device,
+kernel, pool and batch sizes) and its statistics (KV memory reserved against the memory that held live
+tokens, blocks, steps). ``--device`` defaults to ``$KVCOURSE_DEVICE``, else the CPU. Bad input (a
+malformed prompt file, a missing model folder, a prompt longer than the model's context, a device this
+machine does not have) is one ``error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvcourse.config import ModelConfig
+from kvcourse.cpp_kernels import build_all
+from kvcourse.devices import add_device_argument, device_argument
+from kvcourse.harness.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
+from kvcourse.harness.stages import STAGES, engine_class
+from kvcourse.limits import DEFAULT_MAX_MODEL_LEN, check_context
+from kvcourse.model_store import MODEL_ENV, REPO_ROOT, prepare_default_model, resolve_model_dir
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvcourse", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser(
+        "prepare", help="convert the bundled GGUF into the cached fp32 model; build the stages' C++ kernels"
+    )
+    prep.add_argument("--force", action="store_true", help="convert again even if already prepared")
+    gen = sub.add_parser("generate", help="generate text with one stage's engine")
+    gen.add_argument("prompt", nargs="*", help="chat message(s), one prompt each")
+    gen.add_argument("--stage", default="L1", choices=list(STAGES), help="which stage's engine (default L1)")
+    gen.add_argument(
+        "--prompts", help="JSONL prompt file instead of (or besides) prompts on the command line"
+    )
+    gen.add_argument(
+        "--raw", action="store_true", help="treat command-line prompts as raw text, no chat template"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
+    gen.add_argument(
+        "--model", help=f"local HF Llama/Qwen3 directory (default: ${MODEL_ENV} or the course model)"
+    )
+    add_device_argument(gen)
+    args = parser.parse_args(argv)
+    if args.command == "generate" and not (args.prompt or args.prompts):
+        parser.error("give a prompt or --prompts FILE")
+    return args
+
+
+def generate(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    device = device_argument(args.device)
+    prompts = read_prompts(args.prompts) if args.prompts else []
+    for text in args.prompt:
+        prompts.append(Prompt(text=text) if args.raw else Prompt(messages=(("user", text),)))
+    model_dir = resolve_model_dir(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    limit = cfg.max_position_embeddings
+    tok = load_tokenizer(model_dir)
+    ids = [encode(tok, p) for p in prompts]
+    budget = budgets(prompts, args.max_new_tokens)
+    longest = check_context(ids, budget, cfg)
+    options = {} if device is None else {"device": device}  # L6 without one: JAX's default device
+    engine = engine_class(args.stage)(
+        model_dir, max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest), **options
+    )
+    t0 = time.perf_counter()
+    outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)
+    seconds = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"> {prompt.label}")
+        print(tok.decode(out, skip_special_tokens=True).strip())
+        print()
+    n = sum(map(len, outputs))
+    stats = engine.stats()
+    print(f"{args.stage}: {n} new tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s)")
+    print(f"{args.stage}: {stats.describe()}")
+    print(f"{args.stage}: {stats}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "prepare":
+            print(prepare_default_model(force=args.force))
+            for source, now, seconds, problem in build_all(REPO_ROOT):
+                if problem:
+                    print(f"{source.relative_to(REPO_ROOT)}: NOT BUILT. {problem}. The course runs without "
+                          f"it: the smokes and tests skip its runs and make bench uses the PyTorch kernel.")  # fmt: skip
+                    continue
+                took = f"built in {seconds:.0f} s" if now and seconds is not None else "already built"
+                print(f"{source.relative_to(REPO_ROOT)}: {took}, cached in .cache/kernels/")
+        else:
+            generate(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,112 @@
+"""Token-by-token comparison of an engine's output with a reference, and the per-prompt report.
+
+The bar is exact equality. The one tolerance (the same idea as vLLM's ``check_logprobs_close``): if at
+the first differing position the HF reference's top-2 logit gap is below ``TIE_GAP``, the two runs
+disagree on a numerical tie (fp32 engines that batch differently differ from HF by ~5e-5 per logit).
+That is reported as a tie, with its position and gap, and nothing after it is compared: the two
+continuations are from then on different texts. A tie is never counted silently as a match.
+
+HF's gaps describe HF's own text. So the rule applies only where the expected tokens still are HF's
+text: always when comparing with HF; when comparing with the previous stage, only if that stage
+agreed with HF up to the differing position. Once the previous stage has tied away from HF, its
+continuation is another text whose gaps nobody measured, and any later difference is a mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcourse.harness.reference import Reference
+
+TIE_GAP = 1e-3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    first_diff: int | None  # first position where the tokens differ (None: identical)
+    tie_gap: float | None = None  # HF's top-2 gap at first_diff when that gap is below TIE_GAP
+
+    @property
+    def ok(self) -> bool:
+        return self.first_diff is None or self.tie_gap is not None
+
+    @property
+    def status(self) -> str:
+        """``match``, ``tie@17`` or ``DIFF@17``."""
+        if self.first_diff is None:
+            return "match"
+        return f"tie@{self.first_diff}" if self.tie_gap is not None else f"DIFF@{self.first_diff}"
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where ``a`` and ``b`` differ, counting a length difference.
+
+    Examples: ``([1, 2, 3], [1, 2, 3]) -> None``, ``([1, 2, 3], [1, 5, 3]) -> 1``,
+    ``([1, 2], [1, 2, 3]) -> 2``.
+    """
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # a length difference is checked below
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(expected: list[int], got: list[int], hf: Reference) -> Comparison:
+    """Compare ``got`` with ``expected``, applying the tie rule with HF's per-position top-2 gaps.
+
+    ``expected`` is HF's tokens (possibly cut to a cap) or the previous stage's. The tie rule needs
+    both runs to have picked a token at the first difference (a missing token is never a tie) and
+    ``expected`` to be HF's text up to there. Example, HF [5, 9, 4] with gaps [2.0, 1e-4, 3.0]:
+    ``compare([5, 9, 4], [5, 7, 1], hf)`` is ``tie@1``; ``compare([5, 9, 4], [5, 9], hf)`` is
+    ``DIFF@2``; a previous stage [5, 8, 4] against [5, 8, 6] is ``DIFF@2`` (at 2 its text is not HF's).
+    """
+    pos = first_difference(expected, got)
+    if pos is None:
+        return Comparison(None)
+    picked_both = pos < min(len(expected), len(got))
+    hf_text = expected[:pos] == hf.tokens[:pos]
+    if picked_both and hf_text and pos < len(hf.gaps) and hf.gaps[pos] < TIE_GAP:
+        return Comparison(pos, hf.gaps[pos])
+    return Comparison(pos)
+
+
+def _one_line(text: str, width: int = 70) -> str:
+    flat = text.replace("\n", "\\n")
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
+@dataclass
+class Row:
+    """One prompt's verdict: the stage against HF, and (when there is one) against the previous stage."""
+
+    label: str
+    vs_hf: Comparison
+    vs_prev: Comparison | None
+    text: str  # decoded output of the stage under test
+    hf_text: str  # decoded HF output, shown when they differ
+
+    @property
+    def ok(self) -> bool:
+        return self.vs_hf.ok and (self.vs_prev is None or self.vs_prev.ok)
+
+    @property
+    def tie(self) -> bool:
+        """True when the row agrees only up to a reported numerical tie."""
+        return self.ok and any(c is not None and c.tie_gap is not None for c in (self.vs_hf, self.vs_prev))
+
+
+def format_rows(rows: list[Row], prev_name: str | None) -> str:
+    """The per-prompt table: number, verdicts, then the decoded text (and HF's where they differ)."""
+    head = f"{'#':>3}  {'vs HF':<9}" + (f"{'vs ' + prev_name:<9}" if prev_name else "") + "output"
+    lines = [head]
+    for i, r in enumerate(rows, start=1):
+        cells = f"{i:>3}  {r.vs_hf.status:<9}" + (f"{r.vs_prev.status:<9}" if r.vs_prev else "")
+        lines.append(cells + _one_line(r.text))
+        for c, who in ((r.vs_hf, "HF"), (r.vs_prev, prev_name)):
+            if c is not None and c.tie_gap is not None:
+                lines.append(
+                    f"{'':14}numerical tie vs {who} at position {c.first_diff}: "
+                    f"HF top-2 gap {c.tie_gap:.1e} < {TIE_GAP:g}; compared no further"
+                )
+        if r.vs_hf.first_diff is not None:
+            lines.append(f"{'':14}HF: {_one_line(r.hf_text)}")
+    return "\n".join(lines)

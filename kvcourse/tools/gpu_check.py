@@ -1,0 +1,231 @@
+"""The course on a CUDA GPU, checked end to end: ``python -m kvcourse.tools.gpu_check`` (``make gpu-check``).
+
+    python -m kvcourse.tools.gpu_check [--max-new-tokens N] [--timeout SECONDS] [--plan]
+
+It runs from the repository root as it is, with no ``make setup``, on whatever torch, Triton and JAX
+the machine has (a locked-down cluster node included), and downloads nothing. In order:
+
+1. the L4/L5 kernel cases (``kvcourse.harness.kernel_cases``: block sizes 1, 7, 16; GQA 1:1, 3:1, 4:1; head
+   dims 16, 64, 128; 1 and 4 KV splits) on CUDA tensors: each stage's compiled Triton kernel and the
+   PyTorch reference kernel against dense attention on the same GPU, in this process;
+2. every stage's smoke with ``--device cuda``, one process per stage, on checkpoints built here on the
+   spot in a temporary folder (``kvcourse.harness.tiny``), a tiny Qwen3 and a tiny Llama, and on the course
+   model where it is prepared, else on a random Llama of the course model's shape (SmolLM2-135M's).
+   L6 runs on the two tiny ones: XLA compiles each of its programs anew for every model shape, 40 s
+   to 2 min apiece for SmolLM2's shape on an H100, and its smoke builds five engines;
+3. one line per step, then a verdict naming the GPU and the library versions.
+
+Each smoke's whole output goes to ``.cache/gpu_check/<stage>.log`` (``KVCOURSE_CACHE``); a failed
+step prints the end of its log. ``--plan`` prints the commands it would run and exits (no GPU needed).
+Without a CUDA device it refuses: one ``error: ...`` line, exit status 2. Otherwise the exit status is 0
+when every step passes, 1 when one fails or runs past ``--timeout``.
+
+The smokes run with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: JAX would otherwise take 75% of the GPU's
+memory as it starts, and L6's smoke runs L5 and HF in torch in the same process.
+
+Left out on purpose: speed. Numbers come from ``make bench``; this checks that everything runs and
+agrees on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcourse.devices import describe, resolve_device
+from kvcourse.harness.stages import STAGES
+from kvcourse.model_store import REPO_ROOT, cache_root, prepared_default_model
+
+TINY_QWEN3, TINY_LLAMA, SMOLLM2_SHAPED, COURSE = (
+    "tiny Qwen3",
+    "tiny Llama",
+    "SmolLM2-shaped random Llama",
+    "course model",
+)
+L6_MODELS = (TINY_QWEN3, TINY_LLAMA)
+HEAD_DIMS = (16, 64, 128)
+
+
+@dataclass
+class Step:
+    """One line of the summary: a name, and a command to run (None: a check done in this process)."""
+
+    name: str
+    command: list[str] | None = None
+
+
+def plan(models: dict[str, Path], max_new_tokens: int) -> list[Step]:
+    """The steps of a check over ``models`` (title -> checkpoint folder), in order.
+
+    Example, with the three built checkpoints: the L1 step runs ``python L1_contiguous/l1_smoke.py
+    --device cuda --max-new-tokens 32 --model TINY_QWEN3_DIR --model TINY_LLAMA_DIR --model
+    SMOLLM2_DIR``, and the L6 step the two tiny ones only.
+    """
+    steps = [Step("L4/L5 kernels")]
+    for stage, folder in STAGES.items():
+        chosen = [path for title, path in models.items() if stage != "L6" or title in L6_MODELS]
+        script = Path(folder) / f"{stage.lower()}_smoke.py"
+        command = [sys.executable, str(script), "--device", "cuda", "--max-new-tokens", str(max_new_tokens)]
+        steps.append(Step(stage, command + [arg for path in chosen for arg in ("--model", str(path))]))
+    return steps
+
+
+# title -> (arch, size, folder name) of the checkpoints built on the spot
+BUILT = {
+    TINY_QWEN3: ("qwen3", "tiny", "tiny-qwen3"),
+    TINY_LLAMA: ("llama", "tiny", "tiny-llama"),
+    SMOLLM2_SHAPED: ("llama", "smollm2", "smollm2-shaped-llama"),
+}
+
+
+def model_folders(folder: Path) -> dict[str, Path]:
+    """The checkpoints the check runs, title -> folder: the course model if it is prepared, else a random
+    one of its shape, and the tiny Qwen3 and Llama; all but the course model in ``folder``."""
+    course = prepared_default_model()
+    built = [TINY_QWEN3, TINY_LLAMA] if course else list(BUILT)
+    return ({COURSE: course} if course else {}) | {title: folder / BUILT[title][2] for title in built}
+
+
+def build_models(folders: dict[str, Path]) -> None:
+    """Write the checkpoints ``model_folders`` named (``kvcourse.harness.tiny``). They get the course model's
+    tokenizer where it can be prepared, else a byte tokenizer."""
+    from kvcourse.harness.tiny import make_tiny_checkpoint
+
+    for title, path in folders.items():
+        if title in BUILT:
+            arch, size, _ = BUILT[title]
+            make_tiny_checkpoint(arch, path, size=size)
+
+
+def check_kernels() -> tuple[bool, str]:
+    """Step 1: every kernel case on CUDA, each stage's Triton kernel and the PyTorch kernel against
+    dense attention. Returns (passed, one line)."""
+    from kvcourse.harness.kernel_cases import cases, dense_reference, make_case
+
+    kernels = {}
+    for stage in ("L4", "L5"):
+        kernels[f"{stage} triton"] = importlib.import_module(
+            f"{STAGES[stage]}.triton_paged_attention"
+        ).triton_paged_attention
+        kernels[f"{stage} torch"] = importlib.import_module(
+            f"{STAGES[stage]}.paged_attention"
+        ).paged_attention
+    worst, failed, total = 0.0, [], 0
+    for case in cases():
+        for head_dim in HEAD_DIMS:
+            args = make_case(*case, head_dim=head_dim, device="cuda")
+            expected = dense_reference(*args)
+            for splits in (1, 4):
+                for name, kernel in kernels.items():
+                    total += 1
+                    error = (kernel(*args, num_splits=splits) - expected).abs().max().item()
+                    worst = max(worst, error)
+                    if not error < 2e-5:
+                        failed.append(f"{name} {case[:3]} head_dim {head_dim}, {splits} splits: {error:.1e}")
+    line = f"{total - len(failed)}/{total} cases match dense attention (largest difference {worst:.1e})"
+    return not failed, line + "".join(f"\n      FAILED {f}" for f in failed[:5])
+
+
+def run_step(step: Step, log: Path, timeout: float) -> tuple[bool, str]:
+    """Step 2: one stage's smoke in its own process, its output in ``log``. Returns (passed, one line)."""
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    }
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        try:
+            done = subprocess.run(
+                step.command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return False, f"ran past --timeout {timeout:.0f} s (log: {log})"
+    lines = log.read_text(errors="replace").strip().splitlines() or [""]
+    summary = re.sub(rf"^{step.name} smoke: ", "", lines[-1])
+    if done.returncode == 0:
+        return True, summary
+    return False, f"exit {done.returncode}: {summary} (log: {log})\n" + "\n".join(
+        f"      {x}" for x in lines[-12:]
+    )
+
+
+def versions() -> str:
+    """The libraries the check ran with, read without importing them (importing JAX would claim GPU
+    memory in this process)."""
+    found = []
+    for name in ("torch", "triton", "jax", "jaxlib", "transformers"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"no {name}")
+    return ", ".join(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcourse.tools.gpu_check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=32, help="per prompt, in every smoke (default 32)"
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per smoke (default 300)")
+    parser.add_argument("--plan", action="store_true", help="print the commands and exit (no GPU needed)")
+    args = parser.parse_args(argv)
+    if args.plan:
+        for step in plan(model_folders(Path("TMP")), args.max_new_tokens):
+            print(f"{step.name}: {' '.join(step.command) if step.command else 'in this process'}")
+        return 0
+    try:
+        device = resolve_device("cuda", what="python -m kvcourse.tools.gpu_check")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = describe(device)
+    print(f"gpu_check on {gpu}; {versions()}", flush=True)
+    t_start = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvcourse-gpu-check-") as tmp:
+        t0 = time.perf_counter()
+        models = model_folders(Path(tmp))
+        build_models(models)
+        print(
+            f"checkpoints ({time.perf_counter() - t0:.0f} s): "
+            + ", ".join(f"{t} {p}" for t, p in models.items())
+        )
+        for step in plan(models, args.max_new_tokens):
+            print(f"-- {step.name} ...", flush=True)
+            t0 = time.perf_counter()
+            if step.command is None:
+                ok, line = check_kernels()
+            else:
+                ok, line = run_step(
+                    step, cache_root() / "gpu_check" / f"{step.name.lower()}.log", args.timeout
+                )
+            line = f"{step.name:<14}{'ok' if ok else 'FAILED':<8}{line} ({time.perf_counter() - t0:.0f} s)"
+            print(line, flush=True)
+            results.append((ok, line))
+    print(f"\n== gpu_check summary ({gpu})")
+    for _, line in results:
+        print(line.split("\n")[0])
+    passed = sum(ok for ok, _ in results)
+    minutes, seconds = divmod(round(time.perf_counter() - t_start), 60)
+    print(
+        f"gpu_check: {passed}/{len(results)} steps passed on {gpu} in {minutes} min {seconds} s; {versions()}"
+    )
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
