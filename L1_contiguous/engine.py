@@ -84,14 +84,16 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Greedy generation for each prompt in turn; returns the new tokens of each (eos included)."""
-        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        max_new_tokens = check_requests(
+            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
+        )
         eos = self.model.cfg.eos_token_ids
         outputs = []
-        for prompt, budget in zip(prompts, budgets, strict=True):
+        for prompt, max_new in zip(prompts, max_new_tokens, strict=True):
             token = int(self.prefill(prompt).argmax())  # the token back to the host: the loop needs it
             out = [token]
             pos = len(prompt)  # KV of 0..pos-1 is cached; `token` is not yet
-            while not finished(token, len(out), budget, eos, ignore_eos):
+            while not finished(token, len(out), max_new, eos, ignore_eos):
                 token = int(self.decode_step(token, pos).argmax())
                 out.append(token)
                 pos += 1

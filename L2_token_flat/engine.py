@@ -116,18 +116,20 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Greedy generation for each prompt in turn; returns the new tokens of each (eos included)."""
-        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
+        max_new_tokens = check_requests(
+            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
+        )
         block_size, num_blocks = self.allocator.block_size, self.allocator.num_blocks
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            total = len(prompt) + budget
+        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            total = len(prompt) + max_new
             check_blocks(f"prompt {i}", total, blocks_needed(total, block_size), block_size, num_blocks)
         eos = self.model.cfg.eos_token_ids
         outputs = []
-        for prompt, budget in zip(prompts, budgets, strict=True):
+        for prompt, max_new in zip(prompts, max_new_tokens, strict=True):
             seq = Sequence(prompt)
             token = int(self.prefill(seq).argmax())  # the token back to the host: the loop needs it
             seq.output_ids.append(token)
-            while not finished(token, len(seq.output_ids), budget, eos, ignore_eos):
+            while not finished(token, len(seq.output_ids), max_new, eos, ignore_eos):
                 token = int(self.decode_step(seq, token).argmax())
                 seq.output_ids.append(token)
             self.allocator.free(seq.block_table)  # back to the free list: the next sequence reuses them

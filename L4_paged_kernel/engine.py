@@ -182,7 +182,7 @@ class Engine:
         )
 
     def fit_pool(self, lengths: list[int]) -> None:
-        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + budget)
+        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + max_new_tokens)
         side by side: as many as ``max_num_seqs`` run at once, so the largest ``max_num_seqs`` of them.
 
         Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
@@ -195,13 +195,15 @@ class Engine:
             self.allocator.grow(missing)
             self.pool.grow(missing)
 
-    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> list[int]:
+    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> int:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
-        whole pool). Returns its budget."""
-        [budget] = check_requests([prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
-        total, block_size = len(prompt) + budget, self.allocator.block_size
+        whole pool). Returns its max_new_tokens."""
+        [max_new_tokens] = check_requests(
+            [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
+        )
+        total, block_size = len(prompt) + max_new_tokens, self.allocator.block_size
         check_blocks(label, total, blocks_needed(total, block_size), block_size, self.allocator.num_blocks)
-        return budget
+        return max_new_tokens
 
     def add_request(
         self, prompt_ids: list[int], max_new_tokens: int, *, priority: int = 0, ignore_eos: bool = False
@@ -278,12 +280,17 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Submit every prompt at once and step until all requests finish; new tokens in input order."""
-        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            self.check_fits(prompt, budget, f"prompt {i}")
+        max_new_tokens = check_requests(
+            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
+        )
+        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            self.check_fits(prompt, max_new, f"prompt {i}")
         if self.grows_pool and not self.has_unfinished():
-            self.fit_pool([len(p) + b for p, b in zip(prompts, budgets, strict=True)])
-        seqs = [self.add_request(p, b, ignore_eos=ignore_eos) for p, b in zip(prompts, budgets, strict=True)]
+            self.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)])
+        seqs = [
+            self.add_request(p, b, ignore_eos=ignore_eos)
+            for p, b in zip(prompts, max_new_tokens, strict=True)
+        ]
         while self.has_unfinished():
             self.step()
         return [seq.output_ids for seq in seqs]

@@ -9,7 +9,7 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
    is preempted: it frees all its blocks and goes back to waiting. When it is admitted again it
    recomputes its prompt and the tokens it had already generated ("preemption by recompute");
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
-   arrival) while there is room: fewer than ``max_num_seqs`` running, budget left, free blocks.
+   arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
@@ -71,21 +71,21 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Plan the next step: (sequence, number of new tokens) pairs, running sequences first."""
         batch: Batch = []
-        budget = self.max_num_batched_tokens
+        token_budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget)
+            n = self._num_new_tokens(seq, token_budget)
             if self._reserve_or_preempt(seq, seq.num_computed_tokens + n):
                 batch.append((seq, n))
-                budget -= n
+                token_budget -= n
                 i += 1
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
         while self.waiting and len(self.running) < self.max_num_seqs:  # 2. waiting sequences, in order
             seq = self.waiting[0]
-            n = self._num_new_tokens(seq, budget)
+            n = self._num_new_tokens(seq, token_budget)
             if n == 0:
                 break  # the step's token budget is spent
             try:
@@ -96,7 +96,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
             batch.append((seq, n))
-            budget -= n
+            token_budget -= n
         return batch
 
     def update(self, batch: Batch, next_tokens: list[int]) -> list[Sequence]:
@@ -146,13 +146,13 @@ class Scheduler:
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         self.allocator.check_invariants(r.block_table for r in self.running)
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+    def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens ``seq`` runs this step: all it has not computed yet, cut to the prefill chunk and the
-        budget; without chunking, all of them or nothing (0)."""
+        step's token budget; without chunking, all of them or nothing (0)."""
         n = seq.num_tokens - seq.num_computed_tokens
         if self.prefill_chunk_size is None:
-            return n if n <= budget else 0
-        return min(n, self.prefill_chunk_size, budget)
+            return n if n <= token_budget else 0
+        return min(n, self.prefill_chunk_size, token_budget)
 
     def _reserve_or_preempt(self, seq: Sequence, target_len: int) -> bool:
         """Reserve blocks for ``seq``, preempting from the back of ``running`` until they fit.

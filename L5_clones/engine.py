@@ -199,7 +199,7 @@ class Engine:
         )
 
     def fit_pool(self, lengths: list[int]) -> None:
-        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + budget)
+        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + max_new_tokens)
         side by side: as many as ``max_num_seqs`` run at once, so the largest ``max_num_seqs`` of them.
 
         Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
@@ -212,14 +212,14 @@ class Engine:
             self.allocator.grow(missing)
             self.pool.grow(missing)
 
-    def check_fits(
-        self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1
-    ) -> list[int]:
+    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
         whole pool, more samples than max_num_seqs, or a fork whose copies cannot fit beside the
-        prompt). Returns its budget."""
-        [budget] = check_requests([prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
-        total, block_size = len(prompt) + budget, self.allocator.block_size
+        prompt). Returns its max_new_tokens."""
+        [max_new_tokens] = check_requests(
+            [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
+        )
+        total, block_size = len(prompt) + max_new_tokens, self.allocator.block_size
         check_blocks(label, total, blocks_needed(total, block_size), block_size, self.allocator.num_blocks)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"{label}: n must be an integer >= 1, got {n!r}")
@@ -231,7 +231,7 @@ class Engine:
                 f"{label}: forking {n} samples needs {fork_blocks} blocks (the prompt's, plus a copy of "
                 f"its last partial block per extra sample), but the pool has only {self.allocator.num_blocks} blocks"
             )
-        return budget
+        return max_new_tokens
 
     def add_request(
         self,
@@ -352,22 +352,26 @@ class Engine:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         sampling = sampling or SamplingParams()
-        budgets = check_requests(prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len)
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            self.check_fits(prompt, budget, f"prompt {i}", n=n if share else 1)
+        max_new_tokens = check_requests(
+            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
+        )
+        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            self.check_fits(prompt, max_new, f"prompt {i}", n=n if share else 1)
         if self.grows_pool and not self.has_unfinished():  # each of the n samples grows on its own
-            self.fit_pool([len(p) + b for p, b in zip(prompts, budgets, strict=True) for _ in range(n)])
+            self.fit_pool(
+                [len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True) for _ in range(n)]
+            )
         if share:
             seqs = [
                 self.add_request(p, b, ignore_eos=ignore_eos, n=n, sampling=sampling)
-                for p, b in zip(prompts, budgets, strict=True)
+                for p, b in zip(prompts, max_new_tokens, strict=True)
             ]
         else:
             seqs = [
                 self.add_request(
                     p, b, ignore_eos=ignore_eos, sampling=replace(sampling, seed=sampling.seed_of(j))
                 )
-                for p, b in zip(prompts, budgets, strict=True)
+                for p, b in zip(prompts, max_new_tokens, strict=True)
                 for j in range(n)
             ]
         while self.has_unfinished():

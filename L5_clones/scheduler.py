@@ -11,7 +11,7 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
    except for the leading blocks the prefix cache still holds;
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
    arrival) while there is room: fewer than ``max_num_seqs`` sequences running (a sequence with n
-   samples counts n), budget left, free blocks. Each first looks up its leading full blocks in the
+   samples counts n), token budget left, free blocks. Each first looks up its leading full blocks in the
    prefix cache (``match_prefix``): it shares those and its prefill starts after them.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
@@ -99,15 +99,15 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Plan the next step: (sequence, number of new tokens) pairs, running sequences first."""
         batch: Batch = []
-        budget = self.max_num_batched_tokens
+        token_budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget, seq.num_computed_tokens)
+            n = self._num_new_tokens(seq, token_budget, seq.num_computed_tokens)
             if self._reserve_or_preempt(seq, seq.num_computed_tokens + n):
                 batch.append((seq, n))
-                budget -= n
+                token_budget -= n
                 i += 1
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
@@ -115,7 +115,7 @@ class Scheduler:
             seq = self.waiting[0]  # 2. waiting sequences, in order
             cached = match_prefix(seq.all_ids, self.allocator) if self.enable_prefix_caching else []
             start = len(cached) * self.allocator.block_size  # positions the prefix cache already holds
-            n = self._num_new_tokens(seq, budget, start)
+            n = self._num_new_tokens(seq, token_budget, start)
             if n == 0:
                 break  # the step's token budget is spent
             try:
@@ -128,7 +128,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
             batch.append((seq, n))
-            budget -= n
+            token_budget -= n
         return batch
 
     def update(self, batch: Batch, logits: torch.Tensor) -> list[Sequence]:
@@ -188,13 +188,13 @@ class Scheduler:
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         self.allocator.check_invariants(r.block_table for r in self.running)
 
-    def _num_new_tokens(self, seq: Sequence, budget: int, computed: int) -> int:
+    def _num_new_tokens(self, seq: Sequence, token_budget: int, computed: int) -> int:
         """Tokens ``seq`` runs this step when ``computed`` of its positions are in the pool: all the
-        others, cut to the prefill chunk and the budget; without chunking, all of them or nothing (0)."""
+        others, cut to the prefill chunk and the token budget; without chunking, all of them or nothing (0)."""
         n = seq.num_tokens - computed
         if self.prefill_chunk_size is None:
-            return n if n <= budget else 0
-        return min(n, self.prefill_chunk_size, budget)
+            return n if n <= token_budget else 0
+        return min(n, self.prefill_chunk_size, token_budget)
 
     def _reserve_or_preempt(self, seq: Sequence, target_len: int) -> bool:
         """Reserve blocks for ``seq``, preempting from the back of ``running`` until they fit.

@@ -33,7 +33,7 @@ def resolve_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
 def check_requests(
     prompts: list[list[int]], max_new_tokens: int | list[int], vocab_size: int, max_model_len: int
 ) -> list[int]:
-    """Validate prompts and budgets; return one budget per prompt.
+    """Validate prompts and their max_new_tokens; return one max_new_tokens per prompt.
 
     Example: ``check_requests([[1, 2], [3]], 8, 100, 64) -> [8, 8]``;
     ``check_requests([[]], 8, 100, 64)`` raises ``ValueError: prompt 0 is empty``;
