@@ -7,13 +7,12 @@ the kernel walks every sequence's blocks where they lie in the pool.
 
 ``ForwardMeta`` is L3's, unchanged: it already says everything a kernel needs.
 
-``kernel`` is ``paged_attention`` (PyTorch, the readable reference), ``cpp_paged_attention`` (the same
-algorithm compiled for the CPU) or ``triton_paged_attention`` (the same algorithm as a Triton program:
-compiled for a GPU's tensors, run in Triton's interpreter for a CPU's). Whichever it is, it reads the
-pool and the step's metadata on their device: nothing here goes back to the host.
+``kernel`` is ``paged_attention`` (``paged_attention.py``), the readable reference, unless the engine
+passes one of its fast paths (``fast/``: split-KV, the C++ and Triton kernels), which take the same
+arguments. Whichever it is, it reads the pool and the step's metadata on their device.
 
 Left out on purpose: choosing a kernel per batch shape (a GPU engine picks a decode or a prefill
-kernel), and CUDA graphs or other launch-overhead tricks.
+kernel).
 """
 
 from __future__ import annotations
@@ -52,9 +51,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
     kernel=paged_attention,
-    num_splits: int = 1,
 ) -> torch.Tensor:
     """q: (T, H, D), k/v: (T, H_kv, D) for the new tokens of every sequence, packed. Returns (T, H, D)."""
     pool.set_kv(layer, meta.slot_mapping, k, v)
@@ -65,5 +62,4 @@ def attention(
         meta.block_tables,  # (B, max_blocks)
         meta.context_lens,  # (B,)
         meta.cu_q_lens,  # (B + 1,)
-        num_splits=num_splits,
     )

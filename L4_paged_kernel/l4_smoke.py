@@ -5,12 +5,12 @@
 
 With no --model it runs the course model and a seeded random tiny Qwen3. L4 runs five ways:
 
-(a) the PyTorch kernel, every prompt at once, on a small pool sized from the prompts
-    (``SmokeContext.tight_pool``: every prompt fits at once, their growth does not), so the
-    scheduler preempts and recomputes;
-(b) the PyTorch kernel with 4 KV splits and chunked prefill (chunk 8): the split-KV reduce and
-    causal queries in the middle of a sequence;
-(c) the C++ kernel (``paged_attention.cpp``, built by ``make setup``) with chunked prefill (chunk 8);
+(a) the PyTorch reference kernel (``paged_attention.py``), every prompt at once, on a small pool sized
+    from the prompts (``SmokeContext.tight_pool``: every prompt fits at once, their growth does not),
+    so the scheduler preempts and recomputes;
+(b) the PyTorch kernel with 4 KV splits (``fast/split_kv.py``) and chunked prefill (chunk 8): the
+    split-KV reduce, decode tiles, and causal queries in the middle of a sequence;
+(c) the C++ kernel (``fast/paged_attention.cpp``, built by ``make setup``) with chunked prefill (chunk 8);
     skipped, saying why, on a GPU (it is a CPU kernel) or where it could not be built;
 (d) the Triton kernel. On a GPU it is compiled and runs every prompt, with 4 KV splits and chunked
     prefill (chunk 8). On the CPU it runs in Triton's interpreter, which executes the kernel with
@@ -26,8 +26,8 @@ from kvcourse.cpp_kernels import build_problem
 from kvcourse.devices import resolve_device
 from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke
 from L3_block_tensor.engine import Engine as L3Engine
-from L4_paged_kernel.cpp_paged_attention import SOURCE as CPP_SOURCE
 from L4_paged_kernel.engine import Engine
+from L4_paged_kernel.fast.cpp_paged_attention import SOURCE as CPP_SOURCE
 
 TRITON_TOKENS = 4
 TRITON_PROMPTS = 3

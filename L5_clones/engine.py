@@ -21,18 +21,9 @@ Sizes: a pool left to its default starts with L1's bytes (one ``max_model_len`` 
 ``device`` ("cpu", "cuda", ...) is where the weights and the pool live; ``prepare`` makes the step's
 tensors there. A step's one trip back to the host is its new tokens, which the scheduler needs.
 
-``kernel`` chooses the kernel: ``"auto"`` (the default: the fastest this device has, see
-``choose_kernel``), ``"torch"`` (the PyTorch reference), ``"cpp"`` (the same algorithm compiled for
-this CPU, the fast one on a CPU; built on first use, and refused with the reason where no compiler can
-build it, or on a GPU) or ``"triton"`` (the Triton kernel: compiled for a GPU's tensors, run in
-Triton's interpreter for a CPU's, slowly: use it there on small runs). ``num_splits`` takes the
-split-KV path (torch and Triton kernels).
-
-``cuda_graphs=True`` takes the fast path for decode steps: each decode batch replays a CUDA graph
-recorded once per batch-size bucket (``kvcourse.decode_graphs``), padded to its bucket, instead of
-launching every kernel from Python; prompt steps keep the readable path. It needs the Triton kernel on
-a GPU, and adds one block to the pool for the padding rows. On a CPU it runs the same padded step
-eagerly, which is how the tests check it.
+``kernel``, ``num_splits`` and ``cuda_graphs`` choose a fast path (``fast/``: compiled kernels,
+split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path, and the default,
+``"auto"``, takes the fastest this device has.
 
 ``generate`` is L4's greedy call. ``generate_samples`` asks for ``n`` samples per prompt with
 ``SamplingParams`` (temperature, top-k, top-p, seed): with ``share=True`` each prompt is one request
@@ -42,8 +33,7 @@ An engine built with ``enable_prefix_caching=False`` and asked with ``share=Fals
 ``stats()`` shows the sharing: blocks held and shared at peak, forks, prefix-cache hits, and live
 bytes that count a shared block once.
 
-Left out on purpose: streaming outputs to callers, stop strings, beam search, returning logprobs, and
-launch-overhead tricks beyond the decode graphs (graphs for prompt steps, a persistent kernel).
+Left out on purpose: streaming outputs to callers, stop strings, beam search, and returning logprobs.
 """
 
 from __future__ import annotations
@@ -54,8 +44,6 @@ from dataclasses import replace
 
 import torch
 
-from kvcourse.cpp_kernels import build_problem, load_cpp_kernel
-from kvcourse.decode_graphs import DecodeGraphs
 from kvcourse.devices import resolve_device
 from kvcourse.limits import check_blocks, check_requests, resolve_max_model_len
 from kvcourse.model import Transformer
@@ -66,48 +54,9 @@ from kvcourse.stats import EngineStats, UsageMeter
 from .allocator import BlockAllocator, blocks_needed
 from .attention import ForwardMeta, attention
 from .cache import KvPool
-from .cpp_paged_attention import SOURCE as CPP_SOURCE
-from .paged_attention import paged_attention
+from .fast import FastPath
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, slots
-
-KERNELS = ("auto", "torch", "cpp", "triton")
-
-
-def choose_kernel(device: torch.device, num_splits: int = 1) -> str:
-    """What ``kernel="auto"`` runs: the Triton kernel on a GPU (the PyTorch reference where Triton is not
-    installed); on a CPU the C++ kernel where it builds and no split is asked for, else the reference.
-
-    Example: ``choose_kernel(torch.device("cpu"))`` -> ``"cpp"`` after ``make setup`` built it.
-    """
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401  (installed with the course on Linux; optional elsewhere)
-        except ImportError:
-            return "torch"
-        return "triton"
-    return "cpp" if num_splits == 1 and build_problem(CPP_SOURCE) is None else "torch"
-
-
-def load_kernel(name: str, device: torch.device):
-    """The kernel function called ``name``, for tensors on ``device``; the C++ and Triton kernels are
-    loaded only when asked for."""
-    if name == "torch":
-        return paged_attention
-    if name == "cpp":
-        if device.type != "cpu":
-            raise ValueError(
-                f"kernel='cpp' runs on the CPU only, not on {device}: use kernel='triton' or 'torch' there"
-            )
-        from .cpp_paged_attention import cpp_paged_attention
-
-        load_cpp_kernel(CPP_SOURCE)  # builds it now if need be, or raises CppKernelUnavailable saying why
-        return cpp_paged_attention
-    if name == "triton":
-        from .triton_paged_attention import triton_paged_attention
-
-        return triton_paged_attention
-    raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
 
 
 class Engine:
@@ -126,19 +75,7 @@ class Engine:
         num_splits: int = 1,
         cuda_graphs: bool = False,
     ):
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        if kernel == "cpp" and num_splits != 1:
-            raise ValueError(f"the C++ kernel has no split-KV path: num_splits must be 1, got {num_splits}")
         self.device = resolve_device(device)
-        self.kernel_name = choose_kernel(self.device, num_splits) if kernel == "auto" else kernel
-        self.kernel = load_kernel(self.kernel_name, self.device)
-        self.num_splits = num_splits
-        if cuda_graphs and self.device.type == "cuda" and self.kernel_name != "triton":
-            raise ValueError(
-                f"cuda_graphs=True needs kernel='triton' on a GPU (a graph cannot record the {self.kernel_name} "
-                "kernel's reads back to the host)"
-            )
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir, self.device)
         cfg = self.model.cfg
@@ -154,7 +91,10 @@ class Engine:
         if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
-        padding = 1 if cuda_graphs else 0  # the graphs' padding block: past the allocator's last id
+        self.fast = FastPath(  # fast/: the kernel attention calls, and decode graphs
+            self.device, kernel, num_splits, cuda_graphs, max_num_seqs, self.max_model_len, block_size
+        )
+        padding = self.fast.padding_blocks  # blocks past the allocator's last id (decode graphs' padding)
         self.pool = KvPool(
             cfg.num_layers, num_blocks + padding, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
         )
@@ -167,10 +107,6 @@ class Engine:
             eos_ids=cfg.eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.graphs = None
-        if cuda_graphs:
-            max_blocks = blocks_needed(self.max_model_len, block_size)
-            self.graphs = DecodeGraphs(max_num_seqs, max_blocks, block_size, self.device)
         self.meter = UsageMeter()  # live vs held positions (a shared block's rows once), step by step
         self.num_steps = self.num_tokens_run = 0
         self._ids = itertools.count()
@@ -192,9 +128,7 @@ class Engine:
             clones=self.scheduler.num_forks,
             prefix_cache_hits=self.scheduler.num_cached_blocks,
             device=str(self.device),
-            kernel=self.kernel_name
-            + (f", {self.num_splits} splits" if self.num_splits > 1 else "")
-            + (", decode graphs" if self.graphs else ""),
+            kernel=self.fast.name,
             max_num_seqs=self.scheduler.max_num_seqs,
         )
 
@@ -298,17 +232,14 @@ class Engine:
         if not batch:
             return []
         token_ids, meta = self.prepare(batch)
-        if self.graphs is not None and len(meta.logits_at) == len(token_ids) == len(batch):  # decode only
-            logits = self.graphs.run(self.forward, token_ids, meta, self.pool.k, self.allocator.num_blocks)
-        else:
-            logits = self.forward(token_ids, meta)  # (N, vocab)
+        logits = self.fast.run(self.forward, token_ids, meta, self.pool)  # (N, vocab): forward, or a graph
         self._count(batch, len(token_ids))
         return self.scheduler.update(batch, logits)  # the tokens come back to the host there, row by row
 
     def forward(self, token_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """The model over one packed batch, attention through the kernel: (N, vocab) logits of the rows
         ``meta.logits_at`` names."""
-        attend = functools.partial(attention, self.pool, meta, kernel=self.kernel, num_splits=self.num_splits)
+        attend = functools.partial(attention, self.pool, meta, kernel=self.fast.kernel)
         return self.model.forward(token_ids, meta.positions, attend, logits_at=meta.logits_at)
 
     def _count(self, batch: Batch, tokens: int) -> None:

@@ -124,14 +124,14 @@ def paged_kernels(device: torch.device, quick: bool) -> dict:
     found = {}
     if device.type == "cuda" or quick:
         try:
-            from L4_paged_kernel.triton_paged_attention import triton_paged_attention
+            from L4_paged_kernel.fast.triton_paged_attention import triton_paged_attention
         except ImportError:  # no triton on this platform
             pass
         else:
             found["paged kernel (Triton)"] = triton_paged_attention
     if device.type == "cpu":
         from kvcourse.cpp_kernels import build_problem
-        from L4_paged_kernel.cpp_paged_attention import SOURCE, cpp_paged_attention
+        from L4_paged_kernel.fast.cpp_paged_attention import SOURCE, cpp_paged_attention
 
         if build_problem(SOURCE) is None:
             found["paged kernel (C++)"] = cpp_paged_attention
@@ -165,7 +165,7 @@ def resources(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from L4_paged_kernel.triton_paged_attention import KERNELS
+    from L4_paged_kernel.fast.triton_paged_attention import KERNELS
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
@@ -236,7 +236,7 @@ def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwid
     runs["gather + SDPA"] = lambda: sdpa(case[0], *contiguous_kv(*case[1:4], ctx))
     runs["SDPA contiguous"] = lambda: sdpa(case[0], k, v)
     if sweep and "paged kernel (Triton)" in runs:
-        from L4_paged_kernel.triton_paged_attention import LaunchConfig, triton_paged_attention
+        from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
 
         for config in sweep_configs(quick):
             for splits in (1, "auto"):

@@ -337,5 +337,5 @@ def cpp_kernel_problem(engine_cls) -> str | None:
     """Why the C++ kernel of ``engine_cls``'s stage cannot be built here, or None (also None for a stage
     without one)."""
     package = engine_cls.__module__.rsplit(".", 1)[0]
-    source = REPO_ROOT / package / "paged_attention.cpp"
+    source = REPO_ROOT / package / "fast" / "paged_attention.cpp"
     return build_problem(source) if source.exists() else None

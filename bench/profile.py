@@ -118,8 +118,8 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
         patch(engine.pool, "set_kv", "K/V write")
         patch(engine.model, "forward", "forward")
         patch(engine, "step", "step")
-        if hasattr(engine, "kernel"):  # L4, L5: the paged kernel
-            patch(engine, "kernel", "kernel")
+        if hasattr(engine, "fast"):  # L4, L5: the paged kernel their fast path chose
+            patch(engine.fast, "kernel", "kernel")
         else:  # L3: dense attention on each sequence's gathered history
             patch(importlib.import_module(f"{package}.attention"), "causal_attention", "kernel")
         patches.enter_context(mock.patch.object(engine, "prepare", prepare_and_classify))

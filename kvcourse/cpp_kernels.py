@@ -10,7 +10,7 @@ next to it (``compile_seconds.json``), so a benchmark can report what the first 
 
 Example::
 
-    module = load_cpp_kernel(Path("L4_paged_kernel/paged_attention.cpp"))
+    module = load_cpp_kernel(Path("L4_paged_kernel/fast/paged_attention.cpp"))
     out = module.paged_attention(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, 0.125)
 
 Where no C++ compiler with OpenMP is found (a laptop without gcc, macOS's clang without libomp),
@@ -183,11 +183,11 @@ def compile_seconds(source: Path) -> float | None:
 
 
 def build_all(root: Path) -> list[tuple[Path, bool, float | None, str | None]]:
-    """Build every stage's ``.cpp`` kernel under ``root`` (``make setup`` does, so that no test or
-    benchmark pays the compile). Returns (file, built just now, the build's seconds, the problem or
+    """Build every stage's ``.cpp`` kernel under ``root``, in its ``fast/`` folder (``make setup`` does, so
+    that no test or benchmark pays the compile). Returns (file, built just now, the build's seconds, the problem or
     None) for each; a kernel that cannot be built here is reported, not raised."""
     done = []
-    for source in sorted(root.glob("L[0-9]_*/*.cpp")):
+    for source in sorted(root.glob("L[0-9]_*/fast/*.cpp")):
         record = build_folder(source) / "compile_seconds.json"
         before = record.stat().st_mtime if record.exists() else None
         problem = build_problem(source)

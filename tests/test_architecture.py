@@ -7,10 +7,13 @@
 - kvcourse's layers only look down: runtime (``kvcourse/*.py``) < harness < grading < tools, and only
   the harness and the tools name a stage (nothing in kvcourse imports one; ``harness/stages.py`` looks
   one up by name for the CLI);
-- ``lessons/diffs/*.diff`` are what ``make diffs`` writes now, and the files a stage does not change
-  are byte-identical to the previous stage's;
-- every ```diff block a chapter shows is a run of lines of its stage's diff file, so a chapter never
-  shows code that is not the code.
+- ``lessons/diffs/*.diff`` are what ``make diffs`` writes now (each stage's lesson diff, the fast paths'
+  diff apart), and the files a stage does not change are byte-identical to the previous stage's, its
+  ``fast/`` folder included;
+- the lesson path stays small: no engine of L1-L5 over 300 lines, and L4's lesson diff adds at most
+  300 lines (its kernels, kernel choice and decode graphs live in ``fast/``);
+- every ```diff block a chapter shows is a run of lines of its stage's diff file (or its fast paths'),
+  so a chapter never shows code that is not the code.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ IDENTICAL = {
     "L4_paged_kernel": ["allocator.py", "cache.py", "scheduler.py", "sequence.py"],
     "L5_clones": [
         "attention.py",
-        "cpp_paged_attention.py",
-        "paged_attention.cpp",
         "paged_attention.py",
-        "triton_paged_attention.py",
+        "fast/__init__.py",
+        "fast/cpp_paged_attention.py",
+        "fast/paged_attention.cpp",
+        "fast/split_kv.py",
+        "fast/triton_paged_attention.py",
     ],
 }
 
@@ -217,13 +222,18 @@ def test_imports_in_a_stage_resolve_to_real_packages():
                     )
 
 
-@pytest.mark.parametrize("old, new", diffs.pairs(), ids=[new for _, new in diffs.pairs()])
-def test_committed_stage_diff_is_current(old, new):
-    path = diffs.diff_path(old, new)
+DIFF_FILES = diffs.outputs()
+
+
+@pytest.mark.parametrize("path, text", DIFF_FILES, ids=[path.name for path, _ in DIFF_FILES])
+def test_committed_diff_is_current(path, text):
     assert path.exists(), f"{path} is missing: run `make diffs`"
-    assert path.read_text(encoding="utf-8") == diffs.stage_diff(old, new), (
-        f"{path} is stale: run `make diffs`"
-    )
+    assert path.read_text(encoding="utf-8") == text, f"{path} is stale: run `make diffs`"
+
+
+def test_no_diff_file_is_left_over():
+    written = sorted(path.name for path, _ in DIFF_FILES)
+    assert sorted(p.name for p in (ROOT / "lessons" / "diffs").glob("*.diff")) == written
 
 
 @pytest.mark.parametrize("stage, names", IDENTICAL.items(), ids=list(IDENTICAL))
@@ -231,8 +241,25 @@ def test_files_a_stage_does_not_change_are_byte_identical(stage, names):
     before = previous_stage(stage)
     for name in names:
         assert (ROOT / stage / name).read_bytes() == (ROOT / before / name).read_bytes(), f"{stage}/{name}"
-    header = diffs.diff_path(before, stage).read_text(encoding="utf-8").splitlines()[1]
-    assert header == f"# unchanged, byte for byte: {', '.join(sorted(names))}"
+    header = diffs.diff_path(before, stage).read_text(encoding="utf-8").splitlines()[:5]
+    lesson = sorted(name for name in names if not name.startswith(f"{diffs.FAST}/"))
+    assert header[1] == f"# unchanged, byte for byte: {', '.join(lesson)}"
+    fast = sorted(name for name in names if name.startswith(f"{diffs.FAST}/"))
+    if fast:  # the whole fast/ folder, so no fast diff of its own
+        assert fast == sorted(diffs.fast_files(ROOT / stage))
+        assert header[4].startswith(f"# {diffs.FAST}/: byte for byte {before}'s")
+        assert diffs.fast_diff(stage) is None
+
+
+def test_the_lesson_path_stays_small():
+    """The engines a learner reads stay under 300 lines, and L4's lesson (the kernel that walks the
+    block table, one call over the flat batch) adds at most 300: its fast paths are diffed apart."""
+    for stage in diffs.DIFFED:
+        lines = (ROOT / stage / "engine.py").read_text(encoding="utf-8").count("\n")
+        assert lines <= 300, f"{stage}/engine.py has {lines} lines"
+    text = diffs.diff_path("L3_block_tensor", "L4_paged_kernel").read_text(encoding="utf-8")
+    added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++ ")]
+    assert len(added) <= 300, f"the L3 -> L4 lesson diff adds {len(added)} lines"
 
 
 @pytest.mark.parametrize("old, new", diffs.pairs(), ids=[new for _, new in diffs.pairs()])
@@ -240,8 +267,9 @@ def test_a_chapter_shows_only_lines_of_its_stage_diff(old, new):
     chapter = (ROOT / "lessons" / f"{new}.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```diff\n(.*?)```", chapter, flags=re.S)
     assert blocks, f"lessons/{new}.md shows no ```diff block from {diffs.diff_path(old, new).name}"
-    whole = diffs.diff_path(old, new).read_text(encoding="utf-8")
+    shown = [diffs.diff_path(old, new)]
+    shown += [path for path in [diffs.fast_diff_path(new)] if path.exists()]
     for block in blocks:
-        assert "\n" + block in "\n" + whole, (
-            f"lessons/{new}.md shows a diff that is not in the diff file:\n{block}"
+        assert any("\n" + block in "\n" + path.read_text(encoding="utf-8") for path in shown), (
+            f"lessons/{new}.md shows a diff that is not in {' or '.join(p.name for p in shown)}:\n{block}"
         )

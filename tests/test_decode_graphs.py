@@ -92,8 +92,12 @@ def test_decode_graphs_equal_hf_and_the_readable_path(tiny_qwen3_dir, stage, opt
     readable = ENGINES[stage](tiny_qwen3_dir, **options).generate(PROMPTS, BUDGETS)
     engine = ENGINES[stage](tiny_qwen3_dir, cuda_graphs=True, **options)
     assert engine.generate(PROMPTS, BUDGETS) == readable == expected
-    assert engine.graphs.num_replayed > 0 and set(engine.graphs.graphs) <= set(engine.graphs.sizes)
-    assert 4 not in engine.graphs.sizes or 4 in engine.graphs.graphs  # 3 sequences decode in bucket 4
+    assert engine.fast.graphs.num_replayed > 0 and set(engine.fast.graphs.graphs) <= set(
+        engine.fast.graphs.sizes
+    )
+    assert (
+        4 not in engine.fast.graphs.sizes or 4 in engine.fast.graphs.graphs
+    )  # 3 sequences decode in bucket 4
     assert engine.pool.k.shape[1] == engine.allocator.num_blocks + 1  # the padding block, past the ids
     engine.allocator.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks
@@ -105,12 +109,12 @@ def test_a_grown_pool_is_recorded_again(tiny_llama_dir):
     the old one are dropped and recorded again, and the tokens stay HF's."""
     engine = L4Engine(tiny_llama_dir, cuda_graphs=True, max_model_len=64)
     engine.generate(PROMPTS[:1], 4)
-    first_pool, recorded = engine.graphs.recorded_for, engine.graphs.num_recorded
+    first_pool, recorded = engine.fast.graphs.recorded_for, engine.fast.graphs.num_recorded
     many = [[i + 3, 40, 41, 42] * 8 for i in range(12)]  # 12 x 36 positions: more than the pool held
     expected = [r.tokens for r in hf_greedy(tiny_llama_dir, many, [4] * len(many))]
     assert engine.generate(many, 4) == expected
-    assert engine.graphs.recorded_for is engine.pool.k and engine.pool.k is not first_pool
-    assert engine.graphs.num_recorded > recorded
+    assert engine.fast.graphs.recorded_for is engine.pool.k and engine.pool.k is not first_pool
+    assert engine.fast.graphs.num_recorded > recorded
 
 
 @pytest.mark.cuda
@@ -121,7 +125,7 @@ def test_cuda_graphs_on_a_gpu_equal_hf(tiny_qwen3_dir, stage):
     expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS, device=gpu)]
     engine = ENGINES[stage](tiny_qwen3_dir, device=gpu, cuda_graphs=True)
     assert engine.generate(PROMPTS, BUDGETS) == expected
-    assert engine.graphs.memory_pool is not None and engine.graphs.num_replayed > 0
+    assert engine.fast.graphs.memory_pool is not None and engine.fast.graphs.num_replayed > 0
 
 
 @pytest.mark.cuda

@@ -177,8 +177,8 @@ def test_a_stray_tensor_is_caught(tiny_qwen3_dir, expected, monkeypatch):
 
 def test_kernel_auto_picks_the_devices_fast_kernel(tiny_llama_dir):
     from kvcourse.cpp_kernels import build_problem
-    from L4_paged_kernel.cpp_paged_attention import SOURCE
-    from L4_paged_kernel.engine import choose_kernel, load_kernel
+    from L4_paged_kernel.fast import choose_kernel, load_kernel
+    from L4_paged_kernel.fast.cpp_paged_attention import SOURCE
 
     cpu = "torch" if build_problem(SOURCE) else "cpp"
     assert choose_kernel(torch.device("cpu")) == cpu
@@ -188,7 +188,7 @@ def test_kernel_auto_picks_the_devices_fast_kernel(tiny_llama_dir):
         load_kernel("cpp", torch.device("cuda"))
     for stage in ("L4", "L5"):
         engine = engine_class(stage)(tiny_llama_dir)
-        assert engine.kernel_name == cpu
+        assert engine.fast.name == cpu
         assert engine.stats().describe() == (
             f"cpu, kernel {cpu}, 128 blocks of 16 (1.0 MiB of KV), at most 32 sequences at once"
         )

@@ -11,7 +11,7 @@ kv_splits):
 - the reference solution of the reference notebook (the code between its solution markers, run as the
   notebook runs it) passes every case, and so does the independent answer of each stage's
   ``answers.py``. The checkers' references are the stages' own code (``slots``, ``Scheduler``,
-  ``merge_partials``, ``attend_blocks``, ``paged_attention``), so the answers and the stage hold each
+  ``merge_partials``, ``attend_blocks``, ``split_kv_attention``), so the answers and the stage hold each
   other in check; the stage's code is also checked on worked examples with hand-computed results
   (here, and in ``test_l3.py`` and ``test_l4_kernels.py``).
 
@@ -35,7 +35,8 @@ from L3_block_tensor.exercises import checks as l3_checks
 from L3_block_tensor.sequence import Sequence, Status, slots
 from L4_paged_kernel.exercises import answers as l4_answers
 from L4_paged_kernel.exercises import checks as l4_checks
-from L4_paged_kernel.paged_attention import attend_blocks, merge_partials
+from L4_paged_kernel.fast.split_kv import merge_partials
+from L4_paged_kernel.paged_attention import attend_blocks
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SUMMARY_RE = re.compile(r"^(\d+)/(\d+) passed$")
@@ -426,7 +427,7 @@ def test_the_checkers_references_give_the_worked_examples():
     # all-zero keys: every visible key weighs the same, so each query gets the mean of its values
     k_pool, v_pool = torch.zeros(3, 2, 1), torch.arange(6.0).reshape(3, 2, 1)  # values 0..5
     m, l, acc = attend_blocks(
-        torch.ones(1, 1, 2, 1), k_pool[:, :, None], v_pool[:, :, None], [2, 0], 0, torch.tensor([0, 2]), 1.0
+        torch.ones(1, 1, 2, 1), k_pool[:, :, None], v_pool[:, :, None], [2, 0], torch.tensor([0, 2]), 1.0
     )  # blocks [2, 0]: positions 0..3 hold values 4, 5, 0, 1
     assert (acc[0, 0] / l[0, 0][:, None]).flatten().tolist() == [4.0, 3.0]  # 4; (4 + 5 + 0) / 3
 

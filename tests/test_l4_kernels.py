@@ -2,9 +2,11 @@
 
 Every case builds a pool with shuffled, non-contiguous block ids, writes random K/V, and compares the
 kernel with plain softmax attention over the gathered history (the L3 way), for: lengths 1, exact
-multiples of block_size and ragged; block sizes 1, 7, 16; GQA ratios 1, 3, 4; 1 and 4 splits; decode
-queries (batched, in tiles of 1, 3 and 16 blocks) and mixed prefill chunks (causal inside the new tokens).
-The C++ kernel (built by ``make setup``) and the Triton kernel (interpreted) run the same cases.
+multiples of block_size and ragged; block sizes 1, 7, 16; GQA ratios 1, 3, 4; decode queries and mixed
+prefill chunks (causal inside the new tokens). The reference kernel (``paged_attention.py``) runs them,
+and so do its fast paths (``fast/``): the split-KV extension with 1 and 4 splits and decode rows in
+tiles of 1, 3 and 16 blocks, the C++ kernel (built by ``make setup``) and the Triton kernel
+(interpreted).
 
 The Triton kernel is compiled for GPU tensors and interpreted for CPU ones, in one process: on the CPU
 the compiled twin is built for NVIDIA GPUs down to a GPU binary (Triton's compiler needs no GPU for
@@ -26,19 +28,26 @@ from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_name, bu
 from kvcourse.devices import resolve_device
 from kvcourse.harness.kernel_cases import TRITON_CASES, cases, dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
-from L4_paged_kernel import engine as l4_engine
-from L4_paged_kernel.cpp_paged_attention import SOURCE, cpp_paged_attention
-from L4_paged_kernel.paged_attention import merge_partials, paged_attention
+from L4_paged_kernel import fast as l4_fast
+from L4_paged_kernel.engine import Engine
+from L4_paged_kernel.fast.cpp_paged_attention import SOURCE, cpp_paged_attention
+from L4_paged_kernel.fast.split_kv import merge_partials, split_kv_attention
+from L4_paged_kernel.paged_attention import paged_attention
+
+
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
+def test_torch_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens):
+    """The reference: one sequence at a time, one block at a time."""
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
+    assert (paged_attention(*args) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
 @pytest.mark.parametrize("blocks_per_tile", [1, 3, 16])  # decode rows: tiles of blocks, ragged last tile
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
-def test_torch_kernel_matches_dense(
-    block_size, n_heads, n_kv, context_lens, q_lens, num_splits, blocks_per_tile
-):
+def test_split_kv_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits, blocks_per_tile):
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
-    got = paged_attention(*args, num_splits=num_splits, blocks_per_tile=blocks_per_tile)
+    got = split_kv_attention(*args, num_splits=num_splits, blocks_per_tile=blocks_per_tile)
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
 
 
@@ -59,8 +68,6 @@ def test_cpp_kernel_long_prefill_and_decode_batch():
 @needs_cpp
 def test_cpp_kernel_refuses_what_it_cannot_do():
     args = make_case(16, 4, 2, [5], [1])
-    with pytest.raises(ValueError, match="no split-KV path: num_splits must be 1, got 2"):
-        cpp_paged_attention(*args, num_splits=2)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         cpp_paged_attention(args[0].double(), *args[1:])
     with pytest.raises(RuntimeError, match="cu_q_lens ends at 1 but q has 2 rows"):
@@ -76,7 +83,7 @@ def test_merge_partials_docstring_example():
 def test_more_splits_than_blocks():
     """Splits that get no block contribute nothing (m = -inf, l = 0)."""
     args = make_case(16, 4, 2, [5, 20], [1, 1])
-    assert (paged_attention(*args, num_splits=4) - dense_reference(*args)).abs().max().item() < 2e-5
+    assert (split_kv_attention(*args, num_splits=4) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -94,7 +101,7 @@ def test_triton_rejects_bad_split_count():
     pytest.importorskip(
         "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
     )
-    from L4_paged_kernel.triton_paged_attention import triton_paged_attention
+    from L4_paged_kernel.fast.triton_paged_attention import triton_paged_attention
 
     with pytest.raises(ValueError, match="num_splits must be a power of two >= 1 or 'auto', got 3"):
         triton_paged_attention(*make_case(16, 4, 2, [5], [1]), num_splits=3)
@@ -143,8 +150,8 @@ def triton_kernels():
     pytest.importorskip(
         "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
     )
-    from L4_paged_kernel import triton_paged_attention as l4
-    from L5_clones import triton_paged_attention as l5
+    from L4_paged_kernel.fast import triton_paged_attention as l4
+    from L5_clones.fast import triton_paged_attention as l5
 
     return l4, l5
 
@@ -179,7 +186,7 @@ def test_the_triton_kernel_runs_whoever_imported_triton_first():
     code = (
         "import transformers.models.llama.modeling_llama, triton\n"
         "from kvcourse.harness.kernel_cases import make_case, dense_reference\n"
-        "from L4_paged_kernel.triton_paged_attention import triton_paged_attention\n"
+        "from L4_paged_kernel.fast.triton_paged_attention import triton_paged_attention\n"
         "args = make_case(7, 9, 3, [1, 14, 10], [1, 1, 4])\n"
         "print((triton_paged_attention(*args, num_splits=2) - dense_reference(*args)).abs().max().item())\n"
     )
@@ -246,8 +253,9 @@ def test_triton_kernel_on_a_gpu_matches_dense(
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
 def test_torch_kernel_on_a_gpu_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits):
+    """The reference with one split, its split-KV extension with 4."""
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, device=gpu())
-    got = paged_attention(*args, num_splits=num_splits)
+    got = paged_attention(*args) if num_splits == 1 else split_kv_attention(*args, num_splits=num_splits)
     assert got.device.type == "cuda"
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
 
@@ -281,8 +289,8 @@ def test_an_edited_kernel_gets_a_new_build_name(tmp_path):
 def test_a_kernel_no_compiler_can_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):
     """No working compiler (CXX names a missing program): the build is tried once and its problem is
     one line naming what failed, which loading, build_all (make setup) and the engine all report."""
-    source = tmp_path / "L9_copy" / "paged_attention.cpp"
-    source.parent.mkdir()
+    source = tmp_path / "L9_copy" / "fast" / "paged_attention.cpp"
+    source.parent.mkdir(parents=True)
     source.write_bytes(SOURCE.read_bytes())
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("KVCOURSE_CACHE", str(tmp_path / "cache"))
@@ -309,7 +317,7 @@ def test_make_setup_reports_a_kernel_it_cannot_build_and_carries_on(model_dir, t
         [sys.executable, "-m", "kvcourse", "prepare"], env=env, cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
-    kernels = sorted(REPO_ROOT.glob("L[0-9]_*/*.cpp"))
+    kernels = sorted(REPO_ROOT.glob("L[0-9]_*/fast/*.cpp"))
     lines = [x for x in run.stdout.splitlines() if "NOT BUILT" in x]
     assert [x.split(":")[0] for x in lines] == [str(k.relative_to(REPO_ROOT)) for k in kernels]
     assert all("no-such-c++" in x and "the course runs without it" in x.lower() for x in lines), lines
@@ -319,10 +327,10 @@ def test_the_engine_refuses_the_cpp_kernel_when_it_is_unavailable(tiny_llama_dir
     def unavailable(source):
         raise CppKernelUnavailable(f"{source.name} could not be built here (test)")
 
-    monkeypatch.setattr(l4_engine, "load_cpp_kernel", unavailable)
+    monkeypatch.setattr(l4_fast, "load_cpp_kernel", unavailable)
     with pytest.raises(CppKernelUnavailable, match=r"paged_attention\.cpp could not be built here \(test\)"):
-        l4_engine.Engine(tiny_llama_dir, kernel="cpp")
-    l4_engine.Engine(tiny_llama_dir, kernel="torch")  # the PyTorch kernel needs no compiler
+        Engine(tiny_llama_dir, kernel="cpp")
+    Engine(tiny_llama_dir, kernel="torch")  # the PyTorch kernel needs no compiler
 
 
 def test_a_smoke_skips_the_cpp_run_and_says_why(tiny_qwen3_dir, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,7 @@
 """Independent answers to the L4 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
 
 Each function has the signature the notebook asks for and is written apart from the stage's own
-code (``paged_attention.py``), so a bug in the stage cannot make a wrong answer pass. The two float
+code (``paged_attention.py``, ``fast/split_kv.py``), so a bug in the stage cannot make a wrong answer pass. The two float
 answers are dense and in float64, the definition rather than the kernel's algorithm: ``merge`` puts
 the two partials back together row by row with ``math.exp``, ``attend_blocks`` gathers each query's
 visible keys position by position and takes one softmax over them. ``kv_splits`` counts each split's
@@ -11,7 +11,7 @@ tolerance of ``checks.HIDDEN`` (the stage sums in float32, in another order).
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
 (``merge_partials`` as ``merge``, ``attend_blocks`` with one KV head as the exercise's, the splits
-``paged_attention`` runs as ``kv_splits``), for the tests. The grader imports this file; a
+``split_kv_attention`` runs as ``kv_splits``), for the tests. The grader imports this file; a
 submission's sandbox cannot read it.
 
 Left out on purpose: speed (Python loops over rows, positions and keys).
@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from .. import paged_attention as kernel
+from ..fast.split_kv import merge_partials
+from ..paged_attention import attend_blocks as stage_attend_blocks
 from .checks import HIDDEN, _kernel_splits
 
 
@@ -70,13 +71,13 @@ def kv_splits(block_table, context_len, block_size, num_splits):
 
 def stage_merge(m1, l1, acc1, m2, l2, acc2):
     """``merge_partials`` as ``merge``: the two sides stacked as two splits."""
-    return kernel.merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
+    return merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
 
 
 def stage_attend(q, k_pool, v_pool, blocks, q_pos, scale):
     """The stage's ``attend_blocks`` with one KV head and one query head, normalized."""
-    m, l, acc = kernel.attend_blocks(
-        q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
+    m, l, acc = stage_attend_blocks(
+        q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, q_pos, scale
     )  # (1, 1, Tq) and (1, 1, Tq, D)
     return acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
 

@@ -1,11 +1,12 @@
 """The L4 notebook's exercise checkers: the learner's kernel pieces against this stage's own kernel.
 
 - ``check_merge``: merging two softmax partials, against dense softmax over the union of the keys and
-  against ``merge_partials`` (``paged_attention.py``);
+  against ``merge_partials`` (``fast/split_kv.py``);
 - ``check_attend_blocks``: the online-softmax loop over one sequence's blocks, read in place, against
   dense masked softmax over the gathered history and against ``attend_blocks`` (``paged_attention.py``);
 - ``check_kv_splits``: how the split-KV path cuts one decode query's blocks into ranges, against the
-  calls ``paged_attention`` itself makes to ``attend_decode_batch`` on the same block table.
+  calls ``split_kv_attention`` (``fast/split_kv.py``) makes to ``attend_decode_batch`` on the same
+  block table.
 
 Dense softmax is the definition the first two pieces must reproduce; the stage's kernel is the code
 the course runs, and for the split ranges it is the only reference. Floats are compared within a
@@ -22,8 +23,8 @@ the independent answers of ``answers.py``, never against this stage's code.
 
 Left out on purpose: GQA and batches of sequences (the exercises take one sequence and one KV head;
 the stage's kernel adds those axes), timing (the check cannot tell whether the learner gathered), and
-the splits of a prefill chunk (``kv_splits`` is graded on decode queries; ``paged_attention`` cuts a
-chunk's blocks the same way).
+the splits of a prefill chunk (``kv_splits`` is graded on decode queries; ``split_kv_attention`` cuts
+a chunk's blocks the same way).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import torch
 from kvcourse.grading.cases import Case, close_problem, run_cases
 from kvcourse.grading.hidden import Hidden
 
-from .. import paged_attention as kernel
+from ..fast import split_kv
+from ..fast.split_kv import merge_partials
 from ..paged_attention import attend_blocks as ref_attend_blocks
-from ..paged_attention import merge_partials
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
@@ -143,7 +144,7 @@ def check_attend_blocks(attend_blocks: Callable) -> None:
             )
             dense = s.softmax(dim=-1) @ v  # (Tq, D)
             m, l, acc = ref_attend_blocks(  # the stage's kernel, H_kv = G = 1: (1, 1, Tq[, D])
-                q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, 0, q_pos, scale
+                q[None, None], k_pool[:, :, None], v_pool[:, :, None], blocks, q_pos, scale
             )
             kernel = acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
             got = attend_blocks(q.clone(), k_pool.clone(), v_pool.clone(), list(blocks), q_pos.clone(), scale)
@@ -174,7 +175,7 @@ def check_attend_blocks(attend_blocks: Callable) -> None:
 
 
 def _kernel_splits(block_table: list[int], context_len: int, block_size: int, num_splits: int) -> list:
-    """The splits ``paged_attention`` runs for one decode query: (first_block, block ids, keys) each.
+    """The splits ``split_kv_attention`` runs for one decode query: (first_block, block ids, keys) each.
 
     The kernel runs on a pool whose keys are all zero, so every visible score is 0 and each split's
     denominator ``l`` is the number of keys it attends; a wrapper around ``attend_decode_batch`` records
@@ -183,7 +184,7 @@ def _kernel_splits(block_table: list[int], context_len: int, block_size: int, nu
     num_blocks = max(block_table) + 1
     k_pool = torch.zeros(num_blocks, block_size, 1, 2)  # (num_blocks, block_size, H_kv, D): scores all 0
     v_pool = torch.ones(num_blocks, block_size, 1, 2)
-    original = kernel.attend_decode_batch
+    original = split_kv.attend_decode_batch
     calls = []
 
     def recording(q, k_pool, v_pool, tables, context_lens, first, last, scale, blocks_per_tile):
@@ -191,8 +192,8 @@ def _kernel_splits(block_table: list[int], context_len: int, block_size: int, nu
         calls.append((first, tables[0, first:last].tolist(), round(float(l[0, 0, 0]))))  # l: (1, 1, 1)
         return m, l, acc
 
-    with mock.patch.object(kernel, "attend_decode_batch", recording):
-        kernel.paged_attention(
+    with mock.patch.object(split_kv, "attend_decode_batch", recording):
+        split_kv.split_kv_attention(
             torch.ones(1, 1, 2),  # q (T = 1, H = 1, D = 2): one decode token
             k_pool,
             v_pool,
@@ -217,7 +218,7 @@ def check_kv_splits(kv_splits: Callable) -> None:
     ``block_table`` (a list of physical ids, maybe longer than the history needs). Each split is a tuple
     ``(first_block, blocks, num_keys)``: the logical index of its first block, the physical ids it reads
     in order, and how many keys it attends (rows at or past ``context_len`` are masked). The answer must
-    be the splits ``paged_attention(..., num_splits=num_splits)`` runs, in order, recorded from its calls
+    be the splits ``split_kv_attention(..., num_splits=num_splits)`` runs, in order, recorded from its calls
     to ``attend_decode_batch`` on a pool of all-zero keys (where each split's denominator counts its
     keys). Example: block table [7, 2, 9, 4, 0], context_len 18, block_size 4, num_splits 2: 5 blocks,
     ceil(5 / 2) = 3 per split -> [(0, [7, 2, 9], 12), (3, [4, 0], 6)].
@@ -449,7 +450,7 @@ HIDDEN = {
         draw_merges,
         observe_merge,
         describe_merge,
-        answers=("L4_paged_kernel.paged_attention:merge_partials",),
+        answers=("L4_paged_kernel.fast.split_kv:merge_partials",),
         atol=2e-5,
     ),
     "L4.2": Hidden(
@@ -466,6 +467,6 @@ HIDDEN = {
         draw_splits,
         observe_splits,
         describe_splits,
-        answers=("L4_paged_kernel.paged_attention:paged_attention",),
+        answers=("L4_paged_kernel.fast.split_kv:split_kv_attention",),
     ),
 }

@@ -1,19 +1,32 @@
 """The diff between neighbouring stages, written as files: ``python -m kvcourse.tools.diffs`` (``make diffs``).
 
-    lessons/diffs/L1_L2.diff   L2_token_flat against L1_contiguous
+    lessons/diffs/L1_L2.diff     L2_token_flat against L1_contiguous
     ...
-    lessons/diffs/L4_L5.diff   L5_clones against L4_paged_kernel
+    lessons/diffs/L3_L4.diff     L4_paged_kernel's lesson files against L3_block_tensor's
+    lessons/diffs/L4_fast.diff   what L4_paged_kernel's fast paths (its ``fast/`` folder) add
+    lessons/diffs/L4_L5.diff     L5_clones against L4_paged_kernel, in two steps: clones, then the prefix cache
 
 A stage is a closed snapshot of the one before it, so the unified diff of the two folders is exactly
 what the lesson changes. Each file starts with a short header (files unchanged byte for byte, files
-new in the stage, files gone) and then one unified diff per changed file, 3 lines of context, paths
-``a/L2_token_flat/x.py`` and ``b/L3_block_tensor/x.py`` as git writes them.
+new in the stage, files gone, and where the fast paths' diff is) and then one unified diff per changed
+file, 3 lines of context, paths ``a/L2_token_flat/x.py`` and ``b/L3_block_tensor/x.py`` as git writes
+them.
 
-Compared: the stage's engine modules and its C++ kernel source (``*.cpp``). Left out: ``__init__.py`` (a
-package marker naming the stage), the smoke script (``lN_smoke.py``) and the ``exercises/`` folder (the
-notebook's checkers and the grader's independent answers), which are each stage's own harness, not its
-lesson. L6 is not diffed against L5: it is a rewrite in JAX, and its chapter
-maps L5's names to Levanter's instead.
+Compared: the stage's lesson files, its top-level modules. Its fast paths (``fast/``: compiled
+kernels, split-KV, decode graphs) are diffed apart, in ``LN_fast.diff``, against the previous stage's
+``fast/`` (none before L4); a stage whose ``fast/`` is byte for byte the previous one's gets no file of
+its own, and its lesson diff's header says so. Left out: ``__init__.py`` (a package marker naming the
+stage), the smoke script (``lN_smoke.py``) and the ``exercises/`` folder (the notebook's checkers and
+the grader's independent answers), which are each stage's own harness, not its lesson. L6 is not
+diffed against L5: it is a rewrite in JAX, and its chapter maps L5's names to Levanter's instead.
+
+A stage that teaches two ideas (``STEPS``: L5, clones and the prefix cache) gets its diff in two
+marked parts, each a diff of its own: the first from the previous stage to the text after step 1, the
+second from there to the stage. The text after step 1 is made by a declared rule (``split_steps``):
+every change of the whole diff is cut into paragraphs (runs of changed lines up to a blank line; an
+import line stands alone; a new file is one paragraph), and a paragraph whose text names the second
+idea (``Steps.words[1]``) belongs to step 2, any other to step 1. A paragraph that names both ideas is
+an error: the stage's code must keep its two ideas apart, paragraph by paragraph.
 
 ``--check`` writes nothing and exits 1 if a committed diff is out of date (the tests run it).
 """
@@ -22,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvcourse.grading.generated import sync
@@ -30,11 +45,34 @@ from kvcourse.grading.generated import sync
 ROOT = Path(__file__).resolve().parents[2]
 DIFFED = ("L1_contiguous", "L2_token_flat", "L3_block_tensor", "L4_paged_kernel", "L5_clones")
 NOT_COMPARED = ("__init__.py",)
+FAST = "fast"  # each stage's folder of fast paths, apart from its lesson
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The ideas a stage teaches one after the other: a name and a line for each, and for each the
+    words that name it (a regular expression, matched case-insensitively)."""
+
+    names: tuple[str, str]
+    about: tuple[str, str]
+    words: tuple[str, str]
+
+    def step_of(self, lines: list[str]) -> set[int]:
+        """The steps whose words the lines name: ``{0}``, ``{1}``, both, or none."""
+        text = "\n".join(lines)
+        return {i for i, words in enumerate(self.words) if re.search(words, text, flags=re.I)}
+
+
+STEPS: dict[str, Steps] = {}
+
+
+class MixedParagraph(ValueError):
+    """A changed paragraph names both ideas of a stage taught in two steps."""
 
 
 def lesson_files(stage_dir: Path) -> dict[str, str]:
-    """The stage's engine modules and kernel sources by file name, with their text (smoke script and
-    harness left out)."""
+    """The stage's lesson files (its top-level modules) by file name, with their text (smoke script,
+    harness and fast paths left out)."""
     return {
         f.name: f.read_text(encoding="utf-8")
         for f in sorted([*stage_dir.glob("*.py"), *stage_dir.glob("*.cpp")])
@@ -42,30 +80,135 @@ def lesson_files(stage_dir: Path) -> dict[str, str]:
     }
 
 
-def stage_diff(old: str, new: str, root: Path = ROOT) -> str:
-    """The unified diff of stage folder ``new`` against ``old``, with its header."""
-    a, b = lesson_files(root / old), lesson_files(root / new)
-    same = [name for name in sorted(a.keys() & b.keys()) if a[name] == b[name]]
-    added = sorted(b.keys() - a.keys())
-    gone = sorted(a.keys() - b.keys())
-    lines = [
-        f"# {new} against {old}: what the lesson changes (written by `make diffs`; do not edit)",
-        f"# unchanged, byte for byte: {', '.join(same) or '-'}",
-        f"# new in {new}: {', '.join(added) or '-'}",
-        f"# gone: {', '.join(gone) or '-'}",
-    ]
+def fast_files(stage_dir: Path) -> dict[str, str]:
+    """The stage's fast paths, ``fast/x.py`` -> text ({} for a stage without them)."""
+    folder = stage_dir / FAST
+    return {
+        f"{FAST}/{f.name}": f.read_text(encoding="utf-8")
+        for f in sorted([*folder.glob("*.py"), *folder.glob("*.cpp")])
+    }
+
+
+def file_diffs(a: dict[str, str], b: dict[str, str], old: str, new: str, labels=("", "")) -> list[str]:
+    """One unified diff per file that differs between ``a`` and ``b`` (name -> text), the files of
+    stage folders ``old`` and ``new``; ``labels`` follow the paths on the ``---``/``+++`` lines."""
+    lines = []
     for name in sorted(a.keys() | b.keys()):
-        if name in same:
+        if a.get(name) == b.get(name):
             continue
-        before = a.get(name, "").splitlines(keepends=True)
-        after = b.get(name, "").splitlines(keepends=True)
         from_path = f"a/{old}/{name}" if name in a else "/dev/null"
         to_path = f"b/{new}/{name}" if name in b else "/dev/null"
         lines.append(f"diff -u {from_path} {to_path}")
-        lines.extend(
-            line.rstrip("\n") for line in difflib.unified_diff(before, after, from_path, to_path, n=3)
+        before = a.get(name, "").splitlines(keepends=True)
+        after = b.get(name, "").splitlines(keepends=True)
+        diff = difflib.unified_diff(before, after, from_path, to_path, *labels, n=3)
+        lines.extend(line.rstrip("\n").rstrip("\t") for line in diff)
+    return lines
+
+
+def paragraphs(lines: list[str]) -> list[list[str]]:
+    """Cut changed lines into paragraphs: a paragraph ends before a blank line (the blank lines go with
+    the paragraph after them), and an import line is a paragraph of its own.
+
+    Example: ``["a", "b", "", "c", "import x", "d"]`` -> ``[["a", "b"], ["", "c"], ["import x"], ["d"]]``.
+    """
+    found: list[list[str]] = []
+    for line in lines:
+        starts = not found or (line.strip() == "" and found[-1][-1].strip() != "")
+        imports = re.match(r"(from \S+ )?import ", line)
+        if starts or imports or re.match(r"(from \S+ )?import ", found[-1][-1]):
+            found.append([line])
+        else:
+            found[-1].append(line)
+    return found
+
+
+def split_steps(before: str, after: str, steps: Steps, name: str = "") -> str:
+    """The text of a file after the first of two steps that take it from ``before`` to ``after``.
+
+    Each change of ``after`` against ``before`` (a run of removed and added lines) is cut into
+    ``paragraphs``; a paragraph that names the second idea is the second step's, any other the
+    first's. The text after step 1 holds the first step's paragraphs; a change whose paragraphs are all
+    the second step's keeps its old lines until then. Raises ``MixedParagraph`` for a paragraph that
+    names both ideas.
+
+    Example, with L5's words: ``"a\\nb\\n"`` -> ``"a\\nclone\\n\\nhash\\nb\\n"`` gives
+    ``"a\\nclone\\nb\\n"`` after step 1 (clones); the prefix cache then adds ``\\nhash``.
+    """
+    a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    if not a:  # a new file is one paragraph: it comes in whole, in one step
+        named = steps.step_of(b)
+        if len(named) > 1:
+            raise MixedParagraph(f"{name}: a new file names both {steps.names[0]} and {steps.names[1]}")
+        return "" if named == {1} else after
+    middle: list[str] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
+        if tag == "equal":
+            middle += a[i1:i2]
+            continue
+        first = []
+        for paragraph in paragraphs(b[j1:j2]):
+            named = steps.step_of(paragraph)
+            if len(named) > 1:
+                raise MixedParagraph(
+                    f"{name}: this paragraph names both {steps.names[0]} and {steps.names[1]}; keep them "
+                    f"apart, a blank line between them:\n{''.join(paragraph)}"
+                )
+            if named != {1}:
+                first += paragraph
+        removed_in_step_1 = first or (i2 > i1 and j2 == j1 and steps.step_of(a[i1:i2]) != {1})
+        middle += first if removed_in_step_1 else a[i1:i2]
+    return "".join(middle)
+
+
+def header(old: str, new: str, a: dict[str, str], b: dict[str, str], what: str) -> list[str]:
+    """The lines a diff file starts with: what it compares, and which files are unchanged, new, gone."""
+    same = [name for name in sorted(a.keys() & b.keys()) if a[name] == b[name]]
+    return [
+        f"# {new} against {old}: {what} (written by `make diffs`; do not edit)",
+        f"# unchanged, byte for byte: {', '.join(same) or '-'}",
+        f"# new in {new}: {', '.join(sorted(b.keys() - a.keys())) or '-'}",
+        f"# gone: {', '.join(sorted(a.keys() - b.keys())) or '-'}",
+    ]
+
+
+def stage_diff(old: str, new: str, root: Path = ROOT) -> str:
+    """The unified diff of stage folder ``new``'s lesson files against ``old``'s, with its header; in
+    two marked parts where ``new`` teaches two steps (``STEPS``)."""
+    a, b = lesson_files(root / old), lesson_files(root / new)
+    lines = header(old, new, a, b, "what the lesson changes")
+    fast_a, fast_b = fast_files(root / old), fast_files(root / new)
+    if fast_b and fast_b == fast_a:
+        lines.append(f"# {FAST}/: byte for byte {old}'s ({fast_diff_path(old, root).relative_to(root)})")
+    elif fast_b:
+        lines.append(
+            f"# {FAST}/: the fast paths, diffed apart in {fast_diff_path(new, root).relative_to(root)}"
         )
+    steps = STEPS.get(new)
+    if steps is None:
+        return "\n".join(lines + file_diffs(a, b, old, new)) + "\n"
+    middle = {name: split_steps(a.get(name, ""), text, steps, name) for name, text in b.items()}
+    middle = {name: text for name, text in middle.items() if text or name in a}  # a new file may wait
+    names = [f"step {i + 1} of 2, {steps.names[i]} ({steps.about[i]})" for i in range(2)]
+    lines.append(f"# in two steps: {names[0]}; then {names[1]}.")
+    lines.append(f"# A changed paragraph that names {steps.names[1]} is step 2's (kvcourse/tools/diffs.py).")
+    label = f"(after step 1, {steps.names[0]})"
+    lines.append(f"# ==== {names[0]}")
+    lines += file_diffs(a, middle, old, new, ("", label))
+    lines.append(f"# ==== {names[1]}")
+    lines += file_diffs(middle, b, new, new, (label, ""))
     return "\n".join(lines) + "\n"
+
+
+def fast_diff(stage: str, root: Path = ROOT) -> str | None:
+    """What stage ``stage``'s ``fast/`` adds to the previous stage's (none before its first), with a
+    header; None where it has none, or the previous stage's byte for byte."""
+    before = DIFFED[DIFFED.index(stage) - 1]
+    a, b = fast_files(root / before), fast_files(root / stage)
+    if not b or a == b:
+        return None
+    lines = header(before, stage, a, b, f"its fast paths, apart from the lesson ({FAST}/)")
+    return "\n".join(lines + file_diffs(a, b, before, stage)) + "\n"
 
 
 def diff_path(old: str, new: str, root: Path = ROOT) -> Path:
@@ -73,9 +216,25 @@ def diff_path(old: str, new: str, root: Path = ROOT) -> Path:
     return root / "lessons" / "diffs" / f"{old.split('_')[0]}_{new.split('_')[0]}.diff"
 
 
+def fast_diff_path(stage: str, root: Path = ROOT) -> Path:
+    """``lessons/diffs/L4_fast.diff`` for ``"L4_paged_kernel"``."""
+    return root / "lessons" / "diffs" / f"{stage.split('_')[0]}_{FAST}.diff"
+
+
 def pairs() -> list[tuple[str, str]]:
     """Neighbouring stages that are diffed: (L1, L2) .. (L4, L5)."""
     return list(zip(DIFFED, DIFFED[1:], strict=False))
+
+
+def outputs(root: Path = ROOT) -> list[tuple[Path, str]]:
+    """Every diff file ``make diffs`` writes, with its text: each pair's lesson diff, and the fast
+    paths' diff of each stage whose ``fast/`` changes."""
+    found = [(diff_path(old, new, root), stage_diff(old, new, root)) for old, new in pairs()]
+    for stage in DIFFED[1:]:
+        text = fast_diff(stage, root)
+        if text is not None:
+            found.append((fast_diff_path(stage, root), text))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,15 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a diff is stale")
     args = parser.parse_args(argv)
     stale = 0
-    for old, new in pairs():
-        path, text = diff_path(old, new), stage_diff(old, new)
+    for path, text in outputs():
         differs, shown = sync(path, text, args.check), path.relative_to(ROOT)
         if args.check:
             stale += differs
             print(f"{shown}: {'OUT OF DATE: run make diffs' if differs else 'up to date'}")
         else:
             changed = text.count("\ndiff -u ")
-            print(f"{shown}: {changed} file(s) differ, {'written' if differs else 'unchanged'}")
+            print(f"{shown}: {changed} file diff(s), {'written' if differs else 'unchanged'}")
     return 1 if stale else 0
 
 

@@ -6,8 +6,9 @@ It runs from the repository root as it is, with no ``make setup``, on whatever t
 the machine has (a locked-down cluster node included), and downloads nothing. In order:
 
 1. the L4/L5 kernel cases (``kvcourse.harness.kernel_cases``: block sizes 1, 7, 16; GQA 1:1, 3:1, 4:1; head
-   dims 16, 64, 128; 1 and 4 KV splits) on CUDA tensors: each stage's compiled Triton kernel and the
-   PyTorch reference kernel against dense attention on the same GPU, in this process;
+   dims 16, 64, 128; 1 and 4 KV splits) on CUDA tensors: each stage's compiled Triton kernel, the
+   PyTorch reference kernel and its split-KV extension (``fast/split_kv.py``) against dense attention
+   on the same GPU, in this process;
 2. every stage's smoke with ``--device cuda``, one process per stage, on checkpoints built here on the
    spot in a temporary folder (``kvcourse.harness.tiny``), a tiny Qwen3 and a tiny Llama, and on the course
    model where it is prepared, else on a random Llama of the course model's shape (SmolLM2-135M's).
@@ -107,18 +108,20 @@ def build_models(folders: dict[str, Path]) -> None:
 
 
 def check_kernels() -> tuple[bool, str]:
-    """Step 1: every kernel case on CUDA, each stage's Triton kernel and the PyTorch kernel against
-    dense attention. Returns (passed, one line)."""
+    """Step 1: every kernel case on CUDA, each stage's Triton kernel, its PyTorch reference and the
+    reference's split-KV extension against dense attention. Returns (passed, one line)."""
     from kvcourse.harness.kernel_cases import cases, dense_reference, make_case
 
-    kernels = {}
+    kernels = {}  # name -> kernel(*args, num_splits)
     for stage in ("L4", "L5"):
-        kernels[f"{stage} triton"] = importlib.import_module(
-            f"{STAGES[stage]}.triton_paged_attention"
-        ).triton_paged_attention
-        kernels[f"{stage} torch"] = importlib.import_module(
-            f"{STAGES[stage]}.paged_attention"
-        ).paged_attention
+        fast = f"{STAGES[stage]}.fast"
+        triton = importlib.import_module(f"{fast}.triton_paged_attention").triton_paged_attention
+        reference = importlib.import_module(f"{STAGES[stage]}.paged_attention").paged_attention
+        split_kv = importlib.import_module(f"{fast}.split_kv").split_kv_attention
+        kernels[f"{stage} triton"] = lambda *args, splits, k=triton: k(*args, num_splits=splits)
+        kernels[f"{stage} torch"] = lambda *args, splits, k=reference, s=split_kv: (
+            k(*args) if splits == 1 else s(*args, num_splits=splits)
+        )
     worst, failed, total = 0.0, [], 0
     for case in cases():
         for head_dim in HEAD_DIMS:
@@ -127,7 +130,7 @@ def check_kernels() -> tuple[bool, str]:
             for splits in (1, 4):
                 for name, kernel in kernels.items():
                     total += 1
-                    error = (kernel(*args, num_splits=splits) - expected).abs().max().item()
+                    error = (kernel(*args, splits=splits) - expected).abs().max().item()
                     worst = max(worst, error)
                     if not error < 2e-5:
                         failed.append(f"{name} {case[:3]} head_dim {head_dim}, {splits} splits: {error:.1e}")

@@ -362,8 +362,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L4 PyTorch kernel forgets to rescale acc",
         "L4_paged_kernel/paged_attention.py",
-        "alpha[..., None] * acc + torch.einsum(pv, p, v)",
-        "acc + torch.einsum(pv, p, v)",
+        "alpha[..., None] * acc + p @ v",
+        "acc + p @ v",
         ("tests/test_l4_kernels.py::test_torch_kernel_matches_dense",),
     ),
     Mutation(
@@ -375,10 +375,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "L4 split-KV reduce forgets to rescale the denominators",
-        "L4_paged_kernel/paged_attention.py",
+        "L4_paged_kernel/fast/split_kv.py",
         "/ (w * l).sum(dim=0)[..., None]",
         "/ l.sum(dim=0)[..., None]",
-        ("tests/test_l4_kernels.py::test_torch_kernel_matches_dense",),
+        ("tests/test_l4_kernels.py::test_split_kv_matches_dense",),
     ),
     Mutation(
         "L4 PyTorch kernel reads the block table's padding",
@@ -389,7 +389,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "L4 Triton kernel forgets to rescale acc",
-        "L4_paged_kernel/triton_paged_attention.py",
+        "L4_paged_kernel/fast/triton_paged_attention.py",
         "acc = acc * alpha[:, None] + tl.dot(p, v",
         "acc = acc + tl.dot(p, v",
         ("tests/test_l4_kernels.py::test_triton_kernel_matches_dense",),
@@ -397,7 +397,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "L4 C++ kernel forgets to rescale acc",
-        "L4_paged_kernel/paged_attention.cpp",
+        "L4_paged_kernel/fast/paged_attention.cpp",
         "for (int64_t x = 0; x < d; ++x) a[x] *= alpha;",
         "for (int64_t x = 0; x < d; ++x) a[x] *= 1.f;",
         ("tests/test_l4_kernels.py::test_cpp_kernel_matches_dense",),
@@ -493,7 +493,7 @@ def unavailable(need: str | None, root: Path) -> str | None:
     if need == "cpp":
         from kvcourse.cpp_kernels import build_problem
 
-        return build_problem(root / "L4_paged_kernel" / "paged_attention.cpp")
+        return build_problem(root / "L4_paged_kernel" / "fast" / "paged_attention.cpp")
     return None
 
 

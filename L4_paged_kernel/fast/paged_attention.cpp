@@ -1,4 +1,4 @@
-// L4's paged attention as a compiled CPU kernel: the same algorithm as paged_attention.py (online
+// L4's paged attention as a compiled CPU kernel: the same algorithm as ../paged_attention.py (online
 // softmax over a sequence's KV blocks, read in place through its block table), written as loops a C++
 // compiler turns into vector instructions, run on every core through ATen's thread pool.
 //

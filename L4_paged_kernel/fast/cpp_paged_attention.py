@@ -1,18 +1,17 @@
-"""Paged attention as a compiled CPU kernel (from L4 on): ``paged_attention.cpp``, built on first use.
+"""Paged attention as a compiled CPU kernel, a fast path of L4: ``paged_attention.cpp``, built on first use.
 
-The same algorithm as ``paged_attention.py`` and the Triton kernel (online softmax over each
-sequence's blocks, read in place), as C++ loops: one work item per (query row, KV head), the items
-spread over the cores by ATen's thread pool, the inner loops over ``head_dim`` vectorized by the
-compiler. Where the PyTorch reference spends its time launching small tensor operations and copying
-each tile into the layout an einsum wants, this kernel reads a key row straight from the pool,
-multiplies it into a few registers and moves on.
+The same algorithm as the reference ``../paged_attention.py`` and the Triton kernel (online softmax
+over each sequence's blocks, read in place), as C++ loops: one work item per (query row, KV head), the
+items spread over the cores by ATen's thread pool, the inner loops over ``head_dim`` vectorized by the
+compiler. Where the PyTorch reference spends its time launching small tensor operations from Python,
+this kernel reads a key row straight from the pool, multiplies it into a few registers and moves on.
 
 The first call compiles the file (about 40 s here; ``kvcourse.cpp_kernels`` keeps the build in
 ``.cache/kernels/`` per CPU model, and later calls and processes load it at once).
 
-Left out on purpose: split-KV (``num_splits`` must be 1: rows x heads already fill a CPU's cores; the
-split pays on a GPU with few long sequences), any dtype but fp32, and any device but the CPU (the loops
-read host memory; a GPU has the Triton kernel).
+Left out on purpose: split-KV (rows x heads already fill a CPU's cores; the split pays on a GPU with
+few long sequences, so ``FastPath`` refuses ``num_splits`` > 1 with this kernel), any dtype but fp32,
+and any device but the CPU (the loops read host memory; a GPU has the Triton kernel).
 """
 
 from __future__ import annotations
@@ -33,12 +32,9 @@ def cpp_paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     cu_q_lens: torch.Tensor,
-    num_splits: int = 1,
     scale: float | None = None,
 ) -> torch.Tensor:
     """``paged_attention``'s arguments and result (q: (T, H, D) -> (T, H, D)), computed in C++."""
-    if num_splits != 1:
-        raise ValueError(f"the C++ kernel has no split-KV path: num_splits must be 1, got {num_splits}")
     devices = sorted({str(t.device) for t in (q, k_pool, v_pool, block_tables, context_lens, cu_q_lens)})
     if devices != ["cpu"]:
         raise ValueError(f"the C++ kernel runs on the CPU only; its tensors are on {', '.join(devices)}")

@@ -1,11 +1,11 @@
-"""Paged attention as a Triton kernel (from L4 on): the algorithm of ``paged_attention.py``, one program per
-(sequence, KV head, split).
+"""Paged attention as a Triton kernel, a fast path of L4: the algorithm of the reference
+``../paged_attention.py``, one program per (sequence, KV head, split).
 
 Each program loads its sequence's query rows for one KV head (the G query heads that share it, for
 every new token of the sequence), walks that sequence's positions a tile of ``TILE_N`` at a time,
 finding each position's block through the block table, and keeps the online-softmax state (m, l, acc)
 in registers. With one split it writes the output; with several, each program writes its partial
-(m, l, acc) and a second small kernel merges them (the flash-decoding reduce).
+(m, l, acc) and a second small kernel merges them (the flash-decoding reduce of ``split_kv.py``).
 
 A tile may span several blocks: the program loads the tile's block ids from the table (one per
 position, ``position // BLOCK_SIZE``) and reads every position's K/V row where it lies. Loading a whole
@@ -239,7 +239,7 @@ def triton_paged_attention(
     scale: float | None = None,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_attention.paged_attention`` (shapes documented there). Every tensor must
+    """The reference ``paged_attention``'s contract (shapes documented there). Every tensor must
     be on one device: a GPU's run the compiled kernels, the CPU's the interpreted ones.
 
     ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel), or
