@@ -1,1 +1,1 @@
-"""L5: blocks shared by reference count: parallel sampling with forks (the partial last block copied at fork time), and a prefix cache."""
+"""L5: blocks shared by reference count: parallel sampling with clones (the partial last block copied at clone time), and a prefix cache."""

@@ -1,7 +1,7 @@
 """Who holds which block, now with sharing: reference counts, and full blocks findable by their tokens.
 
 L4's allocator handed each block to one sequence. Here a block may sit in several block tables at
-once (the prompt blocks of n forked samples; a prefix two requests have in common), so:
+once (a prefix two requests have in common), so:
 
 - ``Block`` keeps the books of one block: ``ref_count`` (how many block tables hold it) and, once
   it is full, its prefix-cache ``hash`` and ``token_ids``;
@@ -11,8 +11,10 @@ once (the prompt blocks of n forked samples; a prefix two requests have in commo
   of the free list and allocation takes from the front, so the cache forgets the least recently
   freed blocks first (LRU-like);
 - ``lookup`` / ``register``: the prefix-cache index, key -> block (``prefix_cache.py`` makes the keys);
-- ``fork``: block tables for n more sequences continuing one sequence;
 - ``grow``: more blocks, when the engine grows the pool (L3's, with a ``Block`` for each new id).
+
+``clone``: block tables for n sampled sequences that continue one sequence, its full blocks shared and
+a fresh block each in place of its partial last block (whose K/V the caller copies).
 
 ``blocks_needed`` and ``OutOfBlocksError`` are L4's, unchanged.
 
@@ -162,7 +164,7 @@ class BlockAllocator:
         block.hash, block.token_ids = key, tuple(token_ids)
         self.hash_to_block[key] = block_id
 
-    def fork(
+    def clone(
         self, block_table: list[int], num_tokens: int, n: int
     ) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """Block tables for n more sequences continuing one that holds ``num_tokens`` positions, and the
@@ -172,10 +174,10 @@ class BlockAllocator:
         per child, into which the caller copies its K/V. Example, block_size 4, a 10-token sequence in
         blocks [3, 5, 8], each with ref_count 1, free list 0, 1, 2:
 
-            fork([3, 5, 8], 10, 2) -> ([[3, 5, 0], [3, 5, 1]], [(8, 0), (8, 1)])
+            clone([3, 5, 8], 10, 2) -> ([[3, 5, 0], [3, 5, 1]], [(8, 0), (8, 1)])
             ref counts: 3 -> 3, 5 -> 3, 8 -> 1 (the parent's own), 0 -> 1, 1 -> 1; free list 2
 
-        This is an eager copy at fork time, not copy-on-write (vLLM shares the partial block too and
+        This is an eager copy at clone time, not copy-on-write (vLLM shares the partial block too and
         copies it at the first write into it). Copying now is simpler and safe: only full blocks are
         ever shared, and a sequence only writes past its last token, i.e. into its partial block or
         a new one, so no write can hit a shared block and nothing checks a refcount per write. The

@@ -1,4 +1,4 @@
-"""The KV storage from L3 on: a block-tensor pool per layer, indexed by block tables; L5 adds a block copy.
+"""The KV storage from L3 on: a block-tensor pool per layer, indexed by block tables; clones add a copy.
 
 Shape per layer: (num_blocks, block_size, H_kv, D), the same bytes as L2's (num_slots, H_kv, D) with
 the block axis made explicit, so that a sequence's block table indexes the pool directly:
@@ -12,10 +12,10 @@ sequences keep those books).
 ``grow`` adds blocks at the end of the block axis, between runs: the engine grows a pool left to its
 default size when a ``generate`` call brings more requests than it holds at once.
 
-``copy_block`` is new: a forked sample gets its own copy of the parent's last, partial block
-(``BlockAllocator.fork`` says which blocks to copy).
+``copy_block`` is new: a cloned sample gets its own copy of the parent's last, partial block
+(``BlockAllocator.clone`` says which blocks to copy).
 
-Left out on purpose: copying a block lazily, at the first write into it (copy-on-write).
+Left out on purpose: copying a clone's block lazily, at the first write into it (copy-on-write).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""L5 engine: L4's engine with shared blocks: n samples per prompt, and a prefix cache.
+"""L5 engine: L4's engine with blocks shared between sequences.
 
     step:  scheduler.schedule()  -> which sequences run, and how many tokens each (decode tokens,
                                     prefill chunks, recomputes after a preemption); a new request first
@@ -8,7 +8,7 @@
            model.forward()       -> one forward call for all of them; each layer's attention is one
                                     kernel call over the whole batch (``attention.py``)
            scheduler.update()    -> sample each finished row's next token (a sequence with n > 1 is
-                                    first forked into n sequences), finish who is done
+                                    first cloned into n sequences), finish who is done
 
 Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) between steps; a finished
 sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
@@ -19,21 +19,21 @@ Sizes: a pool left to its default starts with L1's bytes (one ``max_model_len`` 
 ``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is.
 
 ``device`` ("cpu", "cuda", ...) is where the weights and the pool live; ``prepare`` makes the step's
-tensors there. A step's one trip back to the host is its new tokens, which the scheduler needs.
+tensors there. A step's one trip back to the host is its sampled tokens, which the scheduler needs.
 
 ``kernel``, ``num_splits`` and ``cuda_graphs`` choose a fast path (``fast/``: compiled kernels,
 split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path, and the default,
 ``"auto"``, takes the fastest this device has.
 
-``generate`` is L4's greedy call. ``generate_samples`` asks for ``n`` samples per prompt with
-``SamplingParams`` (temperature, top-k, top-p, seed): with ``share=True`` each prompt is one request
-that prefills once and forks; with ``share=False`` its samples are n independent requests (sample i
-seeded seed + i, as a fork seeds it), which is what the forked samples must equal token for token.
-An engine built with ``enable_prefix_caching=False`` and asked with ``share=False`` shares nothing.
-``stats()`` shows the sharing: blocks held and shared at peak, forks, prefix-cache hits, and live
-bytes that count a shared block once.
+``enable_prefix_caching=False`` turns the prefix cache off. ``stats()`` shows the sharing: blocks
+held and shared at peak, prefix-cache hits, and live bytes that count a shared block once.
 
-Left out on purpose: streaming outputs to callers, stop strings, beam search, and returning logprobs.
+``generate_samples`` asks for ``n`` samples of each prompt (``SamplingParams``): one request per
+prompt, prefilled once and cloned (``share=True``), or n independent requests seeded as the clones
+are (``share=False``). ``stats().clones`` counts the requests cloned.
+
+Left out on purpose: streaming outputs to callers, stop strings, beam search (clones that also drop
+sequences), and returning logprobs.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Engine:
         )
         self.scheduler = Scheduler(
             self.allocator,
-            self.pool,
+            self.pool,  # clones copy their partial block in it
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk_size=prefill_chunk_size,
@@ -124,9 +124,9 @@ class Engine:
             blocks_shared=self.meter.blocks_shared_peak,
             steps=self.num_steps,
             tokens_run=self.num_tokens_run,
-            preemptions=self.scheduler.num_preemptions,
-            clones=self.scheduler.num_forks,
             prefix_cache_hits=self.scheduler.num_cached_blocks,
+            preemptions=self.scheduler.num_preemptions,
+            clones=self.scheduler.num_clones,
             device=str(self.device),
             kernel=self.fast.name,
             max_num_seqs=self.scheduler.max_num_seqs,
@@ -147,9 +147,9 @@ class Engine:
             self.pool.grow(missing)
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
-        """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
-        whole pool, more samples than max_num_seqs, or a fork whose copies cannot fit beside the
-        prompt). Returns its max_new_tokens."""
+        """Refuse a request for n samples that could never run (bad ids, longer than max_model_len, more
+        than the whole pool, more samples than max_num_seqs, or clones whose copies cannot fit beside
+        the prompt). Returns its max_new_tokens."""
         [max_new_tokens] = check_requests(
             [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
         )
@@ -159,10 +159,10 @@ class Engine:
             raise ValueError(f"{label}: n must be an integer >= 1, got {n!r}")
         if n > self.scheduler.max_num_seqs:
             raise ValueError(f"{label}: n={n} samples exceed max_num_seqs={self.scheduler.max_num_seqs}")
-        fork_blocks = blocks_needed(len(prompt), block_size) + (n - 1) * (len(prompt) % block_size > 0)
-        if fork_blocks > self.allocator.num_blocks:
+        clone_blocks = blocks_needed(len(prompt), block_size) + (n - 1) * (len(prompt) % block_size > 0)
+        if clone_blocks > self.allocator.num_blocks:
             raise ValueError(
-                f"{label}: forking {n} samples needs {fork_blocks} blocks (the prompt's, plus a copy of "
+                f"{label}: cloning {n} samples needs {clone_blocks} blocks (the prompt's, plus a copy of "
                 f"its last partial block per extra sample), but the pool has only {self.allocator.num_blocks} blocks"
             )
         return max_new_tokens
@@ -178,22 +178,16 @@ class Engine:
         sampling: SamplingParams | None = None,
     ) -> Sequence:
         """Submit one request for ``n`` samples (greedy by default); it joins the batch at a coming step.
-        Its ``output_ids`` grow as it runs; with n > 1 it is sample 0, and its forks (same request_id)
+        Its ``output_ids`` grow as it runs; with n > 1 it is sample 0, and its clones (same request_id)
         appear in the scheduler's queues when its prefill ends."""
         self.check_fits(prompt_ids, max_new_tokens, n=n)
-        seq = Sequence(
-            next(self._ids),
-            list(prompt_ids),
-            max_new_tokens,
-            ignore_eos=ignore_eos,
-            priority=priority,
-            n=n,
-            sampling=sampling or SamplingParams(),
-        )
+        sampling = sampling or SamplingParams()  # greedy
+        seq = Sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority, n, sampling)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: int) -> list[Sequence]:
+        """Cancel a request: its sequences, the samples cloned from it included."""
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -234,7 +228,7 @@ class Engine:
         token_ids, meta = self.prepare(batch)
         logits = self.fast.run(self.forward, token_ids, meta, self.pool)  # (N, vocab): forward, or a graph
         self._count(batch, len(token_ids))
-        return self.scheduler.update(batch, logits)  # the tokens come back to the host there, row by row
+        return self.scheduler.update(batch, logits)  # sampled there: the tokens come back to the host
 
     def forward(self, token_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """The model over one packed batch, attention through the kernel: (N, vocab) logits of the rows
@@ -276,8 +270,8 @@ class Engine:
     ) -> list[list[list[int]]]:
         """``n`` samples of every prompt: result[i][j] is the new tokens of sample j of prompt i.
 
-        share=True: one request per prompt, prefilled once and forked into n sequences. share=False:
-        n independent requests per prompt, request j seeded ``sampling.seed_of(j)``, the seed a fork
+        share=True: one request per prompt, prefilled once and cloned into n sequences. share=False:
+        n independent requests per prompt, request j seeded ``sampling.seed_of(j)``, the seed a clone
         gives sample j, so both ways must produce the same tokens.
         """
         if not isinstance(n, int) or n < 1:
@@ -292,27 +286,12 @@ class Engine:
             self.fit_pool(
                 [len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True) for _ in range(n)]
             )
-        if share:
-            seqs = [
-                self.add_request(p, b, ignore_eos=ignore_eos, n=n, sampling=sampling)
-                for p, b in zip(prompts, max_new_tokens, strict=True)
-            ]
-        else:
-            seqs = [
-                self.add_request(
-                    p, b, ignore_eos=ignore_eos, sampling=replace(sampling, seed=sampling.seed_of(j))
-                )
-                for p, b in zip(prompts, max_new_tokens, strict=True)
-                for j in range(n)
-            ]
+        params = [sampling] if share else [replace(sampling, seed=sampling.seed_of(j)) for j in range(n)]
+        requests = [  # per prompt: one request cloned into n, or n requests seeded apart
+            [self.add_request(p, b, ignore_eos=ignore_eos, n=n if share else 1, sampling=s) for s in params]
+            for p, b in zip(prompts, max_new_tokens, strict=True)
+        ]
         while self.has_unfinished():
             self.step()
-        if not share:
-            return [[s.output_ids for s in seqs[i * n : (i + 1) * n]] for i in range(len(prompts))]
-        samples: dict[int, list[Sequence]] = {s.request_id: [] for s in seqs}
-        for seq in self.scheduler.finished:
-            if seq.request_id in samples:
-                samples[seq.request_id].append(seq)
-        return [
-            [s.output_ids for s in sorted(samples[first.request_id], key=Sequence.sort_key)] for first in seqs
-        ]
+        done = sorted(self.scheduler.finished, key=Sequence.sort_key)  # each request's samples in order
+        return [[d.output_ids for r in rs for d in done if d.request_id == r.request_id] for rs in requests]

@@ -4,7 +4,7 @@
         [--device cpu|cuda]
 
 With no --model it runs the course model and a seeded random tiny Qwen3. Checked row by row against
-L4 and HF, each run printing its engine's stats (blocks held and shared, forks, prefix-cache hits):
+L4 and HF, each run printing its engine's stats (blocks held and shared, clones, prefix-cache hits):
 
 (a) every prompt at once, prefix cache on, with the device's default kernel (``kernel="auto"``: the
     C++ kernel on a CPU where ``make setup`` built it, Triton on a GPU), on a small pool sized from the
@@ -19,12 +19,12 @@ L4 and HF, each run printing its engine's stats (blocks held and shared, forks, 
 
 Then, counted in the summary line through the smoke's ``extra`` hook:
 
-(d) SAMPLES greedy clones of each prompt (one request each, prefilled once, then forked), the first
+(d) SAMPLES greedy clones of each prompt (one request each, prefilled once, then cloned), the first
     CLONE_TOKENS tokens: every clone == HF (the row shows the clone that differs first, if any);
 (e) SAMPLES sampled clones (temperature 0.8, top-p 0.9, top-k 50, seed 1234) of the SAMPLED_PROMPTS
     shortest prompts, CLONE_TOKENS tokens each: == SAMPLES independent requests seeded 1234 ..,
     with nothing shared, token for token. Sampling has no HF reference: these rows compare L5 with
-    itself, forked against unshared;
+    itself, cloned against unshared;
 (f) the prefix-cache prompt file (``kvcourse/harness/prompts_prefix.jsonl``, its own budgets): the same
     16-token blocks after different prefixes, one request at a time and then all at once, against HF.
     A cache key that forgot the blocks before its block would hit there and change the tokens.
@@ -99,27 +99,27 @@ def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
         worst = min(range(SAMPLES), key=lambda j: (checks[j].ok, checks[j].first_diff is None))
         text = ctx.tokenizer.decode(samples[worst])
         rows.append(Row(prompt.label, checks[worst], None, text, ctx.tokenizer.decode(expected)))
-    print(f"-- L5 {SAMPLES} greedy clones per prompt (one request each, forked), first {CLONE_TOKENS} tokens")
+    print(f"-- L5 {SAMPLES} greedy clones per prompt (one request each, cloned), first {CLONE_TOKENS} tokens")
     print(f"  {engine.stats()}")
     print(format_rows(rows, None))
     return sum(r.ok for r in rows), len(rows)
 
 
 def sampled_clones(ctx: SmokeContext) -> tuple[int, int]:
-    """(e): forked sampled clones == independent requests with nothing shared."""
+    """(e): cloned sampled clones == independent requests with nothing shared."""
     chosen = ctx.shortest(SAMPLED_PROMPTS)
     prompts = [ctx.ids[i] for i in chosen]
     budget = [CLONE_TOKENS] * len(prompts)
-    forked = clone_engine(ctx, prompts, budget)
+    cloned = clone_engine(ctx, prompts, budget)
     unshared = clone_engine(ctx, prompts, budget, enable_prefix_caching=False)
-    a = forked.generate_samples(prompts, budget, n=SAMPLES, sampling=SAMPLING)
+    a = cloned.generate_samples(prompts, budget, n=SAMPLES, sampling=SAMPLING)
     b = unshared.generate_samples(prompts, budget, n=SAMPLES, sampling=SAMPLING, share=False)
     print(
         f"-- L5 {SAMPLES} sampled clones (temperature {SAMPLING.temperature}, top-p {SAMPLING.top_p}, top-k "
         f"{SAMPLING.top_k}, seed {SAMPLING.seed}) of the {len(prompts)} shortest prompts, {CLONE_TOKENS} tokens: "
-        "forked vs independent requests (no HF reference for sampling)"
+        "cloned vs independent requests (no HF reference for sampling)"
     )
-    print(f"  forked:      {forked.stats()}")
+    print(f"  cloned:      {cloned.stats()}")
     print(f"  independent: {unshared.stats()}")
     passed = 0
     for i, (mine, theirs) in enumerate(zip(a, b, strict=True), start=1):

@@ -1,4 +1,4 @@
-"""The scheduler (from L3 on), with blocks shared through a prefix cache and sequences forked into n samples.
+"""The scheduler (from L3 on): which sequences take part in the next step, and how many of their tokens each.
 
 Three queues: ``waiting`` (submitted or preempted; no blocks), ``running`` (admitted; blocks for
 every computed position) and ``finished``. ``schedule()`` plans ONE forward call over a flat batch:
@@ -6,31 +6,33 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
 1. running sequences, most important first, each get their next tokens: 1 for a sequence that is
    decoding, the next chunk for one still prefilling. Their block tables grow with ``reserve()``.
    When the free list runs dry, the least important running sequence (lowest priority, then newest)
-   is preempted: it drops its blocks and goes back to waiting. When it is admitted again it
-   recomputes its prompt and the tokens it had already generated ("preemption by recompute"),
-   except for the leading blocks the prefix cache still holds;
+   is preempted: it frees all its blocks and goes back to waiting. When it is admitted again it
+   recomputes its prompt and the tokens it had already generated ("preemption by recompute");
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
-   arrival) while there is room: fewer than ``max_num_seqs`` sequences running (a sequence with n
-   samples counts n), token budget left, free blocks. Each first looks up its leading full blocks in the
-   prefix cache (``match_prefix``): it shares those and its prefill starts after them.
+   arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
+
+The prefix cache: at admission a waiting sequence first looks up its leading full blocks
+(``match_prefix``), shares them and starts its prefill after them; a preempted sequence so recomputes
+only what the cache no longer holds. Preemption only ever takes back blocks that are already
+computed: the victims come from the back of ``running``, behind the sequence being served, so they
+are not in the batch yet, and nothing is admitted after a preemption. So a block registered in the
+prefix cache this step is always filled by this step, whoever else shares it.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
 whole step. ``update()`` takes the step's logits, samples each sequence's next token with its own
-generator, and finishes the sequences that are done (eos, max_new_tokens); a finished sequence drops
-its blocks at once, so the next step can hand them out. A sequence with n > 1 whose prefill just
-ended is first forked (``BlockAllocator.fork``): its n sequences all sample their first token from
-the one row of logits its prefill produced, and then decode as separate sequences.
+generator, and finishes the sequences that are done (eos, max_new_tokens); a finished sequence frees
+its blocks at once, so the next step can hand them out.
 
-Preemption only ever takes back blocks that are already computed: in ``schedule()`` the victims come
-from the back of ``running``, behind the sequence being served, so they are not in the batch yet, and
-nothing is admitted after a preemption; in ``update()`` (a fork that finds no free block) the step's
-forward has already run. So a block registered in the prefix cache this step is always filled by
-this step, whoever else shares it.
+Clones: a sequence with n samples takes n seats of ``max_num_seqs`` until it clones. When its prefill
+ends, ``update()`` first clones it (``BlockAllocator.clone``): its n sequences all sample their first
+token from the one row of logits its prefill produced, and then decode as separate sequences. A clone
+that finds no free block preempts too, in ``update()``, after the step's forward has run: it also
+takes back computed blocks only.
 
 Left out on purpose: swapping KV to CPU memory instead of recomputing it, keeping a reserve of free
 blocks so that running sequences rarely need preempting, preempting running sequences to admit a
-higher-priority arrival, and beam search (forks that also drop sequences).
+higher-priority arrival, and beam search (clones that also drop sequences).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Scheduler:
     def __init__(
         self,
         allocator: BlockAllocator,
-        pool: KvPool,
+        pool: KvPool,  # clones copy their partial block in it
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -72,7 +74,7 @@ class Scheduler:
                 f"prefill_chunk_size must be >= 1 or None (no chunking), got {prefill_chunk_size}"
             )
         self.allocator = allocator
-        self.pool = pool  # forks copy a partial block's K/V in it
+        self.pool = pool  # clones copy a partial block's K/V in it
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
@@ -81,9 +83,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # in Sequence.sort_key order
         self.running: list[Sequence] = []  # in Sequence.sort_key order: the last one is preempted first
         self.finished: list[Sequence] = []
-        self.num_preemptions = 0
-        self.num_forks = 0  # sequences split into their n samples
         self.num_cached_blocks = 0  # prefix-cache hits: blocks shared at admission instead of computed
+        self.num_preemptions = 0
+        self.num_clones = 0  # sequences split into their n samples
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -93,7 +95,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def num_running_seqs(self) -> int:
-        """Sequences running, counting an unforked sequence with n samples as n."""
+        """Sequences running, counting a sequence with n samples as n until it is cloned."""
         return sum(r.num_seqs for r in self.running)
 
     def schedule(self) -> Batch:
@@ -111,8 +113,9 @@ class Scheduler:
                 i += 1
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
+        # 2. waiting sequences, in order
         while self.waiting and self.num_running_seqs() + self.waiting[0].num_seqs <= self.max_num_seqs:
-            seq = self.waiting[0]  # 2. waiting sequences, in order
+            seq = self.waiting[0]
             cached = match_prefix(seq.all_ids, self.allocator) if self.enable_prefix_caching else []
             start = len(cached) * self.allocator.block_size  # positions the prefix cache already holds
             n = self._num_new_tokens(seq, token_budget, start)
@@ -122,7 +125,7 @@ class Scheduler:
                 reserve(seq, self.allocator, start + n, cached)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
-            seq.num_computed_tokens = start  # its prefill skips the shared blocks
+            seq.num_computed_tokens = start  # its prefill skips the prefix-cache hits
             self.num_cached_blocks += len(cached)
             self.waiting.pop(0)
             seq.status = Status.RUNNING
@@ -132,9 +135,9 @@ class Scheduler:
         return batch
 
     def update(self, batch: Batch, logits: torch.Tensor) -> list[Sequence]:
-        """Record a step: each sequence computed its scheduled tokens; each that ran its last known
+        """Record a step and sample: each sequence computed its scheduled tokens; each that ran its last known
         token samples the next one from its row of ``logits`` (N, vocab), rows in batch order. A
-        sequence with n > 1 whose prefill just ended is forked first, and all its n sequences sample
+        sequence with n > 1 whose prefill just ended is cloned first, and all its n sequences sample
         from that row, each with its own generator. Returns the sequences finished."""
         rows = iter(logits)
         ended = []  # each sequence that ran its last known token, with its row of logits
@@ -146,8 +149,8 @@ class Scheduler:
         done = []
         for first, row in ended:
             if first.status is not Status.RUNNING:
-                continue  # preempted by a fork earlier in this loop: it recomputes later
-            for seq in self._fork(first) if first.num_seqs > 1 else [first]:
+                continue  # preempted by a clone earlier in this loop: it recomputes later
+            for seq in self._clone(first) if first.num_seqs > 1 else [first]:
                 token = sample(row, seq.sampling, seq.generator)
                 seq.output_ids.append(token)
                 if finished(token, len(seq.output_ids), seq.max_new_tokens, self.eos_ids, seq.ignore_eos):
@@ -157,7 +160,7 @@ class Scheduler:
         return done
 
     def abort(self, request_id: int) -> list[Sequence]:
-        """Cancel a request: its waiting or running sequences, every sample forked from it included
+        """Cancel a request: its waiting or running sequences, every sample cloned from it included
         (between steps); their blocks are dropped at once."""
         seqs = [seq for seq in self.waiting + self.running if seq.request_id == request_id]
         if not seqs:
@@ -209,17 +212,17 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
+    def _clone(self, parent: Sequence) -> list[Sequence]:
         """Split a sequence whose prefill just ended into its n samples: [parent, child 1, .., child n-1].
 
         The children share every full block and get their own copy of the partial one; each has
         sample_index i and a generator seeded for sample i. If the copies find no free blocks,
         running sequences are preempted from the back, as for a reservation; [] if the parent itself
-        had to go (it forks when its recompute ends).
+        had to go (it clones when its recompute ends).
         """
         while True:
             try:
-                tables, copies = self.allocator.fork(
+                tables, copies = self.allocator.clone(
                     parent.block_table, parent.num_computed_tokens, parent.n - 1
                 )
                 break
@@ -236,11 +239,11 @@ class Scheduler:
         ]
         for child in children:
             insort(self.running, child, key=Sequence.sort_key)
-        self.num_forks += 1
+        self.num_clones += 1
         return [parent, *children]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Send a running sequence back to waiting: drop its blocks and forget what it computed."""
+        """Send a running sequence back to waiting: free its blocks and forget what it computed."""
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []

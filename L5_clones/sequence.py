@@ -1,4 +1,4 @@
-"""A sequence through its life (waiting, running, finished), ``reserve()`` and ``slots()``, now with samples.
+"""A sequence through its life (waiting, running, finished), ``reserve()`` and ``slots()``, now sharing blocks.
 
 ``Sequence`` is one request's token stream. L2 ran one at a time; here many wait, run and finish
 side by side, so a sequence carries a status, a finish reason, a priority and its submission order,
@@ -11,13 +11,15 @@ computed when needed:
 (block t // block_size, row t % block_size). With block_size 4 and block table [2, 0], positions
 0..5 live in slots 8, 9, 10, 11, 0, 1, exactly as in L2.
 
-What L5 adds: a request may want ``n`` samples. It runs its prompt once as one sequence; when the
-prefill ends, the scheduler forks it into n sequences, itself (``sample_index`` 0) and n - 1 children
-(1 .. n-1, same ``request_id``), which share its full blocks. Each sequence samples with its own
-``SamplingParams`` and ``generator``. ``reserve()`` shares the blocks the prefix cache found and gives
-every block that fills its prefix-cache key.
+``reserve()`` now shares the blocks the prefix cache found, and gives every block that fills its
+prefix-cache key.
 
-Left out on purpose: beam search (forks that also drop sequences), stop strings, and logprobs.
+A request may also want ``n`` samples. It runs its prompt once as one sequence; when the prefill ends,
+the scheduler clones it into n sequences, itself (``sample_index`` 0) and n - 1 children (1 .. n-1,
+same ``request_id``), which share its full blocks. Each sequence samples with its own
+``SamplingParams`` and ``generator``.
+
+Left out on purpose: beam search (clones that also drop sequences), stop strings, and logprobs.
 """
 
 from __future__ import annotations
@@ -49,16 +51,16 @@ class FinishReason(Enum):
 @dataclass(eq=False)  # compared by identity: a sequence is itself, whatever its fields hold
 class Sequence:
     """One request's token stream through its life: waiting -> running (-> waiting again if
-    preempted) -> finished. A request with n > 1 is forked into n sequences when its prefill ends."""
+    preempted) -> finished. A request with n > 1 is cloned into n sequences when its prefill ends."""
 
-    request_id: int  # unique per request, handed out in submission order: the FIFO tie-break
+    request_id: int  # unique per request (its clones share it), in submission order: the FIFO tie-break
     prompt_ids: list[int]
     max_new_tokens: int
     ignore_eos: bool = False
     priority: int = 0  # higher runs first
-    n: int = 1  # samples wanted; a sequence with n > 1 is forked when its prefill ends
+    n: int = 1  # samples wanted; a sequence with n > 1 is cloned when its prefill ends
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its forks
+    sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its clones
     generator: torch.Generator | None = None  # this sequence's random stream; default: seeded by sampling
     block_table: list[int] = field(default_factory=list)  # block ids, in position order; some shared
     num_computed_tokens: int = 0  # positions 0 .. num_computed_tokens - 1 have their K/V in the pool
@@ -81,7 +83,7 @@ class Sequence:
 
     @property
     def num_seqs(self) -> int:
-        """Places this sequence takes in the running set: n until it forks, then 1."""
+        """Places this sequence takes in the running set: n until it clones, then 1."""
         return self.n if not self.output_ids else 1
 
     def sort_key(self) -> tuple[int, int, int]:

@@ -312,7 +312,7 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     GPU ``kernel="auto"``, which is its Triton kernel. A stage with a
     prefix cache (L5) runs without it: every timed run repeats the warm-up's prompts, and the blocks
     the warm-up left in the cache would let it skip their prefill, which new requests never get (L5
-    1.5x L4 on (u) in the run of 2026-11-23 that found this). (c)'s sharing is the fork, which needs
+    1.5x L4 on (u) in the run of 2026-11-23 that found this). (c)'s sharing is the clone, which needs
     no cache.
     """
     params = inspect.signature(engine_cls).parameters

@@ -23,7 +23,7 @@ GPU (a), (b) and (u) only (``PLANS``):
 - (a) batch-1 decode: one chat prompt, 128 new tokens;
 - (b) 32 mixed requests: prompt lengths 10-300, budgets 16-128 (seeded), all submitted at once;
 - (u) 32 uniform requests: 128-token prompts, 64 new tokens each (where HF batched wastes nothing);
-- (c) 8 samples of one 200-token prompt, 64 tokens each: L5 and L6 prefill it once and fork (sharing
+- (c) 8 samples of one 200-token prompt, 64 tokens each: L5 and L6 prefill it once and clone (sharing
   its full blocks), the others run 8 requests; the most blocks held at once against 8 private copies;
 - (d) decode latency against context length (128 .. 2048), per stage: the time of 32 extra decode
   steps after a prompt of that length, divided by 32 (the fastest of 3 runs of each length).

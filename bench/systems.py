@@ -49,7 +49,7 @@ class System:
     runs_largest_budget: bool = False  # HF batched: every row generates the largest budget
 
     def run_samples(self, prompt: list[int], budget: int, n: int) -> list[list[int]]:
-        """n sequences of one prompt: prefilled once and forked where the stage can (L5, L6), else n requests."""
+        """n sequences of one prompt: prefilled once and cloned where the stage can (L5, L6), else n requests."""
         if hasattr(self.engine, "generate_samples"):
             return self.engine.generate_samples([prompt], budget, n=n, ignore_eos=True)[0]
         return self.run([prompt] * n, [budget] * n)

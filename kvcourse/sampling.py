@@ -7,7 +7,7 @@ set of tokens whose probability reaches top-p, then draw with ``torch.multinomia
 
 Each sequence draws from a generator of its own, seeded once (``make_generator``). Its tokens then
 depend only on its own logits and its own seed, never on which other sequences share the batch, the
-KV blocks, or the step: that is what lets L5 check that n forked samples equal n independent runs.
+KV blocks, or the step: that is what lets L5 check that n cloned samples equal n independent runs.
 Generators live on the CPU whatever device computed the logits, and the draw happens there (one row
 of probabilities comes back, as the token would anyway): a seed then names the same random stream
 on every machine.

@@ -2,7 +2,7 @@
 
 One interface for every stage, so that tools (the CLI, the smoke report, the benchmarks) never ask
 which stage they hold. A field a stage has no use for stays 0 (L1 has no blocks; only L3+ preempt;
-only L5/L6 fork; only engines that compile count compiles). Counters cover everything since the
+only L5/L6 clone; only engines that compile count compiles). Counters cover everything since the
 engine was built; ``kv_bytes_live``, ``blocks_held`` and ``blocks_shared`` are peaks. ``device``,
 ``kernel`` and the sizes say how the engine was set up, which ``describe()`` puts in one line.
 

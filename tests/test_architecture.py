@@ -12,6 +12,8 @@
   ``fast/`` folder included;
 - the lesson path stays small: no engine of L1-L5 over 300 lines, and L4's lesson diff adds at most
   300 lines (its kernels, kernel choice and decode graphs live in ``fast/``);
+- a stage taught in two steps (L5: the prefix cache, then clones) has its diff in two parts that add
+  up to the whole: every changed paragraph lands in exactly one, by the rule ``make diffs`` declares;
 - every ```diff block a chapter shows is a run of lines of its stage's diff file (or its fast paths'),
   so a chapter never shows code that is not the code.
 """
@@ -19,8 +21,10 @@
 from __future__ import annotations
 
 import ast
+import difflib
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -260,6 +264,53 @@ def test_the_lesson_path_stays_small():
     text = diffs.diff_path("L3_block_tensor", "L4_paged_kernel").read_text(encoding="utf-8")
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++ ")]
     assert len(added) <= 300, f"the L3 -> L4 lesson diff adds {len(added)} lines"
+
+
+def changed_lines(before: str, after: str) -> tuple[Counter, Counter]:
+    """The lines the diff of ``after`` against ``before`` adds and removes, those with a letter or a digit
+    (a lone ``\"\"\"`` or ``)`` may pair up differently in two diffs than in one)."""
+    lines = difflib.unified_diff(before.splitlines(), after.splitlines(), lineterm="", n=0)
+    signs = [
+        (line[0], line[1:]) for line in lines if line[:3] not in ("+++", "---") and re.search(r"\w", line)
+    ]
+    return Counter(s for sign, s in signs if sign == "+"), Counter(s for sign, s in signs if sign == "-")
+
+
+@pytest.mark.parametrize("stage", list(diffs.STEPS))
+def test_a_stage_taught_in_two_steps_has_two_parts_that_add_up(stage):
+    """Every changed paragraph of the stage's lesson diff lands in exactly one step (``split_steps``
+    raises on a paragraph that names both ideas, or a text after step 1 that does not parse), and the
+    two parts together add and remove exactly the lines the whole diff does."""
+    steps, before = diffs.STEPS[stage], previous_stage(stage)
+    a, b = diffs.lesson_files(ROOT / before), diffs.lesson_files(ROOT / stage)
+    for name, text in b.items():
+        middle = diffs.split_steps(a.get(name, ""), text, steps, name)
+        (added_1, removed_1), (added_2, removed_2) = (
+            changed_lines(a.get(name, ""), middle),
+            changed_lines(middle, text),
+        )
+        assert (added_1 + added_2, removed_1 + removed_2) == changed_lines(a.get(name, ""), text), name
+        assert not added_1 & removed_2, f"{name}: step 2 takes back lines step 1 added"
+    shown = diffs.diff_path(before, stage).read_text(encoding="utf-8")
+    assert [line for line in shown.splitlines() if line.startswith("# ==== ")] == [
+        f"# ==== step {i + 1} of 2, {steps.names[i]}: {steps.about[i]}" for i in range(2)
+    ]
+
+
+def test_the_step_rule_sorts_paragraphs_and_refuses_a_mixed_one():
+    """The docstrings' examples, and the rule failing: a paragraph naming both ideas, and a split that
+    would leave a docstring open after step 1."""
+    steps = diffs.STEPS["L5_clones"]
+    assert diffs.paragraphs(["a", "b", "", "c", "", "  d", "import x", "e"]) == [
+        ["a", "b"], ["", "c", "", "  d"], ["import x"], ["e"]
+    ]  # fmt: skip
+    assert diffs.split_steps("a\nb\n", "a\nhash\n\nclone\nb\n", steps) == "a\nhash\nb\n"
+    with pytest.raises(diffs.MixedParagraph, match="names both the prefix cache and clones"):
+        diffs.split_steps("a\nb\n", "a\nthe hash of a clone\nb\n", steps, "x.py")
+    with pytest.raises(ValueError, match="x.py: the text after step 1 does not parse"):
+        diffs.split_steps(
+            'def f():\n    """Doc."""\n', 'def f():\n    """Doc.\n\n    Clones.\n    """\n', steps, "x.py"
+        )
 
 
 @pytest.mark.parametrize("old, new", diffs.pairs(), ids=[new for _, new in diffs.pairs()])

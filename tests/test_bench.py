@@ -52,7 +52,7 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
         if name.startswith("L"):
             assert 0 < row["b_kv"]["utilization"] <= 1, name
             assert set(row["d"]) == {str(c) for c in sizes["d_contexts"]}
-        if "c_kv" in row:  # prefilled once and forked: fewer blocks than private copies
+        if "c_kv" in row:  # prefilled once and cloned: fewer blocks than private copies
             assert 0 < row["c_kv"]["blocks_held"] < row["c_kv"]["private_copies_blocks"], name
     assert results["stage_options"]["L4"].get("kernel") == ("cpp" if PROBLEM is None else None)
     assert bool(results["cpp_kernel_problems"]) == (PROBLEM is not None)

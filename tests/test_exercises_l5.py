@@ -1,7 +1,7 @@
 """The L5 exercise checkers and hidden cases fail wrong answers and pass independent ones.
 
-Every exercise of ``notebooks/L5_clones.ipynb`` (L5.1 fork, L5.2 refcounted free, L5.3 block keys,
-L5.4 match_prefix) gets plausible wrong solutions: the partial block shared by a fork, a count raised
+Every exercise of ``notebooks/L5_clones.ipynb`` (L5.1 clone, L5.2 refcounted free, L5.3 block keys,
+L5.4 match_prefix) gets plausible wrong solutions: the partial block shared by a clone, a count raised
 by 1 instead of n, a shared block freed at once, a missing decrement, a table freed head first or
 into the front of the free list, a freed block that forgets its key, keys that do not chain, a key
 for the partial tail, the block of the prompt's last token matched, a match that goes on past a miss,
@@ -40,17 +40,17 @@ from L5_clones.prefix_cache import block_hash, register_full_blocks
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipynb"
 
 
-# ---- L5.1: fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) ----
+# ---- L5.1: clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) ----
 
 
-def fork_shares_partial(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+def clone_shares_partial(parent_table, num_tokens, block_size, n, ref_counts, alloc):
     """Shares every block, the partial last one too: the children would write into the parent's block."""
     for block in parent_table:
         ref_counts[block] += n
     return [list(parent_table) for _ in range(n)]
 
 
-def fork_counts_one(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+def clone_counts_one(parent_table, num_tokens, block_size, n, ref_counts, alloc):
     """Raises each shared block's count by 1, not by n: n children are n more holders."""
     full = num_tokens // block_size
     for block in parent_table[:full]:
@@ -58,7 +58,7 @@ def fork_counts_one(parent_table, num_tokens, block_size, n, ref_counts, alloc):
     return [parent_table[:full] + [alloc() for _ in parent_table[full:]] for _ in range(n)]
 
 
-def fork_always_copies_last(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+def clone_always_copies_last(parent_table, num_tokens, block_size, n, ref_counts, alloc):
     """Treats the last block as partial even when the sequence ends on a block boundary."""
     for block in parent_table[:-1]:
         ref_counts[block] += n
@@ -68,20 +68,20 @@ def fork_always_copies_last(parent_table, num_tokens, block_size, n, ref_counts,
 @pytest.mark.parametrize(
     "wrong, case_name",
     [
-        (fork_shares_partial, "10 tokens (partial last block), n = 2"),
-        (fork_counts_one, "every block is full, n = 4"),
-        (fork_always_copies_last, "last block exactly full"),
+        (clone_shares_partial, "10 tokens (partial last block), n = 2"),
+        (clone_counts_one, "every block is full, n = 4"),
+        (clone_always_copies_last, "last block exactly full"),
     ],
     ids=lambda x: getattr(x, "__name__", "case"),
 )
-def test_fork_table_fails_wrong_answers(capsys, wrong, case_name):
-    checks.check_fork_table(wrong)
+def test_clone_table_fails_wrong_answers(capsys, wrong, case_name):
+    checks.check_clone_table(wrong)
     assert_fails(graded_lines(capsys), case_name)
     assert hidden_problems("L5_clones", "L5.1", wrong)
 
 
-def test_fork_table_passes_the_independent_answer(capsys):
-    checks.check_fork_table(answers.fork_table)
+def test_clone_table_passes_the_independent_answer(capsys):
+    checks.check_clone_table(answers.clone_table)
     assert_passes(graded_lines(capsys))
 
 
@@ -131,7 +131,7 @@ def free_forgets_keys(self, blocks):
 @pytest.mark.parametrize(
     "wrong, case_name",
     [
-        (free_at_once, "a fork: blocks 3 and 5 are in three tables"),
+        (free_at_once, "a clone: blocks 3 and 5 are in three tables"),
         (free_at_once, "the shared prefix outlives the request that filled it"),
         (free_no_decrement, "one holder per block"),
         (free_head_first, "[4, 7, 9] goes back tail first"),
@@ -293,7 +293,7 @@ def notebook_solutions() -> dict:
 @pytest.mark.parametrize(
     "checker, name",
     [
-        (checks.check_fork_table, "fork_table"),
+        (checks.check_clone_table, "clone_table"),
         (checks.check_free, "free"),
         (checks.check_block_hashes, "block_hashes"),
         (checks.check_match_prefix, "match_prefix"),

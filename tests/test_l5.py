@@ -1,6 +1,6 @@
-"""L5: the refcounted block allocator (refcounts, forks that copy the partial block, the chained-hash prefix cache, LRU reuse),
-the scheduler's forks and prefix hits with a fake model, and the engine on tiny models: greedy clones
-and prefix hits equal HF, forked samples equal independent runs, every invariant after every step."""
+"""L5: the refcounted block allocator (refcounts, clones that copy the partial block, the chained-hash prefix cache, LRU reuse),
+the scheduler's clones and prefix hits with a fake model, and the engine on tiny models: greedy clones
+and prefix hits equal HF, cloned samples equal independent runs, every invariant after every step."""
 
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def test_lru_allocation_forgets_the_oldest_freed_blocks_first():
     m.check_invariants([[2], [1]])
 
 
-def test_fork_docstring_example_and_copy_on_write_of_every_layer():
+def test_clone_docstring_example_and_copy_on_write_of_every_layer():
     m = BlockAllocator(9, block_size=4)
     pool = KvPool(num_layers=3, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=3)
     pool.k.copy_(torch.randn(pool.k.shape, generator=torch.Generator().manual_seed(0)))
@@ -208,7 +208,7 @@ def test_fork_docstring_example_and_copy_on_write_of_every_layer():
     m.register(5, block_hash(m.blocks[3].hash, tokens[4:8]), tokens[4:8])
     parent, other = [3, 5, 8], [4, 6, 7]
     before = pool.k.clone()
-    children, copies = m.fork(parent, 10, 2)
+    children, copies = m.clone(parent, 10, 2)
     assert children == [[3, 5, 0], [3, 5, 1]] and copies == [(8, 0), (8, 1)]
     for src, dst in copies:
         pool.copy_block(src, dst)
@@ -224,11 +224,11 @@ def test_fork_docstring_example_and_copy_on_write_of_every_layer():
     m.check_invariants([parent, other, children[1]])
 
 
-def test_fork_on_a_block_boundary_copies_nothing_and_a_failed_fork_takes_nothing():
+def test_clone_on_a_block_boundary_copies_nothing_and_a_failed_clone_takes_nothing():
     m = BlockAllocator(3, block_size=2)
     pool = KvPool(1, 3, 2, 1, 1)
     a = full_request(m, 0, [1, 2, 3, 4])  # two full blocks, one free
-    assert m.fork(a.block_table, 4, 3) == ([[0, 1]] * 3, [])  # everything shared, nothing copied
+    assert m.clone(a.block_table, 4, 3) == ([[0, 1]] * 3, [])  # everything shared, nothing copied
     assert m.num_free == 1 and m.blocks[0].ref_count == 4
     m.free([0, 1])
     m.free([0, 1])
@@ -236,10 +236,10 @@ def test_fork_on_a_block_boundary_copies_nothing_and_a_failed_fork_takes_nothing
     b = full_request(m, 1, [1, 2, 3])  # block 0 hit; block 2 partial; the pool is full
     before = snapshot(m, pool)
     with pytest.raises(OutOfBlocksError, match="need 2, only 0 free"):
-        m.fork(b.block_table, 3, 2)
+        m.clone(b.block_table, 3, 2)
     assert same(snapshot(m, pool), before)
     with pytest.raises(ValueError, match="2 blocks do not hold exactly 5 tokens"):
-        m.fork(b.block_table, 5, 1)
+        m.clone(b.block_table, 5, 1)
     m.check_invariants([a.block_table, b.block_table])
 
 
@@ -258,7 +258,7 @@ def kv_value(tokens: list[int]) -> float:
     block_size=st.sampled_from([1, 2, 3, 4]),
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["new", "append", "fork", "free"]),
+            st.sampled_from(["new", "append", "clone", "free"]),
             st.integers(0, 7),
             st.integers(1, 9),
             st.integers(0, 3),
@@ -268,7 +268,7 @@ def kv_value(tokens: list[int]) -> float:
 )
 def test_block_allocator_property(num_blocks, block_size, ops):
     """Random new requests (from three prompts with common prefixes, so the prefix cache hits, live
-    or freed), appends, forks and frees on a small pool. A fake model writes into each computed
+    or freed), appends, clones and frees on a small pool. A fake model writes into each computed
     position a value determined by the whole prefix. After every operation: the invariants hold,
     every live sequence reads back exactly its own prefix values (so no shared block was written
     and every hit and copy was right), and a failed operation changed nothing. At the end nothing
@@ -309,9 +309,9 @@ def test_block_allocator_property(num_blocks, block_size, ops):
                         del seq.output_ids[-len(new) :]
                         raise
                     compute(seq, seq.num_computed_tokens)
-            elif op == "fork" and live:
+            elif op == "clone" and live:
                 parent = live[a % len(live)]
-                tables, copies = m.fork(parent.block_table, parent.num_computed_tokens, c % 3 + 1)
+                tables, copies = m.clone(parent.block_table, parent.num_computed_tokens, c % 3 + 1)
                 for src, dst in copies:
                     pool.copy_block(src, dst)
                 for t in tables:
@@ -375,12 +375,12 @@ def drain(s: Scheduler) -> None:
         fake_step(s)
 
 
-def test_a_request_with_n_samples_prefills_once_then_forks():
+def test_a_request_with_n_samples_prefills_once_then_clones():
     s = make_scheduler(block_size=4)
     seq = submit(s, 6, 3, n=3)
     assert fake_step(s)[0] == [(0, 6)]  # one prefill
     seqs = s.running
-    assert [r.sample_index for r in seqs] == [0, 1, 2] and seqs[0] is seq and s.num_forks == 1
+    assert [r.sample_index for r in seqs] == [0, 1, 2] and seqs[0] is seq and s.num_clones == 1
     assert [r.output_ids for r in seqs] == [[TOKEN]] * 3 and {r.request_id for r in seqs} == {0}
     shared, own = seqs[0].block_table[0], [r.block_table[1] for r in seqs]
     assert all(r.block_table[0] == shared for r in seqs) and len(set(own)) == 3
@@ -414,27 +414,27 @@ def test_same_step_admission_shares_blocks_registered_in_that_step():
     assert a.output_ids == b.output_ids == [TOKEN, TOKEN]
 
 
-def test_fork_preempts_the_newest_request_to_find_room_for_its_copies():
+def test_clone_preempts_the_newest_request_to_find_room_for_its_copies():
     s = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4)
-    parent = submit(s, 3, 3, n=3)  # 1 partial block; its fork needs 2 copies
-    other = submit(s, 7, 3)  # 2 blocks: 1 block left, so the fork must preempt
+    parent = submit(s, 3, 3, n=3)  # 1 partial block; its clone needs 2 copies
+    other = submit(s, 7, 3)  # 2 blocks: 1 block left, so the clone must preempt
     assert fake_step(s)[0] == [(0, 3), (1, 7)]
-    assert other.status is Status.WAITING and s.num_preemptions == 1 and s.num_forks == 1
+    assert other.status is Status.WAITING and s.num_preemptions == 1 and s.num_clones == 1
     assert len(s.running) == 3 and parent.output_ids == [TOKEN] and other.output_ids == []
     drain(s)
     assert [len(r.output_ids) for r in s.finished] == [3, 3, 3, 3]
 
 
-def test_a_parent_that_cannot_fork_goes_back_and_forks_after_its_recompute():
+def test_a_parent_that_cannot_clone_goes_back_and_clones_after_its_recompute():
     s = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4)
     other = submit(s, 7, 3)  # older: 2 blocks
-    parent = submit(s, 3, 2, n=3)  # newest: its fork finds 1 free block of 2, so it goes itself
+    parent = submit(s, 3, 2, n=3)  # newest: its clone finds 1 free block of 2, so it goes itself
     fake_step(s)
-    assert parent.status is Status.WAITING and parent.output_ids == [] and s.num_forks == 0
+    assert parent.status is Status.WAITING and parent.output_ids == [] and s.num_clones == 0
     while other.status is not Status.FINISHED:
         fake_step(s)
     drain(s)
-    assert s.num_forks == 1 and [r.output_ids for r in s.finished if r.request_id == 1] == [[TOKEN] * 2] * 3
+    assert s.num_clones == 1 and [r.output_ids for r in s.finished if r.request_id == 1] == [[TOKEN] * 2] * 3
 
 
 def test_a_step_that_preempts_admits_nobody():
@@ -551,13 +551,13 @@ def test_identical_prompts_in_one_step_allocate_no_duplicate_blocks(tiny_llama_d
     "kwargs", [{}, {"block_size": 5, "prefill_chunk_size": 7}], ids=["default", "bs5-chunk7"]
 )
 def test_sampled_clones_equal_independent_runs(tiny_qwen3_dir, kwargs):
-    forked = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, **kwargs))
-    shared = forked.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED)
+    cloned = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, **kwargs))
+    shared = cloned.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED)
     alone = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, enable_prefix_caching=False, **kwargs))
     assert alone.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED, share=False) == shared
     assert sum(len({tuple(s) for s in samples}) > 1 for samples in shared) >= 4  # the samples do differ
-    assert forked.stats().clones == len(PROMPTS) and forked.stats().blocks_held < alone.stats().blocks_held
-    finish_clean(forked)
+    assert cloned.stats().clones == len(PROMPTS) and cloned.stats().blocks_held < alone.stats().blocks_held
+    finish_clean(cloned)
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
@@ -582,7 +582,7 @@ def test_preemption_with_clones_changes_no_token(tiny_qwen3_dir, expected, chunk
 def test_stats_count_a_shared_block_once(tiny_llama_dir):
     eng = Engine(tiny_llama_dir, block_size=4, num_blocks=16)
     eng.generate_samples([[5, 6, 7, 8, 9, 10, 11, 12]], 2, n=3, ignore_eos=True)
-    # step 1: the 8-token prompt (2 full blocks); the fork shares both; step 2: each sample's first
+    # step 1: the 8-token prompt (2 full blocks); the clone shares both; step 2: each sample's first
     # token in a block of its own: 8 + 3 positions in 5 blocks, 2 of them shared
     stats = eng.stats()
     assert (stats.blocks_held, stats.blocks_shared, stats.clones, stats.steps) == (5, 2, 1, 2)
@@ -609,7 +609,7 @@ def test_staggered_arrivals_with_prefix_hits(tiny_qwen3_dir):
         (
             {"block_size": 4, "num_blocks": 4},
             3,
-            r"prompt 0: forking 3 samples needs 5 blocks \(the prompt's, plus a copy of its last partial "
+            r"prompt 0: cloning 3 samples needs 5 blocks \(the prompt's, plus a copy of its last partial "
             r"block per extra sample\), but the pool has only 4 blocks",
         ),
     ],

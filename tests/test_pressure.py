@@ -114,9 +114,9 @@ def test_the_smallest_pool_preempts_and_changes_no_token(make, tiny_qwen3_dir, e
 
 
 def test_sampled_clones_sharing_blocks_equal_independent_requests(tiny_qwen3_dir):
-    """Every prompt ends inside a block, so each fork shares the full blocks and copies the partial
-    one; hot sampling makes the clones write different K/V from their first token on. Forked, on a
-    roomy pool and on the smallest one (forks and preemptions together), they must equal independent
+    """Every prompt ends inside a block, so each clone shares the full blocks and copies the partial
+    one; hot sampling makes the clones write different K/V from their first token on. Cloned, on a
+    roomy pool and on the smallest one (clones and preemptions together), they must equal independent
     requests that share nothing. No invariant check runs here: the tokens alone must tell."""
     prompts = [p for p in PROMPTS if len(p) % BLOCK and len(p) > BLOCK]
     budgets = [12] * len(prompts)
@@ -125,11 +125,11 @@ def test_sampled_clones_sharing_blocks_equal_independent_requests(tiny_qwen3_dir
     assert sum(len({tuple(s) for s in samples}) == 3 for samples in want) >= 3  # they do differ
     smallest = max(blocks_for(len(p) + 12, BLOCK) + 2 for p in prompts)  # the longest, plus 2 copies
     for num_blocks in (None, smallest):
-        forked = L5Engine(tiny_qwen3_dir, block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=16)
-        assert forked.generate_samples(prompts, budgets, n=3, sampling=HOT) == want
-        stats = forked.stats()
+        cloned = L5Engine(tiny_qwen3_dir, block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=16)
+        assert cloned.generate_samples(prompts, budgets, n=3, sampling=HOT) == want
+        stats = cloned.stats()
         assert stats.clones == len(prompts) and stats.blocks_shared >= 1
-        drained(forked)
+        drained(cloned)
     assert stats.preemptions >= 1  # the smallest pool
 
 

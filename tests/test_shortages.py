@@ -12,7 +12,7 @@ unexercised, and a generator that stopped reaching one fails instead of passing 
 - L2, L3, L4 (one free list; byte-identical ``allocator.py``): a sequence grows through its stage's
   ``reserve()`` by several blocks at once;
 - L5 (reference counts): fresh blocks, prefix-cache hits revived from the free list (each uses up a
-  free block), and forks that copy a partial last block per child;
+  free block), and clones that copy a partial last block per child;
 - L6 (``allocate_for_seq``, one jit'd function): a batch of up to three sequences, each growing by up
   to two pages, beside slots that hold pages and are not in the batch.
 """
@@ -124,7 +124,7 @@ def test_a_sequence_that_cannot_grow_takes_no_block(stage, edge):
     grow()
 
 
-# ---------------------------------------------------------------- L5: reference counts, revivals, forks
+# ---------------------------------------------------------------- L5: reference counts, revivals, clones
 
 L5_EDGES = (
     "fresh: room to spare",
@@ -132,34 +132,34 @@ L5_EDGES = (
     "fresh: none free",
     "revived: room to spare",
     "revived: they tip it over",
-    "fork: room for every copy",
-    "fork: copies for some children only",
-    "fork: on a block boundary, none free",
+    "clone: room for every copy",
+    "clone: copies for some children only",
+    "clone: on a block boundary, none free",
 )
 
 
 def l5_edge(kind: str, free: int, fresh: int, revived: int = 0) -> str:
     """The edge of an L5 request for ``fresh`` new blocks plus ``revived`` cached ones sitting on the
-    free list (a fork's copies count as fresh), with ``free`` free.
+    free list (a clone's copies count as fresh), with ``free`` free.
 
-    Examples: ("revived", 3, 2, 2) -> they tip it over (2 fit, 2 + 2 do not); ("fork", 0, 0) -> on a
-    block boundary, none free; ("fork", 1, 2) -> copies for some children only.
+    Examples: ("revived", 3, 2, 2) -> they tip it over (2 fit, 2 + 2 do not); ("clone", 0, 0) -> on a
+    block boundary, none free; ("clone", 1, 2) -> copies for some children only.
     """
-    if kind == "fork" and fresh == 0:
-        return "fork: on a block boundary, none free" if free == 0 else "fork: no copies"
+    if kind == "clone" and fresh == 0:
+        return "clone: on a block boundary, none free" if free == 0 else "clone: no copies"
     if fresh + revived <= free:
-        return f"{kind}: " + ("room for every copy" if kind == "fork" else "room to spare")
+        return f"{kind}: " + ("room for every copy" if kind == "clone" else "room to spare")
     if kind == "revived":
         return "revived: they tip it over" if fresh <= free else "revived: fresh blocks alone are short"
-    if kind == "fork":
-        return "fork: copies for some children only" if free else "fork: none free"
+    if kind == "clone":
+        return "clone: copies for some children only" if free else "clone: none free"
     return "fresh: part of it free" if free else "fresh: none free"
 
 
 def test_l5_edge_examples():
     assert l5_edge("revived", 3, 2, 2) == "revived: they tip it over"
-    assert l5_edge("fork", 0, 0) == "fork: on a block boundary, none free"
-    assert l5_edge("fork", 1, 2) == "fork: copies for some children only"
+    assert l5_edge("clone", 0, 0) == "clone: on a block boundary, none free"
+    assert l5_edge("clone", 1, 2) == "clone: copies for some children only"
     assert l5_edge("fresh", 2, 1) == "fresh: room to spare"
 
 
@@ -180,10 +180,10 @@ def l5_request(m: L5Allocator, request_id: int, tokens: list[int]) -> L5Sequence
 
 
 @pytest.mark.parametrize("edge", L5_EDGES)
-def test_l5_failed_allocations_and_forks_take_nothing(edge):
+def test_l5_failed_allocations_and_clones_take_nothing(edge):
     """Three ways L5 takes blocks, each at its edges. ``alloc_blocks`` of fresh blocks; of prefix-cache
     hits revived from the free list, which use up free blocks too (so n fresh blocks can fit while n
-    plus the revived ones do not); and ``fork``, which needs one fresh block per child when the parent
+    plus the revived ones do not); and ``clone``, which needs one fresh block per child when the parent
     ends mid-block (none on a boundary). Success gives exactly that; a shortage raises
     ``OutOfBlocksError`` with the counts and leaves every refcount, hash, the free list and the cache
     index as they were."""
@@ -198,7 +198,7 @@ def test_l5_failed_allocations_and_forks_take_nothing(edge):
         if kind == "revived":  # r full blocks of an old request, freed but still in the cache
             r = data.draw(st.integers(1, 3))
             m.free(l5_request(m, 0, stem[: r * bs] + [1]).block_table)
-        elif kind == "fork":  # a parent ending mid-block, or on a boundary
+        elif kind == "clone":  # a parent ending mid-block, or on a boundary
             partial = 0 if "boundary" in edge else 1
             parent = l5_request(m, 0, stem[: data.draw(st.integers(1, 3)) * bs + partial])
             live.append(parent.block_table)
@@ -206,7 +206,7 @@ def test_l5_failed_allocations_and_forks_take_nothing(edge):
             free = 0
         elif kind == "revived":
             free = data.draw(st.integers(r + 1, m.num_free))  # the cached blocks sit at the back
-        elif kind == "fork":
+        elif kind == "clone":
             free = data.draw(st.integers(1, 3))
         else:
             free = data.draw(st.integers(1 if "part" in edge else 2, m.num_free))
@@ -221,21 +221,21 @@ def test_l5_failed_allocations_and_forks_take_nothing(edge):
                 "fresh: none free": lambda: st.integers(1, 3),
                 "revived: room to spare": lambda: st.integers(0, free - r),
                 "revived: they tip it over": lambda: st.integers(free - r + 1, free),
-                "fork: room for every copy": lambda: st.integers(1, free),
-                "fork: copies for some children only": lambda: st.integers(free + 1, free + 3),
-                "fork: on a block boundary, none free": lambda: st.integers(1, 3),
+                "clone: room for every copy": lambda: st.integers(1, free),
+                "clone: copies for some children only": lambda: st.integers(free + 1, free + 3),
+                "clone: on a block boundary, none free": lambda: st.integers(1, 3),
             }[edge]()
-        )  # blocks asked for; for a fork, children
+        )  # blocks asked for; for a clone, children
         before = l5_books(m)
-        if kind == "fork":
+        if kind == "clone":
             met(edge, l5_edge(kind, m.num_free, n * partial))
             if n * partial > free:
                 with pytest.raises(L5OutOfBlocks) as err:
-                    m.fork(parent.block_table, parent.num_computed_tokens, n)
+                    m.clone(parent.block_table, parent.num_computed_tokens, n)
                 assert (err.value.needed, err.value.free) == (n, free)
-                assert l5_books(m) == before, "a failed fork changed the allocator"
+                assert l5_books(m) == before, "a failed clone changed the allocator"
             else:
-                tables, copies = m.fork(parent.block_table, parent.num_computed_tokens, n)
+                tables, copies = m.clone(parent.block_table, parent.num_computed_tokens, n)
                 assert len(tables) == n and len(copies) == n * partial
                 live += tables
         else:

@@ -2,14 +2,14 @@
 
 Each function has the signature the notebook asks for and is written apart from the stage's own
 code (``allocator.py``, ``prefix_cache.py``), so a bug in the stage cannot make a wrong answer pass:
-the fork walks each child's table block by block, ``free`` first counts every reference down and
+the clone walks each child's table block by block, ``free`` first counts every reference down and
 then queues the blocks that reached zero, the keys are sha256 of the documented text computed here
 (not by ``block_hash``), and ``match_prefix`` computes every key first and reads the index itself.
 Tests check that the stage and these answers agree on many drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` gives the stage's own code the learner's signature where the two
-differ (``BlockAllocator.fork``, ``register_full_blocks``), for the tests only. The grader imports
+differ (``BlockAllocator.clone``, ``register_full_blocks``), for the tests only. The grader imports
 this file; a submission's sandbox cannot read it.
 
 Left out on purpose: error cases (the exercises hand over valid tables and enough free blocks).
@@ -25,7 +25,7 @@ from ..prefix_cache import register_full_blocks
 from .checks import HIDDEN
 
 
-def fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+def clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
     """Each child's table, block by block: a full block is the parent's (one more holder), a block
     the parent has not filled is a fresh one."""
     tables = []
@@ -77,15 +77,15 @@ def match_prefix(token_ids, allocator):
     return hits
 
 
-def stage_fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
-    """L5.1 by ``BlockAllocator.fork``: an allocator holding the same counts, whose fresh blocks come
+def stage_clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
+    """L5.1 by ``BlockAllocator.clone``: an allocator holding the same counts, whose fresh blocks come
     from ``alloc()``; the counts of the parent's blocks are copied back into ``ref_counts``."""
     allocator = BlockAllocator(max(ref_counts) + 1, block_size)
     for block, count in ref_counts.items():
         allocator.blocks[block].ref_count = count
-    allocator.free_blocks = deque(range(n))  # fork only reads its length: fresh blocks come from alloc()
+    allocator.free_blocks = deque(range(n))  # clone only reads its length: fresh blocks come from alloc()
     allocator._take_free = alloc
-    tables, _ = allocator.fork(list(parent_table), num_tokens, n)
+    tables, _ = allocator.clone(list(parent_table), num_tokens, n)
     for block in parent_table[: num_tokens // block_size]:
         ref_counts[block] = allocator.blocks[block].ref_count
     return tables
@@ -100,6 +100,6 @@ def stage_block_hashes(token_ids, block_size):
     return [allocator.blocks[b].hash for b in table]
 
 
-ANSWERS = {"L5.1": fork_table, "L5.2": free, "L5.3": block_hashes, "L5.4": match_prefix}
+ANSWERS = {"L5.1": clone_table, "L5.2": free, "L5.3": block_hashes, "L5.4": match_prefix}
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
-STAGE_ADAPTERS = {"L5.1": stage_fork_table, "L5.3": stage_block_hashes}
+STAGE_ADAPTERS = {"L5.1": stage_clone_table, "L5.3": stage_block_hashes}

@@ -1,15 +1,15 @@
 """The L5 notebook's exercise checkers: the learner's sharing pieces against this stage's own code.
 
-- ``check_fork_table``: a fork's block tables and reference counts, against ``BlockAllocator.fork``
+- ``check_clone_table``: a clone's block tables and reference counts, against ``BlockAllocator.clone``
   (``allocator.py``);
 - ``check_free``: giving back a block table, one reference per block and tail first, against
-  ``BlockAllocator.free``, on allocators that forks and prefix-cache hits have left with shared blocks;
+  ``BlockAllocator.free``, on allocators that clones and prefix-cache hits have left with shared blocks;
 - ``check_block_hashes``: the chained keys of a token list's full blocks, against the keys ``reserve``
   (``sequence.py``, through ``prefix_cache.register_full_blocks``) registers in a ``BlockAllocator``;
 - ``check_match_prefix``: the cached blocks a new prompt may share, against ``prefix_cache.match_prefix``
   on allocators that earlier requests have filled, freed and partly handed out again.
 
-The allocator states are built with this stage's own calls (``alloc_blocks``, ``free``, ``fork``,
+The allocator states are built with this stage's own calls (``alloc_blocks``, ``free``, ``clone``,
 ``reserve`` after ``match_prefix``), the way the scheduler makes them.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed, seeded cases and prints
@@ -18,10 +18,10 @@ then ``k/n passed``. The reference notebook stores those lines as the check cell
 ``make grade`` compares them. The references are the stage's own code, never a copy kept here.
 
 The hidden cases (``HIDDEN``, at the end; ``kvcourse/grading/hidden.py``) run the learner's function on cases
-drawn per grading run: runs of admissions, forks, frees and matches on pools of every block size.
+drawn per grading run: runs of admissions, clones, frees and matches on pools of every block size.
 They are judged in the grader's process against the independent answers of ``answers.py``.
 
-Left out on purpose: partial credit and hints; the fork is graded on its bookkeeping only (the caller
+Left out on purpose: partial credit and hints; the clone is graded on its bookkeeping only (the caller
 copies the partial block's K/V with ``KvPool.copy_block``), with enough free blocks for every case;
 ``check_free`` frees only blocks that are held (refusing a bad id or a double free is L2's exercise, and
 L5's ``free`` does it the same way).
@@ -66,12 +66,12 @@ def _books(allocator: BlockAllocator):
     return blocks, list(allocator.free_blocks), dict(allocator.hash_to_block)
 
 
-def _fork_setup(block_size: int, num_tokens: int, shared_first: bool):
+def _clone_setup(block_size: int, num_tokens: int, shared_first: bool):
     """A ``BlockAllocator`` holding one sequence of ``num_tokens`` positions, and its block table.
 
     Blocks 0 and 2 belong to another sequence and block 1 was freed, so the table does not start at 0
     and the free list does not run in order. With ``shared_first`` the table's first (full) block is also
-    held by a second sequence (a prefix-cache hit): its ref_count is 2 before the fork.
+    held by a second sequence (a prefix-cache hit): its ref_count is 2 before the clone.
     """
     allocator = BlockAllocator(64, block_size)
     allocator.alloc_blocks(3)  # [0, 1, 2]: another sequence
@@ -82,9 +82,9 @@ def _fork_setup(block_size: int, num_tokens: int, shared_first: bool):
     return allocator, table
 
 
-def check_fork_table(fork_table: Callable) -> None:
-    """Grade ``fork_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) -> n block tables``
-    against ``BlockAllocator.fork``.
+def check_clone_table(clone_table: Callable) -> None:
+    """Grade ``clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) -> n block tables``
+    against ``BlockAllocator.clone``.
 
     ``parent_table`` holds the parent's ``num_tokens`` positions; ``ref_counts`` is a dict
     {block id: ref_count} of every block in use, to update in place; ``alloc()`` hands out one fresh
@@ -98,11 +98,11 @@ def check_fork_table(fork_table: Callable) -> None:
         block_size: int, num_tokens: int, n: int, shared_first: bool = False
     ) -> Callable[[], str | None]:
         def run() -> str | None:
-            ref, table = _fork_setup(block_size, num_tokens, shared_first)
-            expected, _ = ref.fork(list(table), num_tokens, n)  # (tables, block copies)
+            ref, table = _clone_setup(block_size, num_tokens, shared_first)
+            expected, _ = ref.clone(list(table), num_tokens, n)  # (tables, block copies)
             want_counts = {b.block_id: b.ref_count for b in ref.blocks if b.ref_count}
 
-            mine, _ = _fork_setup(block_size, num_tokens, shared_first)
+            mine, _ = _clone_setup(block_size, num_tokens, shared_first)
             counts = {b.block_id: b.ref_count for b in mine.blocks if b.ref_count}
 
             def alloc() -> int:
@@ -110,7 +110,7 @@ def check_fork_table(fork_table: Callable) -> None:
                 counts[block] = 1
                 return block
 
-            got = fork_table(list(table), num_tokens, block_size, n, counts, alloc)
+            got = clone_table(list(table), num_tokens, block_size, n, counts, alloc)
             if not isinstance(got, list | tuple) or not all(isinstance(t, list | tuple) for t in got):
                 return f"returned {got!r}, expected a list of {n} block table(s)"
             got = [[int(b) for b in t] for t in got]
@@ -169,9 +169,9 @@ def check_free(free: Callable) -> None:
     """Grade ``free(self, blocks)``, a ``BlockAllocator`` method, against ``BlockAllocator.free``.
 
     Each case builds two allocators with the same calls of this stage (sequences admitted through the
-    prefix cache, forks), then gives back their block tables one by one: ``free(yours, table)`` on one,
+    prefix cache, clones), then gives back their block tables one by one: ``free(yours, table)`` on one,
     the stage's ``free`` on the other. After every step the ref counts, the free list, each block's
-    hash and tokens and the prefix-cache index must match. Example, the notebook's fork: parent
+    hash and tokens and the prefix-cache index must match. Example, the notebook's clone: parent
     [3, 5, 8], children [3, 5, 0] and [3, 5, 1], free list [2, 4, 6, 7]; freeing child 1 brings blocks
     3 and 5 to count 2 and gives back block 0 alone: [2, 4, 6, 7, 0]; then the parent gives back 8,
     then child 2 gives back 1, 5, 3, tail first: [2, 4, 6, 7, 0, 8, 1, 5, 3], blocks 5 and 3 still
@@ -207,11 +207,11 @@ def check_free(free: Callable) -> None:
         a.free([0])  # the free list is [0]; every other block has one holder
         return {"A": [4, 7, 9], "the others": [1, 2, 3, 5, 6, 8]}
 
-    def forked(a: BlockAllocator) -> dict[str, list[int]]:  # the notebook's fork by hand
+    def cloned(a: BlockAllocator) -> dict[str, list[int]]:  # the notebook's clone by hand
         a.alloc_blocks(9)
         a.free([7, 6, 4, 2, 1, 0])  # free list 0, 1, 2, 4, 6, 7
         register_full_blocks(a, [3, 5, 8], list(range(100, 110)), 0, 10)  # blocks 3, 5 full
-        (first, second), _ = a.fork([3, 5, 8], 10, 2)
+        (first, second), _ = a.clone([3, 5, 8], 10, 2)
         return {"parent": [3, 5, 8], "child 1": first, "child 2": second}
 
     prompt = _tokens(11, 10)
@@ -224,7 +224,7 @@ def check_free(free: Callable) -> None:
 
     def clones(a: BlockAllocator) -> dict[str, list[int]]:  # block_size 1: every block is full
         parent = _admit(a, [5, 6, 7, 8, 9])
-        (child,), _ = a.fork(parent, 5, 1)
+        (child,), _ = a.clone(parent, 5, 1)
         return {"parent": parent, "child": child}
 
     system = _tokens(14, 32)
@@ -240,8 +240,8 @@ def check_free(free: Callable) -> None:
                 case(10, 4, one_owner, [("free", "A"), ("free", "the others")]),
             ),
             Case(
-                "a fork: blocks 3 and 5 are in three tables and go back with the last",
-                case(9, 4, forked, [("free", "child 1"), ("free", "parent"), ("free", "child 2")]),
+                "a clone: blocks 3 and 5 are in three tables and go back with the last",
+                case(9, 4, cloned, [("free", "child 1"), ("free", "parent"), ("free", "child 2")]),
             ),
             Case(
                 "a prefix-cache hit: the shared prefix outlives the request that filled it",
@@ -257,7 +257,7 @@ def check_free(free: Callable) -> None:
                 ),
             ),
             Case(
-                "block_size 1, a fork of 5 tokens: nothing goes back until the child is freed",
+                "block_size 1, a clone of 5 tokens: nothing goes back until the child is freed",
                 case(8, 1, clones, [("free", "parent"), ("free", "child")]),
             ),
             Case(
@@ -427,10 +427,10 @@ def check_match_prefix(match_prefix: Callable) -> None:
 BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 16)  # 1 (every block full) and odd sizes next to the usual ones
 
 
-def draw_fork(rng) -> list[dict]:
+def draw_clone(rng) -> list[dict]:
     """Parents of up to 6 blocks with scattered ids and every block size, ending mid-block, exactly on
     a boundary, or holding only a partial block; full blocks already shared (ref_count 2 or 3), other
-    blocks in use that the fork must leave alone, n = 1 .. 5; fresh ids from a shuffled free list."""
+    blocks in use that the clone must leave alone, n = 1 .. 5; fresh ids from a shuffled free list."""
     kinds = ["partial", "full", "only partial", "partial", "full", "partial", "partial", "full"]
     cases = []
     for kind, block_size in zip(kinds, [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), 4], strict=True):
@@ -443,7 +443,7 @@ def draw_fork(rng) -> list[dict]:
         counts = [[b, rng.choice([1, 1, 2, 3])] for b in parent[:full]] + [[b, 1] for b in parent[full:]]
         counts += [[b, rng.randint(1, 3)] for b in others]
         n = rng.randint(1, 5)
-        fresh = ids[len(parent) + len(others) :][: 2 * n]  # twice what a fork takes
+        fresh = ids[len(parent) + len(others) :][: 2 * n]  # twice what a clone takes
         cases.append(
             {"block_size": block_size, "num_tokens": full * block_size + tail, "parent": parent,
              "ref_counts": counts, "n": n, "fresh": fresh}
@@ -451,8 +451,8 @@ def draw_fork(rng) -> list[dict]:
     return cases
 
 
-def observe_fork(fn, case) -> list[dict]:
-    """``fn`` forks the parent once; what it returns, every ref count after, and how often it called
+def observe_clone(fn, case) -> list[dict]:
+    """``fn`` clones the parent once; what it returns, every ref count after, and how often it called
     ``alloc()`` (which hands out the case's fresh ids in order)."""
     counts = {b: c for b, c in case["ref_counts"]}
     fresh, taken = list(case["fresh"]), []
@@ -465,14 +465,14 @@ def observe_fork(fn, case) -> list[dict]:
         return taken[-1]
 
     call = (
-        f"fork_table({case['parent']}, num_tokens={case['num_tokens']}, "
+        f"clone_table({case['parent']}, num_tokens={case['num_tokens']}, "
         f"block_size={case['block_size']}, n={case['n']})"
     )
     got = fn(list(case["parent"]), case["num_tokens"], case["block_size"], case["n"], counts, alloc)
     return [{"call": call, "returned": got, "ref_counts": dict(counts), "alloc() calls": len(taken)}]
 
 
-def describe_fork(case: dict) -> str:
+def describe_clone(case: dict) -> str:
     shared = {b: c for b, c in case["ref_counts"]}
     return (
         f"block_size {case['block_size']}, parent {case['parent']} holding {case['num_tokens']} tokens, "
@@ -501,7 +501,7 @@ def _budget(ops: list[list], needs: list[int], rng) -> int:
 def draw_free(rng) -> list[dict]:
     """Runs of a scheduler's calls on one pool: requests admitted through the prefix cache (their
     prompts share whole blocks, and with 2 or 3 token ids equal blocks follow different prefixes),
-    forks of 1 .. 3 children, another user taking every free block but what later calls need (which
+    clones of 1 .. 3 children, another user taking every free block but what later calls need (which
     hands freed blocks out again, oldest first), and block tables given back in any order, shared or
     not; every block size."""
     cases = []
@@ -510,16 +510,16 @@ def draw_free(rng) -> list[dict]:
         bases = [[rng.choice(vocab) for _ in range(rng.randint(1, 4 * block_size))] for _ in range(2)]
         live, ops, needs, count = {}, [], [], 0  # live: name -> tokens held (None: not a sequence)
         for _ in range(rng.randint(5, 10)):
-            kind = rng.choices(["admit", "fork", "free", "drain"], [4, 2, 4, 1])[0] if live else "admit"
+            kind = rng.choices(["admit", "clone", "free", "drain"], [4, 2, 4, 1])[0] if live else "admit"
             seqs = [name for name, n in live.items() if n is not None]
-            if kind == "admit" or (kind == "fork" and not seqs):
+            if kind == "admit" or (kind == "clone" and not seqs):
                 name, tokens = f"R{count}", _prompt(rng, bases, vocab, block_size)
                 ops.append(["admit", name, tokens])
                 live[name], need = len(tokens), blocks_needed(len(tokens), block_size)
-            elif kind == "fork":
+            elif kind == "clone":
                 parent = rng.choice(seqs)
                 children = [f"C{count}.{k}" for k in range(1, rng.randint(2, 4))]
-                ops.append(["fork", parent, live[parent], children])
+                ops.append(["clone", parent, live[parent], children])
                 live.update({c: live[parent] for c in children})
                 need = len(children) * (live[parent] % block_size > 0)
             elif kind == "free":
@@ -563,9 +563,9 @@ def observe_free(fn, case) -> list[dict]:
         if op[0] == "admit":
             call, made = f"admitting {op[1]} ({len(op[2])} tokens)", _admit(allocator, op[2])
             tables[op[1]] = made
-        elif op[0] == "fork":
-            call = f"forking {op[1]} ({op[2]} tokens) into {', '.join(op[3]) or 'nothing new'}"
-            made, _ = allocator.fork(list(tables[op[1]]), op[2], len(op[3]))
+        elif op[0] == "clone":
+            call = f"cloning {op[1]} ({op[2]} tokens) into {', '.join(op[3]) or 'nothing new'}"
+            made, _ = allocator.clone(list(tables[op[1]]), op[2], len(op[3]))
             tables.update(zip(op[3], made, strict=True))
         elif op[0] == "drain":
             call = f"{op[1]} takes every free block but {op[2]}"
@@ -581,7 +581,7 @@ def observe_free(fn, case) -> list[dict]:
 def describe_ops(case: dict) -> str:
     words = {
         "admit": lambda op: f"admit {op[1]} ({len(op[2])} tokens)",
-        "fork": lambda op: f"fork {op[1]} x{len(op[3])}",
+        "clone": lambda op: f"clone {op[1]} x{len(op[3])}",
         "drain": lambda op: f"{op[1]} takes all but {op[2]}",
         "free": lambda op: f"free {op[1]}",
         "free_split": lambda op: f"free {op[1]}, its first {op[2]} blocks first",
@@ -741,7 +741,7 @@ def observe_match_prefix(fn, case) -> list[dict]:
 
 HIDDEN = {
     "L5.1": Hidden(
-        draw_fork, observe_fork, describe_fork, answers=("L5_clones.allocator:BlockAllocator.fork",)
+        draw_clone, observe_clone, describe_clone, answers=("L5_clones.allocator:BlockAllocator.clone",)
     ),
     "L5.2": Hidden(
         draw_free, observe_free, describe_ops, answers=("L5_clones.allocator:BlockAllocator.free",)

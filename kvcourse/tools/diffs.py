@@ -23,8 +23,9 @@ diffed against L5: it is a rewrite in JAX, and its chapter maps L5's names to Le
 A stage that teaches two ideas (``STEPS``: L5, clones and the prefix cache) gets its diff in two
 marked parts, each a diff of its own: the first from the previous stage to the text after step 1, the
 second from there to the stage. The text after step 1 is made by a declared rule (``split_steps``):
-every change of the whole diff is cut into paragraphs (runs of changed lines up to a blank line; an
-import line stands alone; a new file is one paragraph), and a paragraph whose text names the second
+every change of the whole diff is cut into paragraphs (runs of changed lines up to a blank line followed
+by a line indented no deeper, so a new function is one paragraph; an import line stands alone; a new
+file is one paragraph), and a paragraph whose text names the second
 idea (``Steps.words[1]``) belongs to step 2, any other to step 1. A paragraph that names both ideas is
 an error: the stage's code must keep its two ideas apart, paragraph by paragraph.
 
@@ -34,6 +35,7 @@ an error: the stage's code must keep its two ideas apart, paragraph by paragraph
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import re
 import sys
@@ -63,7 +65,21 @@ class Steps:
         return {i for i, words in enumerate(self.words) if re.search(words, text, flags=re.I)}
 
 
-STEPS: dict[str, Steps] = {}
+STEPS = {
+    "L5_clones": Steps(
+        names=("the prefix cache", "clones"),
+        about=(
+            "blocks shared by reference count: full blocks keyed by a chained hash of their tokens, "
+            "found again by later requests",
+            "n samples of a prompt cloned from one prefill: its full blocks shared, its partial last "
+            "block copied at the clone",
+        ),
+        words=(
+            r"prefix|hash|cached|lookup|regist",
+            r"clon|sampl|copy_block|(?<!max_)num_seqs|num_running_seqs|generator",
+        ),
+    ),
+}
 
 
 class MixedParagraph(ValueError):
@@ -106,21 +122,52 @@ def file_diffs(a: dict[str, str], b: dict[str, str], old: str, new: str, labels=
     return lines
 
 
-def paragraphs(lines: list[str]) -> list[list[str]]:
-    """Cut changed lines into paragraphs: a paragraph ends before a blank line (the blank lines go with
-    the paragraph after them), and an import line is a paragraph of its own.
+IMPORT = re.compile(r"(from \S+ )?import ")
 
-    Example: ``["a", "b", "", "c", "import x", "d"]`` -> ``[["a", "b"], ["", "c"], ["import x"], ["d"]]``.
+
+def paragraphs(lines: list[str]) -> list[list[str]]:
+    """Cut changed lines into paragraphs. A blank line ends one when the next line is indented no deeper
+    than the paragraph's first (blank lines inside a function or a docstring nested in it do not: a
+    new function is one paragraph); the blank lines go with the paragraph after them, trailing ones
+    with the last. An import line is a paragraph of its own.
+
+    Example: ``["a", "b", "", "c", "", "  d", "import x", "e"]`` -> ``[["a", "b"], ["", "c", "", "  d"],
+    ["import x"], ["e"]]``.
     """
     found: list[list[str]] = []
+    blanks: list[str] = []
+    start = 0  # the indentation of the current paragraph's first line
     for line in lines:
-        starts = not found or (line.strip() == "" and found[-1][-1].strip() != "")
-        imports = re.match(r"(from \S+ )?import ", line)
-        if starts or imports or re.match(r"(from \S+ )?import ", found[-1][-1]):
-            found.append([line])
+        if not line.strip():
+            blanks.append(line)
+            continue
+        indent = len(line) - len(line.lstrip())
+        if not found or IMPORT.match(line) or IMPORT.match(found[-1][-1]) or (blanks and indent <= start):
+            found.append(blanks + [line])
+            start = indent
         else:
-            found[-1].append(line)
+            found[-1] += blanks + [line]
+        blanks = []
+    if blanks:
+        found.append(blanks) if not found else found[-1].extend(blanks)
     return found
+
+
+def in_step_1(paragraph: list[str], step: int | None, code: list[list[str]]) -> bool:
+    """Whether a changed paragraph is step 1's: its ``step`` is 0, or it is an import (``step`` None)
+    whose names step 1's changed code uses, or step 2's does not (``code``: each step's lines).
+
+    Example: ``from dataclasses import replace`` is step 2's when only step 2's lines call ``replace``.
+    """
+    if step is not None:
+        return step == 0
+    line = next(line for line in paragraph if line.strip())
+    names = re.findall(r"(\w+)\s*(?:,|$)", line.split(" import ")[-1].strip())
+
+    def uses(lines: list[str]) -> bool:
+        return any(re.search(rf"\b{n}\b", line) for n in names for line in lines)
+
+    return uses(code[0]) or not uses(code[1])
 
 
 def split_steps(before: str, after: str, steps: Steps, name: str = "") -> str:
@@ -128,12 +175,13 @@ def split_steps(before: str, after: str, steps: Steps, name: str = "") -> str:
 
     Each change of ``after`` against ``before`` (a run of removed and added lines) is cut into
     ``paragraphs``; a paragraph that names the second idea is the second step's, any other the
-    first's. The text after step 1 holds the first step's paragraphs; a change whose paragraphs are all
-    the second step's keeps its old lines until then. Raises ``MixedParagraph`` for a paragraph that
-    names both ideas.
+    first's, and an import line goes with the first step that uses a name it imports. The text after
+    step 1 holds the first step's paragraphs; a change whose paragraphs are all the second step's
+    keeps its old lines until then. Raises ``MixedParagraph`` for a paragraph that names both ideas,
+    and ValueError where the text after step 1 of a Python file does not parse.
 
-    Example, with L5's words: ``"a\\nb\\n"`` -> ``"a\\nclone\\n\\nhash\\nb\\n"`` gives
-    ``"a\\nclone\\nb\\n"`` after step 1 (clones); the prefix cache then adds ``\\nhash``.
+    Example, with L5's words: ``"a\nb\n"`` -> ``"a\nhash\n\nclone\nb\n"`` gives
+    ``"a\nhash\nb\n"`` after step 1 (the prefix cache); clones then add ``\nclone``.
     """
     a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
     if not a:  # a new file is one paragraph: it comes in whole, in one step
@@ -141,12 +189,12 @@ def split_steps(before: str, after: str, steps: Steps, name: str = "") -> str:
         if len(named) > 1:
             raise MixedParagraph(f"{name}: a new file names both {steps.names[0]} and {steps.names[1]}")
         return "" if named == {1} else after
-    middle: list[str] = []
+    changes = []  # (old lines, [(paragraph, step or None for an import)])
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
         if tag == "equal":
-            middle += a[i1:i2]
+            changes.append((a[i1:i2], None))
             continue
-        first = []
+        found = []
         for paragraph in paragraphs(b[j1:j2]):
             named = steps.step_of(paragraph)
             if len(named) > 1:
@@ -154,11 +202,32 @@ def split_steps(before: str, after: str, steps: Steps, name: str = "") -> str:
                     f"{name}: this paragraph names both {steps.names[0]} and {steps.names[1]}; keep them "
                     f"apart, a blank line between them:\n{''.join(paragraph)}"
                 )
-            if named != {1}:
-                first += paragraph
-        removed_in_step_1 = first or (i2 > i1 and j2 == j1 and steps.step_of(a[i1:i2]) != {1})
-        middle += first if removed_in_step_1 else a[i1:i2]
-    return "".join(middle)
+            imports = IMPORT.match(next(line for line in paragraph if line.strip()))
+            found.append((paragraph, None if imports else int(named == {1})))
+        changes.append((a[i1:i2], found))
+    code = [[], []]  # the lines of each step's changed paragraphs, imports left out
+    for _, found in changes:
+        for paragraph, step in found or []:
+            if step is not None:
+                code[step] += paragraph
+    middle: list[str] = []
+    for old, found in changes:
+        if found is None:
+            middle += old
+        elif not found:  # lines removed only: in step 1, unless they name the second idea only
+            middle += old if steps.step_of(old) == {1} else []
+        else:
+            middle += [
+                line for paragraph, step in found if in_step_1(paragraph, step, code) for line in paragraph
+            ]
+            middle += [] if any(in_step_1(p, s, code) for p, s in found) else old
+    text = "".join(middle)
+    if name.endswith(".py"):
+        try:
+            ast.parse(text)
+        except SyntaxError as e:
+            raise ValueError(f"{name}: the text after step 1 does not parse ({e})") from e
+    return text
 
 
 def header(old: str, new: str, a: dict[str, str], b: dict[str, str], what: str) -> list[str]:
@@ -189,13 +258,14 @@ def stage_diff(old: str, new: str, root: Path = ROOT) -> str:
         return "\n".join(lines + file_diffs(a, b, old, new)) + "\n"
     middle = {name: split_steps(a.get(name, ""), text, steps, name) for name, text in b.items()}
     middle = {name: text for name, text in middle.items() if text or name in a}  # a new file may wait
-    names = [f"step {i + 1} of 2, {steps.names[i]} ({steps.about[i]})" for i in range(2)]
-    lines.append(f"# in two steps: {names[0]}; then {names[1]}.")
-    lines.append(f"# A changed paragraph that names {steps.names[1]} is step 2's (kvcourse/tools/diffs.py).")
+    lines.append(
+        f"# in two steps, each diffed on its own: 1. {steps.names[0]}, 2. {steps.names[1]}; a changed "
+        f"paragraph that names {steps.names[1]} is step 2's (kvcourse/tools/diffs.py)"
+    )
     label = f"(after step 1, {steps.names[0]})"
-    lines.append(f"# ==== {names[0]}")
+    lines.append(f"# ==== step 1 of 2, {steps.names[0]}: {steps.about[0]}")
     lines += file_diffs(a, middle, old, new, ("", label))
-    lines.append(f"# ==== {names[1]}")
+    lines.append(f"# ==== step 2 of 2, {steps.names[1]}: {steps.about[1]}")
     lines += file_diffs(middle, b, new, new, (label, ""))
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,7 @@
     python -m kvcourse.tools.mutants [--list] [--timeout S] [NAME ...]      (make mutants)
 
 ``MUTATIONS`` is a list of small, named bugs, each the kind a learner (or a reviewer) could write: a
-slot one off, a block dropped, a partial block shared at a fork, a refcount that lets go early, a
+slot one off, a block dropped, a partial block shared at a clone, a refcount that lets go early, a
 prefix-cache key that forgets its prefix, admission that forgets what running sequences will still
 take, a reset skipped, a kernel that forgets to rescale, a comparison that accepts a short output.
 Each names its file, an exact piece of text that must occur exactly once there, what replaces it, and
@@ -16,7 +16,7 @@ scratch copy, the real ``KVCOURSE_CACHE`` so models and HF references are found,
 and puts the file back.
 A mutation is *caught* when those tests fail, and *survived* when they pass. One line per mutation:
 
-    caught     12.3 s  L5 fork shares the partial block  (tests/test_pressure.py::test_sampled_...)
+    caught     12.3 s  L5 clone shares the partial block  (tests/test_pressure.py::test_sampled_...)
 
 then ``mutants: K/N caught in T s``. Exit status: 0 when every mutation that could run was caught, 1
 when one survived, 2 when the list is stale (an ``old`` text not found exactly once, a test id that
@@ -98,14 +98,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "L5_clones/allocator.py",
         "if n + revived > len(self.free_blocks):",
         "if n > len(self.free_blocks):",
-        (S + "test_l5_failed_allocations_and_forks_take_nothing[revived: they tip it over]",),
+        (S + "test_l5_failed_allocations_and_clones_take_nothing[revived: they tip it over]",),
     ),
     Mutation(
-        "L5 fork copies for the children it can, then runs out",
+        "L5 clone copies for the children it can, then runs out",
         "L5_clones/allocator.py",
         "if n * len(partial) > len(self.free_blocks):",
         "if partial and not self.free_blocks:",
-        (S + "test_l5_failed_allocations_and_forks_take_nothing[fork: copies for some children only]",),
+        (S + "test_l5_failed_allocations_and_clones_take_nothing[clone: copies for some children only]",),
     ),
     Mutation(
         "L6 allocate_for_seq grants the pages it can (not all or nothing)",
@@ -207,9 +207,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)\n",
         (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
     ),
-    # ---- sharing: refcounts, forks, copies
+    # ---- sharing: refcounts, clones, copies
     Mutation(
-        "L5 fork shares the partial block instead of copying it",
+        "L5 clone shares the partial block instead of copying it",
         "L5_clones/allocator.py",
         "full = num_tokens // self.block_size",
         "full = blocks_needed(num_tokens, self.block_size)",
@@ -223,7 +223,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (P + "test_sampled_clones_sharing_blocks_equal_independent_requests",),
     ),
     Mutation(
-        "L5 fork takes one reference on a shared block for all its children",
+        "L5 clone takes one reference on a shared block for all its children",
         "L5_clones/allocator.py",
         "            self.blocks[b].ref_count += n",
         "            self.blocks[b].ref_count += 1",
@@ -237,7 +237,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_l5.py::test_refcounts_through_alloc_share_and_free",),
     ),
     Mutation(
-        "L5 fork skips the copy of the partial block's K/V",
+        "L5 clone skips the copy of the partial block's K/V",
         "L5_clones/scheduler.py",
         "            self.pool.copy_block(src, dst)",
         "            pass",
