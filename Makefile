@@ -102,7 +102,8 @@ grade: setup
 exercises: $(STAMP)
 	$(PY) -m kvcourse.grading.exercises
 
-# lessons/diffs/L{N-1}_L{N}.diff: what each stage changes, as a unified diff of the two folders.
+# lessons/diffs/L{N-1}_L{N}.diff: what each stage changes, as a unified diff of the two folders;
+# lessons/diffs/L4_fast.diff: what L4's fast paths (fast/) add.
 diffs: $(STAMP)
 	$(PY) -m kvcourse.tools.diffs
 

@@ -135,10 +135,10 @@ class Scheduler:
         return batch
 
     def update(self, batch: Batch, logits: torch.Tensor) -> list[Sequence]:
-        """Record a step and sample: each sequence computed its scheduled tokens; each that ran its last known
-        token samples the next one from its row of ``logits`` (N, vocab), rows in batch order. A
-        sequence with n > 1 whose prefill just ended is cloned first, and all its n sequences sample
-        from that row, each with its own generator. Returns the sequences finished."""
+        """Record a step and sample: each sequence computed its scheduled tokens; each that ran its
+        last known token samples the next one from its row of ``logits`` (N, vocab), rows in batch
+        order. A sequence with n > 1 whose prefill just ended is cloned first, and all its n sequences
+        sample from that row, each with its own generator. Returns the sequences finished."""
         rows = iter(logits)
         ended = []  # each sequence that ran its last known token, with its row of logits
         for seq, n in batch:

@@ -1,4 +1,4 @@
-"""A sequence through its life (waiting, running, finished), ``reserve()`` and ``slots()``, now sharing blocks.
+"""A sequence through its life (waiting, running, finished), ``reserve()`` and ``slots()``, with shared blocks.
 
 ``Sequence`` is one request's token stream. L2 ran one at a time; here many wait, run and finish
 side by side, so a sequence carries a status, a finish reason, a priority and its submission order,

@@ -4,7 +4,7 @@
     ...
     lessons/diffs/L3_L4.diff     L4_paged_kernel's lesson files against L3_block_tensor's
     lessons/diffs/L4_fast.diff   what L4_paged_kernel's fast paths (its ``fast/`` folder) add
-    lessons/diffs/L4_L5.diff     L5_clones against L4_paged_kernel, in two steps: clones, then the prefix cache
+    lessons/diffs/L4_L5.diff     L5_clones against L4_paged_kernel, in two steps: prefix cache, clones
 
 A stage is a closed snapshot of the one before it, so the unified diff of the two folders is exactly
 what the lesson changes. Each file starts with a short header (files unchanged byte for byte, files
