@@ -1,1 +1,1 @@
-"""L4: attention that walks the block table in place (PyTorch reference and Triton kernels)."""
+"""L4: attention that walks the block table in place (a PyTorch reference kernel; its fast paths in fast/)."""

@@ -1,1 +1,1 @@
-"""L5: blocks shared by reference count: parallel sampling with clones (the partial last block copied at clone time), and a prefix cache."""
+"""L5: blocks shared by reference count: a prefix cache, then clones (n samples, the partial last block copied at clone time)."""

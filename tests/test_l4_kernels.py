@@ -74,6 +74,20 @@ def test_cpp_kernel_refuses_what_it_cannot_do():
         cpp_paged_attention(torch.cat([args[0], args[0]]), *args[1:])
 
 
+def test_the_fast_path_seam_docstring_example():
+    """``FastPath`` binds the split count into the kernel it hands the engine, names what runs, and adds
+    the decode graphs' padding block only when they are on."""
+    cpu = torch.device("cpu")
+    fast = l4_fast.FastPath(cpu, "torch", 2, False, 32, 2048, 16)
+    assert fast.name == "torch, 2 splits" and fast.padding_blocks == 0 and fast.graphs is None
+    assert fast.kernel.func is split_kv_attention and fast.kernel.keywords == {"num_splits": 2}
+    assert fast.run(lambda token_ids, meta: "forward", None, None, None) == "forward"  # no graphs: forward
+    assert l4_fast.load_kernel("torch", cpu) is paged_attention  # one split: the reference itself
+    graphs = l4_fast.FastPath(cpu, "torch", 1, True, 32, 2048, 16)
+    assert graphs.name == "torch, decode graphs" and graphs.padding_blocks == 1
+    assert graphs.graphs.sizes == [1, 2, 4, 8, 16, 32] and graphs.graphs.block_tables.shape == (32, 128)
+
+
 def test_merge_partials_docstring_example():
     m = torch.tensor([0.0, torch.log(torch.tensor(3.0))])
     out = merge_partials(m, torch.tensor([1.0, 1.0]), torch.tensor([[1.0], [5.0]]))
