@@ -1,30 +1,23 @@
 """L6 engine: Levanter's paged KV design in JAX on one device, with cleanup wired in and reset made explicit.
 
-    generate():  reset()           -> jit'd; logical (metadata only, default) or physical (also zeroes
-                                      the KV pages); always run, never skipped
+    generate():  reset()           -> jit'd: logical (metadata only) or physical (also zeroes the pages)
                  loop on the host:
                    collect          -> read finished slots' tokens (host_state: a NumPy copy)
-                   admit + prefill  -> waiting prompts that fit get slots; one jit'd call per up to
-                                      max_prefill_tokens allocates their pages, runs the prompts
-                                      (padded to a power of two: few compiles), picks each first
-                                      token, and clones n - 1 copies sharing full pages
-                   decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the token
-                                      queue, allocate_for_seq, forward (KV write + ragged paged
-                                      attention), greedy pick, update_tokens, and with
-                                      cleanup="incremental" free_pages_for_finished, every step.
-                                      The batch is as wide as the running sequences, rounded up to
-                                      a power of two (one compile per width)
+                   admit + prefill  -> waiting prompts that fit get slots; one jit'd call allocates
+                                      their pages, runs the prompts (padded to a power of two),
+                                      picks each first token, and clones n - 1 copies sharing full pages
+                   decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the
+                                      token queue, allocate_for_seq, forward (KV write + ragged paged
+                                      attention), greedy pick, update_tokens, free what finished
+                                      (cleanup="incremental"); as wide as the running sequences,
+                                      rounded up to a power of two (one compile per width)
 
-``device`` ("cpu", "cuda", "tpu", each optionally ``":N"``) is where the weights, the state and the
-pages live. ``attention="pallas"``, a Pallas TPU kernel, runs compiled on a TPU and in TPU interpret
-mode on a CPU; an engine on a GPU refuses it. ``cleanup`` says when a finished sequence's pages go
-back: ``"incremental"`` inside the decode loop, the step it finishes; ``"end"`` after each host call;
-``"none"`` not until the next ``generate`` (Levanter's original behaviour). ``stats()`` is counted on
-the device (``device_stats.py``); ``occupancy()`` is the pool right now.
-
-The host admits a prompt only if the pool can hold it to its full budget, next to what running
-sequences may still grow into, so decoding never runs dry. The device still checks every
-allocation: a shortage stops the loop and raises ``OutOfPagesError``, never a wrong answer.
+The weights, the state and the pages live on ``device``. ``cleanup`` says when a finished sequence's
+pages go back: ``"incremental"`` in the decode loop, ``"end"`` after each host call, ``"none"`` at the
+next ``generate`` (Levanter's original behaviour). The host admits a prompt only if the pool can hold
+it to its full budget beside what running sequences may still grow into; the device still checks
+every allocation, and a shortage raises ``OutOfPagesError``, never a wrong answer. ``stats()`` is
+counted on the device (``device_stats.py``).
 
 Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and more
 than one device (``mesh_engine.py`` is this engine over a device mesh, and across hosts).
@@ -87,10 +80,15 @@ class Engine:
         kv_pages_per_block: int = 16,
         decode_kv_pages_per_block: int = 4,
     ):
-        for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
+        for name, value, choices in (
+            ("cleanup", cleanup, CLEANUPS),
+            ("reset", reset, RESETS),
+            ("attention", attention, ATTENTIONS),
+        ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_rounds", max_rounds)):  # fmt: skip
+        sizes = {"page_size": page_size, "max_num_seqs": max_num_seqs, "max_rounds": max_rounds}
+        for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.device = jax_device(device)
@@ -109,7 +107,7 @@ class Engine:
         self.cleanup, self.reset_mode = cleanup, reset
         # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
         # batches its sequences (and the Pallas kernel uses one-row query blocks, not 15 rows of
-        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §6).
+        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §7).
         self.attention = attention
         if attention == "pallas":  # compiled by Mosaic on a TPU, interpreted on a CPU, refused on a GPU
             interpret = interpret_mode(self.platform)
@@ -321,15 +319,10 @@ class Engine:
                 self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
                 continue
             if not running:
-                raise RuntimeError(
-                    f"prompt {waiting[0]} cannot be admitted: {ds.occupancy(host)['free_pages']} pages free with "
-                    f"cleanup={self.cleanup!r}"
-                    + (
-                        " (finished sequences keep their pages until the next generate())"
-                        if self.cleanup == "none"
-                        else ""
-                    )
-                )
+                free = ds.occupancy(host)["free_pages"]
+                kept = " (finished sequences keep their pages until the next generate())"
+                why = f"cleanup={self.cleanup!r}" + (kept if self.cleanup == "none" else "")
+                raise RuntimeError(f"prompt {waiting[0]} cannot be admitted: {free} pages free with {why}")
             width = self.decode_width(host)
             if width:
                 self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages, width)
@@ -360,8 +353,8 @@ class Engine:
         while waiting:
             i = waiting[0]
             need = pages_for(len(prompts[i]), budgets[i], n, ps)
-            too_many = tokens and len(tokens) + len(prompts[i]) > self.max_prefill_tokens
-            if len(free_slots) < n or need > spare or too_many:
+            room = not tokens or len(tokens) + len(prompts[i]) <= self.max_prefill_tokens  # in this call
+            if len(free_slots) < n or need > spare or not room:
                 break
             waiting.popleft()
             mine = [free_slots.pop(0) for _ in range(n)]

@@ -25,7 +25,7 @@ batch to another width, or skipping a reset is caught by the guard on every host
 ``HostDivergenceError`` naming the call on each side, instead of hanging.
 
 Without --model: the course model and a seeded random tiny Qwen3, as every smoke.
-Not run here: a real TPU slice; a ``model`` mesh axis (see the chapter, section 11).
+Not run here: a real TPU slice; a ``model`` mesh axis (see the chapter, section 12).
 """
 
 from __future__ import annotations

@@ -84,10 +84,15 @@ class MeshEngine:
         guard: bool = False,
         specs: dict[str, P] | None = None,
     ):
-        for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
+        for name, value, choices in (
+            ("cleanup", cleanup, CLEANUPS),
+            ("reset", reset, RESETS),
+            ("attention", attention, ATTENTIONS),
+        ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_rounds", max_rounds)):  # fmt: skip
+        sizes = {"page_size": page_size, "max_num_seqs": max_num_seqs, "max_rounds": max_rounds}
+        for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.mesh = data_mesh() if mesh is None else mesh
@@ -114,7 +119,7 @@ class MeshEngine:
         self.cleanup, self.reset_mode = cleanup, reset
         # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
         # batches its sequences (and the Pallas kernel uses one-row query blocks, not 15 rows of
-        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §6).
+        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §7).
         self.attention = attention
         if attention == "pallas":  # compiled by Mosaic on a TPU, interpreted on a CPU, refused on a GPU
             interpret = interpret_mode(self.platform)
@@ -194,11 +199,9 @@ class MeshEngine:
             logits_at,
         )  # (n_out, vocab)
         picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, my sequences
-        my_slots = mine.slot_ids[:n_out]
-        by_slot = jnp.zeros(self.max_num_seqs, jnp.int32).at[
-            jnp.where(my_slots >= 0, my_slots, self.max_num_seqs)
-        ]
-        by_slot = jax.lax.psum(by_slot.set(picked, mode="drop"), DATA)  # (S,) every device's picks
+        my_slots = jnp.where(mine.slot_ids[:n_out] >= 0, mine.slot_ids[:n_out], self.max_num_seqs)  # (n_out,)
+        by_slot = jnp.zeros(self.max_num_seqs, jnp.int32).at[my_slots].set(picked, mode="drop")  # (S,) mine
+        by_slot = jax.lax.psum(by_slot, DATA)  # (S,) every device's picks
         sampled = by_slot[jnp.maximum(info.slot_ids, 0)]  # (S,) in batch order; padding rows ignored
         return ds.update_tokens(state, info, sampled), kv_pages, info
 
@@ -211,8 +214,9 @@ class MeshEngine:
         state = ds.record_shortage(ds.keep_if(~info.out_of_pages, new, state), info)
         first_page = jax.lax.axis_index(DATA) * self.pages_per_shard  # my slice of the pool starts here
 
-        def on_this_device(page):
-            return jnp.where((page >= first_page) & (page < first_page + self.pages_per_shard), page - first_page, INVALID)  # fmt: skip
+        def on_this_device(page):  # a page id in my slice of the pool; INVALID where another device holds it
+            here = (page >= first_page) & (page < first_page + self.pages_per_shard)
+            return jnp.where(here, page - first_page, INVALID)
 
         def clone_one(i, carry):
             state, kv_pages = carry
@@ -387,37 +391,19 @@ class MeshEngine:
                 # Prefill, then collect again before admitting more (a prompt can finish on its prefill
                 # token and free its slot): everything that fits is admitted before the next decode.
                 crc = zlib.crc32(b"".join(np.asarray(a).tobytes() for a in work.values()))
-                self.state, self.kv_pages = self._call(
-                    "prefill",
-                    self._prefill,
-                    self.params,
-                    self.state,
-                    self.kv_pages,
-                    work,  # NumPy: jit copies it to every device, inside the guarded call
-                    shapes=f"tokens={work['tokens'].shape[0]}, inputs crc32 {crc:08x}",
-                )
+                shapes = f"tokens={work['tokens'].shape[0]}, inputs crc32 {crc:08x}"
+                args = (self.params, self.state, self.kv_pages, work)  # work: NumPy, copied inside the call
+                self.state, self.kv_pages = self._call("prefill", self._prefill, *args, shapes=shapes)
                 continue
             if not running:
-                raise RuntimeError(
-                    f"prompt {waiting[0]} cannot be admitted: {ds.occupancy(host)['free_pages']} pages free with "
-                    f"cleanup={self.cleanup!r}"
-                    + (
-                        " (finished sequences keep their pages until the next generate())"
-                        if self.cleanup == "none"
-                        else ""
-                    )
-                )
+                free = ds.occupancy(host)["free_pages"]
+                kept = " (finished sequences keep their pages until the next generate())"
+                why = f"cleanup={self.cleanup!r}" + (kept if self.cleanup == "none" else "")
+                raise RuntimeError(f"prompt {waiting[0]} cannot be admitted: {free} pages free with {why}")
             width = self.decode_width(host)
             if width:
-                self.state, self.kv_pages = self._call(
-                    "decode",
-                    self._decode,
-                    self.params,
-                    self.state,
-                    self.kv_pages,
-                    width,
-                    shapes=f"width={width}",
-                )
+                args = (self.params, self.state, self.kv_pages, width)
+                self.state, self.kv_pages = self._call("decode", self._decode, *args, shapes=f"width={width}")
 
     def decode_width(self, host: ds.DecodeState) -> int:
         """The decode batch's width: one block per device, as wide as the most tokens one device has
@@ -457,13 +443,11 @@ class MeshEngine:
         while waiting:
             i = waiting[0]
             need = pages_for(len(prompts[i]), budgets[i], n, ps)
-            fits = [
-                k
-                for k in shards
-                if len(free_slots[k]) >= n
-                and need <= spare[k]
-                and not (blocks[k]["tokens"] and len(blocks[k]["tokens"]) + len(prompts[i]) > self.max_prefill_tokens)
-            ]  # fmt: skip
+            room = [
+                not b["tokens"] or len(b["tokens"]) + len(prompts[i]) <= self.max_prefill_tokens
+                for b in blocks
+            ]
+            fits = [k for k in shards if len(free_slots[k]) >= n and need <= spare[k] and room[k]]
             if not fits:
                 break
             k = max(fits, key=lambda k: (spare[k], -k))

@@ -17,7 +17,7 @@ world:
   a program the others will not run.
 
 Left out on purpose: a ``model`` axis (sharding heads; the course model has 3 KV heads, see the
-chapter, section 11), process groups other than "all", and timeouts (the launcher,
+chapter, section 12), process groups other than "all", and timeouts (the launcher,
 ``l6_multihost.py``, has one for the whole run).
 """
 

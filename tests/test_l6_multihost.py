@@ -1,8 +1,9 @@
 """L6 over a mesh and across processes: the per-shard bookkeeping, and l6_multihost.py run as a learner runs it.
 
-- allocation, cloning and packing with the pool and the slots cut into shards (pure functions, one
-  device): a slot only ever gets its own shard's pages, one short shard fails the whole step, each
-  device finds its own sequences in its own block of the batch, with page ids local to its slice;
+- ``mesh_tables.py``'s allocation, cloning and packing with the pool and the slots cut into shards (pure
+  functions, one device): a slot only ever gets its own shard's pages, one short shard fails the whole
+  step, each device finds its own sequences in its own block of the batch, with page ids local to its
+  slice;
 - ``l6_multihost.py`` with two JAX processes (gloo on localhost), each with a simulated mesh of 2 CPU
   devices (so one run covers both kinds of mesh), on the tiny Qwen3 with ``--diverge``: every prompt
   equals single-process L6 and HF, host-only logging changes nothing, and the guard turns an extra
