@@ -2,6 +2,7 @@
 
 ``MeshEngine`` is ``Engine`` changed for a mesh with one axis named ``data`` (``multihost.data_mesh``),
 in one process or in several (``l6_multihost.py``): ``lessons/diffs/L6_mesh.diff`` is what changes.
+``mesh`` takes the place of ``device``; without one, the mesh is every device of every process.
 
 - Every device holds an equal share of the slots and of every layer's KV pages (``SPECS["kv_pages"]``),
   plus a whole copy of the params and of the ``DecodeState`` (``SPECS``; ``specs=`` overrides them, for

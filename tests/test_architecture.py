@@ -282,3 +282,14 @@ def test_the_name_map_check_names_the_missing_name_and_its_side():
         "NAMES maps allocator.py:BlockAllocator.spoon, which L5 does not have (renamed or gone?)",
         "NAMES maps sequence.py:reserve to page_table.py:reserve_pages, which L6 does not have",
     ]
+
+
+def test_the_one_device_engine_holds_no_mesh_code():
+    """L6's lesson path: ``engine.py`` and the tables it uses know nothing of meshes, shards or hosts;
+    that is ``mesh_engine.py``'s, ``mesh_tables.py``'s and ``multihost.py``'s."""
+    for name in ("engine.py", "page_table.py", "decode_state.py", "device_stats.py", "kv_cache.py"):
+        code = (
+            (ROOT / "L6_tpu_jax" / name).read_text(encoding="utf-8").split('"""', 2)[2]
+        )  # past the docstring
+        for word in ("shard", "mesh", "psum", "check_same_call", "PartitionSpec", "local_copy"):
+            assert word not in code.lower(), f"L6_tpu_jax/{name} mentions {word!r} outside its docstring"
