@@ -181,7 +181,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "sequence.py:Sequence.finish_reason": ("", "a finished flag only"),
     "sequence.py:Sequence.all_ids": ("", "no preemption, so nothing is recomputed"),
     "sequence.py:Sequence.num_tokens": ("page_table.py:SequenceTable.seq_lens", "plus the one token queued"),
-    "sequence.py:Sequence.num_seqs": ("engine.py:Engine.check_fits", "a prompt's n clones take n slots of one device"),
+    "sequence.py:Sequence.num_seqs": ("engine.py:Engine.check_fits", "a prompt's n clones take n slots; it refuses more than `max_num_seqs`"),
     "sequence.py:Sequence.sort_key": ("", "first come, first served"),
     "sequence.py:reserve": ("page_table.py:allocate_for_seq", "a whole batch at once, on the device, all or nothing"),
     "sequence.py:slots": ("page_table.py:PageBatchInfo.new_token_dests", "computed by `batch_info`"),
