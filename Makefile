@@ -74,8 +74,9 @@ test smoke mutants: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 # Two pytest workers (pytest-xdist): one process alone kept 1.06 of the 2 cores busy (XLA compiles on
 # one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core.
 test: export OMP_WAIT_POLICY := PASSIVE
-# JAX on its CPU backend in the suite, as on a machine without a GPU: an engine built without a device
-# takes JAX's default one, which a CUDA setup (make setup ACCEL=cuda) would make the GPU.
+# JAX on its CPU backend in the suite, as on a machine without a GPU: L6's engine is built on the CPU
+# unless told otherwise, but the JAX functions the tests call directly (and the mesh engine's default
+# mesh) use JAX's default devices, which a CUDA setup (make setup ACCEL=cuda) would make the GPU.
 test: export JAX_PLATFORMS := cpu
 test: setup lint
 	$(PY) -m pytest -n 2
@@ -103,7 +104,8 @@ exercises: $(STAMP)
 	$(PY) -m kvcourse.grading.exercises
 
 # lessons/diffs/L{N-1}_L{N}.diff: what each stage changes, as a unified diff of the two folders;
-# lessons/diffs/L4_fast.diff: what L4's fast paths (fast/) add.
+# L4_fast.diff: what L4's fast paths (fast/) add; for L6, L5_L6_names.md (L5's names and L6's, also in
+# the L6 chapter) and L6_mesh.diff (its mesh engine against its one-device engine).
 diffs: $(STAMP)
 	$(PY) -m kvcourse.tools.diffs
 

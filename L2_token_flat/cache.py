@@ -13,7 +13,7 @@ sequences keep those books).
 
 Left out on purpose (and the stage that adds it): the block axis (L3 shapes the pool
 (num_blocks, block_size, H_kv, D), so that a block table indexes it directly), and copying a block
-(L5, for forks).
+(L5, for clones).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ sequences keep those books).
 ``grow`` adds blocks at the end of the block axis, between runs: the engine grows a pool left to its
 default size when a ``generate`` call brings more requests than it holds at once.
 
-Left out on purpose (and the stage that adds it): copying a block (L5, for forks).
+Left out on purpose (and the stage that adds it): copying a block (L5, for clones).
 """
 
 from __future__ import annotations

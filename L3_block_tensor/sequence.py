@@ -11,7 +11,7 @@ computed when needed:
 (block t // block_size, row t % block_size). With block_size 4 and block table [2, 0], positions
 0..5 live in slots 8, 9, 10, 11, 0, 1, exactly as in L2.
 
-Left out on purpose (and the stage that adds it): several sequences of one request (L5 forks a
+Left out on purpose (and the stage that adds it): several sequences of one request (L5 clones a
 request into n samples), and sampling (greedy only).
 """
 

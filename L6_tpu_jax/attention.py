@@ -7,15 +7,17 @@ each brings its own number of new queries and its own KV length), each sequence'
 state (m, l, acc) per query row::
 
     for each sequence s, each block of q_block queries, each block of kv_pages_per_block pages:
-        s_j = q . K_j * scale, masked to keys <= the query's position (causal) and < kv_len
+        s_j = q . K_j * scale, masked to keys <= the query's position (causal) and < context_len
         m_new = max(m, max(s_j));  l = l * exp(m - m_new) + sum(exp(s_j - m_new))
         acc = acc * exp(m - m_new) + exp(s_j - m_new) . V_j;  m = m_new
     out = acc / l
 
 Mixed prefill and decode in one batch is just ragged q lengths: a sequence's new queries are the last
-q_len of its kv_len tokens. Block sizes decide how much work each loop step does. Levanter's reference
-started at 1 query x 2 pages per step and was ~3x slower per round (2.3x end to end) than at 16 x 16 (its default
-since); they change only the summation order, never which keys a query sees.
+q_len of its context_len tokens (``context_lens``: KV positions each sequence attends over, its new ones
+included; L4's name, Levanter's ``kv_lens``). Block sizes decide how much work each loop step does.
+Levanter's reference started at 1 query x 2 pages per step and was ~3x slower per round (2.3x end to
+end) than at 16 x 16 (its default since); they change only the summation order, never which keys a
+query sees.
 
 ``decode_only_paged_attention`` is the decode fast path: the same result for a batch of one query per
 sequence, with the sequences as a batch axis instead of a loop (decode rounds use it with
@@ -80,7 +82,7 @@ def online_softmax_update(m, l, acc, sc, v, pv: str):
 def ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
-    kv_lens: jax.Array,
+    context_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
@@ -92,13 +94,13 @@ def ragged_paged_attention(
     """Attention of a flat batch of new tokens over their sequences' pages, read in place.
 
     q: (T, H, D), sequence i's queries at rows cu_q_lens[i]:cu_q_lens[i + 1]; kv_pages: (P, page_size,
-    2 * H_kv, D), K/V interleaved, already holding the new tokens; kv_lens: (S,) KV length of each
+    2 * H_kv, D), K/V interleaved, already holding the new tokens; context_lens: (S,) KV length of each
     sequence, new tokens included; page_indices: (S, pages_per_seq), INVALID past the end;
     cu_q_lens: (S + 1,); num_seqs: () valid sequences. Rows past cu_q_lens[num_seqs] come back 0.
     Returns (T, H, D).
 
     Example, page_size 4: a prefill of 3 new tokens on a fresh sequence and a decode of 1 token whose
-    sequence holds 6: kv_lens [3, 6], page_indices [[5, -1], [0, 2]], cu_q_lens [0, 3, 4]. Query 0
+    sequence holds 6: context_lens [3, 6], page_indices [[5, -1], [0, 2]], cu_q_lens [0, 3, 4]. Query 0
     sees key 0 of page 5, query 2 keys 0..2; query 3 sees all of page 0 and keys 0..1 of page 2.
     """
     check_block_sizes(q_block=q_block, kv_pages_per_block=kv_pages_per_block)
@@ -111,7 +113,7 @@ def ragged_paged_attention(
     q_pad = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))  # (T + q_block, H, D): a block never runs off the end
 
     def one_seq(s, out):
-        q0, q_len, kv_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], kv_lens[s]
+        q0, q_len, context_len = cu_q_lens[s], cu_q_lens[s + 1] - cu_q_lens[s], context_lens[s]
 
         def one_q_block(b, out):
             start = q0 + b * q_block
@@ -119,8 +121,9 @@ def ragged_paged_attention(
                 q_block, n_kv, g, d
             )  # (QB, H_kv, G, D)
             i = b * q_block + jnp.arange(q_block)  # (QB,) query index within the sequence
-            q_pos = kv_len - q_len + i  # (QB,) absolute positions
-            newest = kv_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1  # later keys are all masked
+            q_pos = context_len - q_len + i  # (QB,) absolute positions
+            # the block's last query; later keys are all masked
+            newest = context_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1
 
             def one_kv_block(j, carry):
                 m, l, acc = carry
@@ -129,7 +132,7 @@ def ragged_paged_attention(
                 k, v = kv[:, 0::2], kv[:, 1::2]  # (span, H_kv, D) each
                 sc = jnp.einsum("qhgd,khd->hgqk", qs, k, precision=HIGHEST) * scale  # (H_kv, G, QB, span)
                 k_pos = j * span + jnp.arange(span)  # (span,)
-                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)  # (QB, span)
+                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < context_len)  # (QB, span)
                 sc = jnp.where(visible, sc, -jnp.inf)
                 return online_softmax_update(m, l, acc, sc, v, "hgqk,khd->hgqd")
 
@@ -150,7 +153,7 @@ def ragged_paged_attention(
 def decode_only_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
-    kv_lens: jax.Array,
+    context_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
@@ -167,9 +170,9 @@ def decode_only_paged_attention(
     ``fori_loop`` walks KV blocks, and each step gathers block j of *every* sequence's pages at once,
     (T, kv_pages_per_block, page_size, 2 * H_kv, D), which is what the Pallas grid's parallel sequence
     axis does on a TPU. The loop runs to the longest sequence's last block; shorter ones are masked.
-    A query at position kv_len - 1 sees every key < kv_len, so the causal mask is the length mask.
+    A query at position context_len - 1 sees every key < context_len, so the causal mask is the length mask.
 
-    Example, page_size 4, one block of 2 pages: kv_lens [6, 1], page_indices [[0, 2], [5, -1]]
+    Example, page_size 4, one block of 2 pages: context_lens [6, 1], page_indices [[0, 2], [5, -1]]
     -> one step reads pages 0, 2 (6 keys visible) for row 0 and page 5 (1 key) for row 1.
     """
     check_block_sizes(kv_pages_per_block=kv_pages_per_block)
@@ -180,7 +183,7 @@ def decode_only_paged_attention(
     span = kv_pages_per_block * ps  # keys per KV block
     pages = pad_to_kv_blocks(page_indices[:n_tok], kv_pages_per_block)  # (T, whole KV blocks)
     live = jnp.arange(n_tok) < num_seqs  # (T,) rows that are sequences
-    kv_len = jnp.where(live, kv_lens[:n_tok], 0)  # (T,)
+    context_len = jnp.where(live, context_lens[:n_tok], 0)  # (T,)
     qs = q.reshape(n_tok, n_kv, g, d)  # (T, H_kv, G, D)
 
     def one_kv_block(j, carry):
@@ -191,12 +194,12 @@ def decode_only_paged_attention(
         kv = kv_pages[jnp.maximum(blk, 0)].reshape(n_tok, span, 2 * n_kv, d)  # (T, span, 2 * H_kv, D)
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, span, H_kv, D) each
         sc = jnp.einsum("thgd,tkhd->thgk", qs, k, precision=HIGHEST) * scale  # (T, H_kv, G, span)
-        visible = j * span + jnp.arange(span)[None, :] < kv_len[:, None]  # (T, span)
+        visible = j * span + jnp.arange(span)[None, :] < context_len[:, None]  # (T, span)
         sc = jnp.where(visible[:, None, None, :], sc, -jnp.inf)
         return online_softmax_update(m, l, acc, sc, v, "thgk,tkhd->thgd")
 
     init = empty_softmax_state((n_tok, n_kv, g), d)
-    m, l, acc = jax.lax.fori_loop(0, cdiv(jnp.max(kv_len), span), one_kv_block, init)
+    m, l, acc = jax.lax.fori_loop(0, cdiv(jnp.max(context_len), span), one_kv_block, init)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # (T, H_kv, G, D); padding rows stay 0
     return out.reshape(n_tok, n_heads, d)
 

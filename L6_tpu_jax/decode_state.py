@@ -2,10 +2,10 @@
 
 ``DecodeState`` is the single source of truth on the device: the ``SequenceTable`` and ``PageTable``
 (``page_table.py``), the ``TokenQueue`` of tokens waiting to run, each slot's generated tokens and
-budget, a ``finished`` flag per slot, and the counters behind ``Engine.stats()`` (``count_step``:
-forward calls, tokens, live vs held positions, peaks). It is one pytree, so a whole decode round
-(pack the queue, allocate pages, forward, pick tokens, count, update, free what finished) runs inside
-``jax.lax.while_loop`` without the host, and every round is counted exactly.
+budget, a ``finished`` flag per slot, and the counters behind ``Engine.stats()`` (``stats``, kept by
+``device_stats.py``). It is one pytree, so a whole decode round (pack the queue, allocate pages,
+forward, pick tokens, count, update, free what finished) runs inside ``jax.lax.while_loop`` without
+the host.
 
 The host reads it back (a NumPy copy, ``Engine.host_state``) only between calls, for outputs,
 ``occupancy``, the counters, and ``check_invariants``: the allocation, clone/refcount and reset
@@ -19,12 +19,13 @@ into decode rounds.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .device_stats import DeviceStats
 from .kv_cache import copy_page
 from .page_table import (
     INVALID,
@@ -70,56 +71,30 @@ def enqueue(queue: TokenQueue, tokens, slot_ids, pos_ids, mask) -> TokenQueue:
     )
 
 
-def pack_next(
-    queue: TokenQueue, max_tokens: int, num_shards: int = 1
-) -> tuple[TokenQueue, jax.Array, jax.Array, jax.Array]:
-    """Take up to ``max_tokens`` queued entries, sorted by slot; the rest move to the front.
+def pack_next(queue: TokenQueue, max_tokens: int) -> tuple[TokenQueue, jax.Array, jax.Array, jax.Array]:
+    """Take the oldest ``max_tokens`` queued entries (at most), sorted by slot; the rest move to the front.
 
-    Returns (queue, tokens, slot_ids, pos_ids), each (max_tokens,) with INVALID slots as padding.
-    Sorting by slot keeps each slot's tokens contiguous, which ``allocate_for_seq`` relies on.
-    Over shards the batch is ``num_shards`` blocks of ``max_tokens / num_shards``: block k takes up to
-    that many of the entries (oldest first) whose slot lives on shard k (slot // (Q / num_shards),
-    the queue holding one entry per slot), so each device finds its own sequences in its own block.
+    Returns (queue, tokens, slot_ids, pos_ids), each (max_tokens,) with INVALID slots as padding
+    (``max_tokens`` at most the queue's capacity). Sorting by slot keeps each slot's tokens
+    contiguous, which ``allocate_for_seq`` relies on.
     Example: queued slots [3, 0, 5], max_tokens 2 -> packed slots [0, 3], queue left with [5].
-    With 2 shards of 4 slots (queue capacity 8) and max_tokens 4: blocks [0, 3, -1, -1] and
-    [5, -1, -1, -1] -> packed slots [0, 3, 5, -1], queue empty.
     """
     capacity = queue.tokens.shape[0]
-    width = max_tokens // num_shards  # tokens per shard block
-    queued = jnp.arange(capacity) < queue.num_queued  # (Q,)
-    shard = jnp.where(queued, queue.slot_ids // (capacity // num_shards), num_shards)  # (Q,)
-    member = shard[:, None] == jnp.arange(num_shards)[None, :]  # (Q, shards)
-    rank = jnp.sum((jnp.cumsum(member, axis=0) - 1) * member, axis=1)  # (Q,) place in its shard's line
-    taken = queued & (rank < width)  # (Q,)
-    at = jnp.where(taken, shard * width + rank, max_tokens)  # (Q,) entries not taken -> dropped
+    taken = jnp.minimum(queue.num_queued, max_tokens)  # entries packed now
+    i = jnp.arange(max_tokens)
 
-    def place(x):
-        return jnp.full(max_tokens, INVALID, jnp.int32).at[at].set(x, mode="drop")  # (max_tokens,)
+    def first(x):
+        return jnp.where(i < taken, x[i], INVALID)  # (max_tokens,) the oldest entries, padding after
 
-    slots = place(queue.slot_ids)
-    key = jnp.where(slots >= 0, slots, jnp.iinfo(jnp.int32).max).reshape(num_shards, width)
-    order = jnp.argsort(key, axis=1, stable=True) + width * jnp.arange(num_shards)[:, None]
-    order = order.reshape(-1)  # (max_tokens,) each block sorted by slot, padding last
-    left = queued & ~taken  # (Q,) entries that remain, moved to the front in order
-    to = jnp.where(left, jnp.cumsum(left) - 1, capacity)
+    slots = first(queue.slot_ids)
+    order = jnp.argsort(jnp.where(slots >= 0, slots, jnp.iinfo(jnp.int32).max), stable=True)  # by slot
+    rest = jnp.arange(capacity) + taken  # (Q,) the entries that remain, moved to the front in order
 
     def keep(x):
-        return jnp.full(capacity, INVALID, jnp.int32).at[to].set(x, mode="drop")  # (Q,)
+        return jnp.where(rest < queue.num_queued, x[jnp.minimum(rest, capacity - 1)], INVALID)  # (Q,)
 
-    rest = TokenQueue(keep(queue.tokens), keep(queue.slot_ids), keep(queue.pos_ids), jnp.sum(left))
-    return rest, place(queue.tokens)[order], slots[order], place(queue.pos_ids)[order]
-
-
-# The fields of DecodeState that count steps since the last reset (``count_step``, ``record_peaks``).
-COUNTERS = (
-    "steps",
-    "tokens_run",
-    "live_sum",
-    "held_sum",
-    "peak_live",
-    "peak_pages_in_use",
-    "peak_pages_shared",
-)
+    left = TokenQueue(keep(queue.tokens), keep(queue.slot_ids), keep(queue.pos_ids), queue.num_queued - taken)
+    return left, first(queue.tokens)[order], slots[order], first(queue.pos_ids)[order]
 
 
 @jax.tree_util.register_dataclass
@@ -136,45 +111,25 @@ class DecodeState:
     stop_tokens: jax.Array  # i32[E]: eos ids, INVALID padding
     pages_needed: jax.Array  # i32[]: > 0 once an allocation failed (the host raises)
     pages_free: jax.Array  # i32[]: free pages at that failure
-    # Counters since the last reset (``count_step``); the engine adds them to its totals before a reset.
-    steps: jax.Array  # i32[]: forward calls (prefill calls and decode rounds)
-    tokens_run: jax.Array  # i32[]: real tokens through the model (padding not counted)
-    live_sum: jax.Array  # f32[]: live positions, summed over steps
-    held_sum: jax.Array  # f32[]: held positions (pages held x page_size), summed over steps
-    peak_live: jax.Array  # i32[]: most live positions at once
-    peak_pages_in_use: jax.Array  # i32[]: most pages held at once (a shared page once)
-    peak_pages_shared: jax.Array  # i32[]: most pages held by two or more slots at once
+    stats: DeviceStats  # counters since the last reset (device_stats.py)
 
     @classmethod
     def init(
-        cls,
-        max_seqs: int,
-        pages_per_seq: int,
-        num_pages: int,
-        page_size: int,
-        max_new: int,
-        stop_tokens,
-        num_shards: int = 1,
+        cls, max_num_seqs: int, pages_per_seq: int, num_pages: int, page_size: int, max_new: int, stop_tokens
     ) -> DecodeState:
         return cls(
-            sequences=SequenceTable.init(max_seqs, pages_per_seq, page_size),
-            page_table=PageTable.init(num_pages, num_shards),
-            tqueue=TokenQueue.init(max_seqs),
-            tokens=jnp.full((max_seqs, max_new), INVALID, jnp.int32),
-            num_generated=jnp.zeros(max_seqs, jnp.int32),
-            max_new_tokens=jnp.zeros(max_seqs, jnp.int32),
-            ignore_eos=jnp.zeros(max_seqs, bool),
-            finished=jnp.zeros(max_seqs, bool),
+            sequences=SequenceTable.init(max_num_seqs, pages_per_seq, page_size),
+            page_table=PageTable.init(num_pages),
+            tqueue=TokenQueue.init(max_num_seqs),
+            tokens=jnp.full((max_num_seqs, max_new), INVALID, jnp.int32),
+            num_generated=jnp.zeros(max_num_seqs, jnp.int32),
+            max_new_tokens=jnp.zeros(max_num_seqs, jnp.int32),
+            ignore_eos=jnp.zeros(max_num_seqs, bool),
+            finished=jnp.zeros(max_num_seqs, bool),
             stop_tokens=jnp.asarray(stop_tokens, jnp.int32),
             pages_needed=jnp.zeros((), jnp.int32),
             pages_free=jnp.zeros((), jnp.int32),
-            steps=jnp.zeros((), jnp.int32),
-            tokens_run=jnp.zeros((), jnp.int32),
-            live_sum=jnp.zeros((), jnp.float32),
-            held_sum=jnp.zeros((), jnp.float32),
-            peak_live=jnp.zeros((), jnp.int32),
-            peak_pages_in_use=jnp.zeros((), jnp.int32),
-            peak_pages_shared=jnp.zeros((), jnp.int32),
+            stats=DeviceStats.init(),
         )
 
 
@@ -187,13 +142,12 @@ def reset_logical(state: DecodeState) -> DecodeState:
     """
     seqs = state.sequences
     return DecodeState.init(
-        seqs.max_seqs,
+        seqs.max_num_seqs,
         seqs.pages_per_seq,
         state.page_table.num_pages,
         seqs.page_size,
         state.tokens.shape[1],
         state.stop_tokens,
-        state.page_table.num_shards,
     )
 
 
@@ -230,74 +184,24 @@ def update_tokens(state: DecodeState, info: PageBatchInfo, sampled: jax.Array) -
     return replace(state, tokens=tokens, num_generated=num_generated, finished=finished, tqueue=tqueue)
 
 
-def kv_usage(state: DecodeState) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(live positions, pages held, pages shared) right now, as i32[] scalars.
-
-    Live: positions of used, unfinished slots whose K/V are in the pool, a shared page's rows once
-    (a finished slot that still holds pages, as with cleanup "none", holds them for nothing). Held:
-    pages with a refcount; shared: pages with a refcount above 1.
-
-    Example, page_size 4: slot 0 holds 6 tokens on pages [3, 5], its clone slot 1 holds 5 on [3, 8]
-    -> live = 4 (page 3, once) + 2 (page 5) + 1 (page 8) = 7; held 3 pages; shared 1 (page 3).
-    """
-    seqs, refs = state.sequences, state.page_table.page_ref_counts
-    ps, n_pages = seqs.page_size, refs.shape[0]
-    live_slot = seqs.used_mask & ~state.finished  # (S,)
-    j = jnp.arange(seqs.pages_per_seq)
-    rows = jnp.clip(seqs.seq_lens[:, None] - j[None, :] * ps, 0, ps)  # (S, pages_per_seq) filled rows
-    page = jnp.where(live_slot[:, None] & (seqs.page_indices >= 0), seqs.page_indices, n_pages)
-    filled = jnp.zeros(n_pages, jnp.int32).at[page].max(rows, mode="drop")  # (P,) each page once
-    return jnp.sum(filled), jnp.sum(refs > 0), jnp.sum(refs > 1)
-
-
-def record_peaks(state: DecodeState) -> DecodeState:
-    """Raise the peak counters to what ``kv_usage`` finds now."""
-    live, held, shared = kv_usage(state)
-    return replace(
-        state,
-        peak_live=jnp.maximum(state.peak_live, live),
-        peak_pages_in_use=jnp.maximum(state.peak_pages_in_use, held),
-        peak_pages_shared=jnp.maximum(state.peak_pages_shared, shared),
-    )
-
-
-def count_step(state: DecodeState, info: PageBatchInfo) -> DecodeState:
-    """Count one forward call: its real tokens, and live vs held positions once its pages are allocated.
-
-    Call it between ``allocate_for_seq`` and ``update_tokens``: this step's new K/V count as live, and
-    a slot that finishes on this step's token still counts (it ran). Example: a decode round over 3
-    sequences holding 5 pages of 16 and 70 live positions adds 1 step, 3 tokens, 70 to ``live_sum``
-    and 80 to ``held_sum``.
-    """
-    live, held, _ = kv_usage(state)
-    state = replace(
-        state,
-        steps=state.steps + 1,
-        tokens_run=state.tokens_run + info.cu_q_lens[-1],  # padding tokens are in no sequence
-        live_sum=state.live_sum + live.astype(jnp.float32),
-        held_sum=state.held_sum + (held * state.sequences.page_size).astype(jnp.float32),
-    )
-    return record_peaks(state)
-
-
-def clone_sequence(
-    state: DecodeState, kv_pages: tuple, parent, child, first_page=0
-) -> tuple[DecodeState, tuple]:
+def clone_sequence(state: DecodeState, kv_pages: tuple, parent, child) -> tuple[DecodeState, tuple]:
     """Slot ``child`` becomes a clone of slot ``parent`` (a no-op when ``child`` is INVALID).
 
-    It shares the parent's full pages, gets a copy of the partial last page (K/V copied in every
-    layer), the parent's outputs and budget, and, unless the parent already finished, a queued copy
-    of the parent's next token. Out of pages: nothing changes and the shortage is recorded.
-    ``kv_pages`` may be one device's slice of the pool, pages ``first_page ...``: the copy happens
-    only on the device that holds the child's pages.
+    It shares the parent's full pages and gets a copy of the partial last page, K/V copied in every
+    layer (``clone_pages_from``, ``copy_page``); ``start_clone`` gives it the rest.
+    """
+    seqs, pages, src, dst, ok = clone_pages_from(state.sequences, state.page_table, parent, child)
+    return start_clone(state, seqs, pages, parent, child, ok), copy_page(kv_pages, src, dst)
+
+
+def start_clone(state: DecodeState, seqs: SequenceTable, pages: PageTable, parent, child, ok) -> DecodeState:
+    """The state once slot ``child``'s pages are decided (``seqs``, ``pages``; ``ok`` False: none was free).
+
+    The child gets the parent's outputs and budget and, unless the parent already finished, a queued
+    copy of the parent's next token. Out of pages: nothing changes and the shortage is recorded.
     """
     active = child >= 0
     child_row = jnp.maximum(child, 0)
-    seqs, pages, src, dst, ok = clone_pages_from(state.sequences, state.page_table, parent, child)
-    here = (dst >= first_page) & (dst < first_page + kv_pages[0].shape[0])  # this device holds it
-    kv_pages = copy_page(
-        kv_pages, jnp.where(here, src - first_page, INVALID), jnp.where(here, dst - first_page, INVALID)
-    )
     go = active & ok
     pick = jnp.arange(state.finished.shape[0]) == jnp.where(go, child, INVALID)  # (S,)
 
@@ -309,7 +213,7 @@ def clone_sequence(
     k = jnp.argmax(queued)
     tqueue = enqueue(q, q.tokens[k][None], child_row[None], q.pos_ids[k][None], (go & jnp.any(queued))[None])
     failed = active & ~ok
-    state = replace(
+    return replace(
         state,
         sequences=seqs,
         page_table=pages,
@@ -322,7 +226,21 @@ def clone_sequence(
         pages_needed=jnp.where(failed, 1, state.pages_needed),
         pages_free=jnp.where(failed, jnp.sum(state.page_table.page_ref_counts == 0), state.pages_free),
     )
-    return state, kv_pages
+
+
+def keep_if(ok, new, old):
+    """``new`` where ``ok`` else ``old``, leaf by leaf (a step whose allocation failed changes nothing)."""
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def record_shortage(state: DecodeState, info: PageBatchInfo) -> DecodeState:
+    """Record a failed allocation's counts in the state (the host raises ``OutOfPagesError`` on them)."""
+    short = info.out_of_pages
+    return replace(
+        state,
+        pages_needed=jnp.where(short, info.pages_needed, state.pages_needed),
+        pages_free=jnp.where(short, info.pages_free, state.pages_free),
+    )
 
 
 def free_finished(state: DecodeState) -> DecodeState:
@@ -391,5 +309,5 @@ def check_invariants(state, *, after_reset: bool = False) -> None:
         assert not refs.any(), f"nonzero refcounts after reset: pages {np.flatnonzero(refs).tolist()}"
         assert n == 0, f"{n} queued tokens after reset"
         assert not np.asarray(state.finished).any(), "finished flags set after reset"
-        counts = {name: getattr(state, name).item() for name in COUNTERS}
+        counts = {f.name: getattr(state.stats, f.name).item() for f in fields(state.stats)}
         assert not any(counts.values()), f"counters not zero after reset: {counts}"

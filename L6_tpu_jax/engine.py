@@ -1,95 +1,53 @@
-"""L6 engine: Levanter's paged KV design in JAX, with cleanup wired in and reset made explicit.
+"""L6 engine: Levanter's paged KV design in JAX on one device, with cleanup wired in and reset made explicit.
 
-    generate():  reset()           -> jit'd; logical (metadata only, default) or physical (also zeroes
-                                      the KV pages); always run, on every host, whatever the process count
+    generate():  reset()           -> jit'd: logical (metadata only) or physical (also zeroes the pages)
                  loop on the host:
                    collect          -> read finished slots' tokens (host_state: a NumPy copy)
-                   admit + prefill  -> waiting prompts that fit get slots; one jit'd call per up to
-                                      max_prefill_tokens (repeated until nothing more fits) allocates their
-                                      pages, runs the prompts (lengths bucketed to powers of two, so a
-                                      new prompt length rarely means a new compile), picks each first
-                                      token, and clones n - 1 copies sharing full pages
-                   decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the token
-                                      queue, allocate_for_seq, forward (KV write + ragged paged
-                                      attention), greedy pick, update_tokens, and with
-                                      cleanup="incremental" free_pages_for_finished, every step.
-                                      The batch is as wide as the running sequences, rounded up to
-                                      a power of two (one compile per width): a lone sequence
-                                      decodes 1 row, not max_seqs padded rows
+                   admit + prefill  -> waiting prompts that fit get slots; one jit'd call allocates
+                                      their pages, runs the prompts (padded to a power of two),
+                                      picks each first token, and clones n - 1 copies sharing full pages
+                   decode           -> ONE jit'd lax.while_loop of up to max_rounds steps: pack the
+                                      token queue, allocate_for_seq, forward (KV write + ragged paged
+                                      attention), greedy pick, update_tokens, free what finished
+                                      (cleanup="incremental"); as wide as the running sequences,
+                                      rounded up to a power of two (one compile per width)
 
-``device`` says where an engine without a mesh runs: None for JAX's default device, ``"cpu"``,
-``"cuda"`` (or ``"gpu"``), ``"tpu"``, each optionally ``":N"`` (``multihost.jax_device``; a backend JAX
-does not have is a ``ValueError`` naming what it has). The weights, the state and the pages live there,
-and ``describe()`` says where. With a ``mesh`` the mesh decides. ``attention="pallas"``, a Pallas TPU
-kernel, runs compiled on a TPU and in TPU interpret mode on a CPU; an engine on a GPU refuses it.
+The weights, the state and the pages live on ``device``. ``cleanup`` says when a finished sequence's
+pages go back: ``"incremental"`` in the decode loop, ``"end"`` after each host call, ``"none"`` at the
+next ``generate`` (Levanter's original behaviour). The host admits a prompt only if the pool can hold
+it to its full budget beside what running sequences may still grow into; the device still checks
+every allocation, and a shortage raises ``OutOfPagesError``, never a wrong answer. ``stats()`` is
+counted on the device (``device_stats.py``).
 
-``cleanup`` says when a finished sequence's pages go back: ``"incremental"`` inside the decode loop,
-the step it finishes; ``"end"`` after each host call; ``"none"`` not until the next ``generate``
-(Levanter's original behaviour: then every prompt of a call must fit the pool at once).
-
-``stats()`` is every engine's ``EngineStats``, since the engine was built. Its step counters live in
-the device state: each forward call (a prefill call or a decode round of the ``while_loop``) counts
-its tokens and its live vs held positions inside the jit'd code, so every round is counted exactly
-without the host looking; ``reset`` adds them to the engine's totals before zeroing them.
-``occupancy()`` is the pool right now (active slots, pages in use, free pages, largest refcount).
-
-The host admits a prompt only if the pool can hold it to its full budget, next to what running
-sequences may still grow into, so decoding never runs dry. The device still checks every
-allocation: a shortage stops the loop and raises ``OutOfPagesError`` with the pages needed and free,
-never a wrong answer.
-
-Over a device mesh (``mesh=``, one axis named ``data``, ``multihost.py``): every device, in one process
-or in several, holds an equal share of the slots and of every layer's KV pages, plus a replicated copy
-of the params and of the whole ``DecodeState``. Each jit'd call is one ``shard_map`` program: every
-device computes the same page allocation for the whole batch (the tables are small), then runs the
-model only on its own block of the batch (its own slots, laid out by ``_admit`` and ``pack_next``)
-against its own pages, and the devices exchange just the tokens they picked (one ``psum`` of
-``max_seqs`` int32 per forward call), so every copy of the state takes the same update. Without a mesh
-the engine is the one-device case of the same program. With ``guard=True`` every host checks, before
-each jit call, that all hosts are about to make the same call (``multihost.check_same_call``).
-
-Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and sharding
-heads over a ``model`` axis. The multi-host rules hold by construction: every host makes the same jit
-calls in the same order with the same shapes, host-only code reads local copies, and reset is never
-skipped.
+Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and more
+than one device (``mesh_engine.py`` is this engine over a device mesh, and across hosts).
 """
 
 from __future__ import annotations
 
-import time
-import zlib
 from collections import Counter, deque
 from dataclasses import replace
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from kvcourse.devices import describe_jax_device, jax_device
 from kvcourse.jax_model import forward, load_params
 from kvcourse.limits import check_requests, resolve_max_model_len
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.stats import EngineStats, UsageMeter
+from kvcourse.stats import EngineStats
 
 from . import decode_state as ds
 from .attention import paged_attend, reference_decode_kernel, reference_kernel
+from .device_stats import Totals, count_step, record_peaks
 from .kv_cache import init_kv_pages
-from .multihost import DATA, check_same_call, describe_device, jax_device, local_copy
-from .page_table import INVALID, PageBatchInfo, allocate_for_seq, cdiv, shard_batch_info, shard_block
+from .page_table import INVALID, allocate_for_seq, cdiv, pages_for
 from .pallas_attention import interpret_mode, pallas_kernel
 
 CLEANUPS = ("incremental", "end", "none")
 RESETS = ("logical", "physical")
 ATTENTIONS = ("reference", "pallas")  # pallas: TPU interpret mode off-TPU (slow; tests and smoke only)
-REPLICATED = P()  # a whole copy on every device
-# How each input of a jit'd call is laid out over the mesh (``specs=`` overrides them, for the notebook).
-SPECS = {
-    "params": REPLICATED,  # every device runs the whole model on its own sequences
-    "decode_state": REPLICATED,  # the tables: small, and every device needs every slot's row
-    "kv_pages": P(DATA),  # each layer's pool (P, page_size, 2 * H_kv, D): pages split over devices
-}
 
 
 class OutOfPagesError(RuntimeError):
@@ -104,37 +62,14 @@ def bucket(n: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
 
 
-def pages_for(prompt_len: int, budget: int, n: int, page_size: int) -> int:
-    """Pages a prompt needs to finish its budget, with n clones sharing its full prompt pages.
-
-    Example, page_size 16: a 20-token prompt, budget 30, n=4 -> 4 pages for one sequence (50 tokens)
-    plus 3 clones x (4 - 1 shared) = 13.
-    """
-    total = cdiv(prompt_len + budget, page_size)
-    return total + (n - 1) * (total - prompt_len // page_size)
-
-
-def keep_if(ok, new, old):
-    """``new`` where ``ok`` else ``old``, leaf by leaf (a step whose allocation failed changes nothing)."""
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
-def record_shortage(state: ds.DecodeState, info: PageBatchInfo) -> ds.DecodeState:
-    short = info.out_of_pages
-    return replace(
-        state,
-        pages_needed=jnp.where(short, info.pages_needed, state.pages_needed),
-        pages_free=jnp.where(short, info.pages_free, state.pages_free),
-    )
-
-
 class Engine:
     def __init__(
         self,
         model_dir=None,
+        device: str = "cpu",
         page_size: int = 16,
         num_pages: int | None = None,
-        max_seqs: int = 16,
+        max_num_seqs: int = 16,
         max_rounds: int = 32,
         max_model_len: int | None = None,
         max_prefill_tokens: int = 1024,
@@ -144,44 +79,35 @@ class Engine:
         q_block: int = 16,
         kv_pages_per_block: int = 16,
         decode_kv_pages_per_block: int = 4,
-        mesh: Mesh | None = None,
-        guard: bool = False,
-        specs: dict[str, P] | None = None,
-        device: str | None = None,
     ):
-        for name, value, choices in (("cleanup", cleanup, CLEANUPS), ("reset", reset, RESETS), ("attention", attention, ATTENTIONS)):  # fmt: skip
+        for name, value, choices in (
+            ("cleanup", cleanup, CLEANUPS),
+            ("reset", reset, RESETS),
+            ("attention", attention, ATTENTIONS),
+        ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        for name, value in (("page_size", page_size), ("max_seqs", max_seqs), ("max_rounds", max_rounds)):
+        sizes = {"page_size": page_size, "max_num_seqs": max_num_seqs, "max_rounds": max_rounds}
+        for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.mesh = Mesh(np.asarray([jax_device(device)]), (DATA,)) if mesh is None else mesh
-        if self.mesh.axis_names != (DATA,):
-            raise ValueError(f"mesh must have one axis, {DATA!r}, got axes {self.mesh.axis_names}")
-        self.platform = self.mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
-        if mesh is not None and device is not None and jax_device(device).platform != self.platform:
-            raise ValueError(f"device={device!r} does not match the mesh's devices ({self.platform})")
-        self.num_shards = shards = self.mesh.shape[DATA]
+        self.device = jax_device(device)
+        self.platform = self.device.platform  # "cpu", "gpu" or "tpu"
         self.model_dir = resolve_model_dir(model_dir)
-        here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()][0]
-        with jax.default_device(here):  # made where they will live, not on JAX's default device
+        with jax.default_device(self.device):  # made where they will live, not on JAX's default device
             self.cfg, params = load_params(self.model_dir)
         cfg = self.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
-        self.page_size, self.max_seqs, self.max_rounds = page_size, max_seqs, max_rounds
+        self.page_size, self.max_num_seqs, self.max_rounds = page_size, max_num_seqs, max_rounds
         self.pages_per_seq = cdiv(self.max_model_len, page_size)
-        self.num_pages = self.pages_per_seq * shards if num_pages is None else num_pages
+        self.num_pages = self.pages_per_seq if num_pages is None else num_pages
         if self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
-        for name, value in (("max_seqs", max_seqs), ("num_pages", self.num_pages)):
-            if value % shards:
-                raise ValueError(f"{name}={value} must be a multiple of the mesh's {shards} {DATA!r} devices")
-        self.seqs_per_shard, self.pages_per_shard = max_seqs // shards, self.num_pages // shards
         self.max_prefill_tokens = max_prefill_tokens
         self.cleanup, self.reset_mode = cleanup, reset
         # Prefill rounds bring many queries per sequence; decode rounds exactly one, so the reference
         # batches its sequences (and the Pallas kernel uses one-row query blocks, not 15 rows of
-        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §6).
+        # padding). Decode has its own KV block size: on this CPU small blocks win there (chapter, §7).
         self.attention = attention
         if attention == "pallas":  # compiled by Mosaic on a TPU, interpreted on a CPU, refused on a GPU
             interpret = interpret_mode(self.platform)
@@ -191,82 +117,43 @@ class Engine:
             self.kernel = reference_kernel(q_block, kv_pages_per_block)
             self.decode_kernel = reference_decode_kernel(decode_kv_pages_per_block)
         stop = list(cfg.eos_token_ids) or [INVALID]
-        self.specs = spec = {**SPECS, **(specs or {})}
-        self.params = jax.device_put(params, NamedSharding(self.mesh, spec["params"]))
-        with jax.default_device(here):
+        with jax.default_device(self.device):
             state = ds.DecodeState.init(
-                max_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop, shards
+                max_num_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop
             )
-        self.state = jax.device_put(state, NamedSharding(self.mesh, spec["decode_state"]))
-        kv_sharding = NamedSharding(self.mesh, spec["kv_pages"])
-        self.kv_pages = jax.jit(
-            partial(init_kv_pages, cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
-            out_shardings=kv_sharding,
-        )()  # each device allocates only its own pages
+            kv_pages = init_kv_pages(
+                cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim
+            )
+        # Committed to the device: every jit'd call runs there, and copies its NumPy inputs there.
+        self.params, self.state, self.kv_pages = jax.device_put((params, state, kv_pages), self.device)
         self.traces: Counter[str] = Counter()  # how often each jit'd function was traced (= compiled)
-        self.guard, self.num_calls = guard, 0  # jit calls made, the guard's running index
-        per_device = partial(
-            jax.shard_map,
-            mesh=self.mesh,
-            out_specs=(spec["decode_state"], spec["kv_pages"]),
-            # The state comes out REPLICATED because every device computes the same update from the
-            # same inputs and the psum'd picks. check_vma would prove that by typing every value
-            # (varying per device or not); its proof would need casts inside the attention loops.
-            check_vma=False,
-        )
-        self._prefill = jax.jit(
-            per_device(
-                self._prefill_fn,
-                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"], REPLICATED),
-            ),
-            donate_argnums=(2,),
-        )
-        self._decode = jax.jit(
-            lambda params, state, kv_pages, width: per_device(
-                partial(self._decode_fn, width=width),
-                in_specs=(spec["params"], spec["decode_state"], spec["kv_pages"]),
-            )(params, state, kv_pages),
-            donate_argnums=(2,),
-            static_argnums=(3,),
-        )
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,), static_argnums=(3,))
         self._free = jax.jit(ds.free_finished)
         self._reset_logical = jax.jit(ds.reset_logical)
         self._zero = jax.jit(lambda pools: jax.tree.map(jnp.zeros_like, pools))
-        self.reset_seconds = 0.0
-        # Totals of the device counters (DecodeState.COUNTERS) up to the last reset, and clones made.
-        self.meter = UsageMeter()  # live vs held positions, and peaks
-        self.num_steps = self.num_tokens_run = self.num_forks = 0
+        self.totals = Totals()  # the device counters up to the last reset (device_stats.py)
+        self.num_clones = 0  # requests split into their n sequences
 
     # ---- device functions (traced once per shape) ----
 
     def _step(self, params, state, kv_pages, tokens, slot_ids, pos_ids, kernel):
-        """Allocate pages for a flat batch, run the model, pick each sequence's next token, update.
-
-        Runs on every device (inside ``shard_map``): ``kv_pages`` is this device's slice of the
-        pool, everything else is a whole copy. The batch (T,) is one block per device.
-        """
+        """Allocate pages for a flat batch (T,), run the model, pick each sequence's next token, update."""
         seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slot_ids, pos_ids)
-        state = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)  # whole batch, alike
-        shard = jax.lax.axis_index(DATA)
-        mine = shard_batch_info(seqs, info, slot_ids, pos_ids, shard, pages)  # my block, my page ids
-        my_tokens = shard_block(tokens, shard, self.num_shards)  # (T / devices,)
-        my_pos = shard_block(pos_ids, shard, self.num_shards)
-        n_out = min(my_tokens.shape[0], self.seqs_per_shard)  # a block holds at most that many sequences
-        logits_at = jnp.maximum(mine.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
+        state = count_step(replace(state, sequences=seqs, page_table=pages), info)
+        n_out = min(tokens.shape[0], self.max_num_seqs)  # a batch holds at most that many sequences
+        logits_at = jnp.maximum(info.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
         logits, kv_pages = forward(
             self.cfg,
             params,
-            jnp.maximum(my_tokens, 0),
-            jnp.maximum(my_pos, 0),
-            paged_attend(mine, kernel),
+            jnp.maximum(tokens, 0),
+            jnp.maximum(pos_ids, 0),
+            paged_attend(info, kernel),
             kv_pages,
             logits_at,
         )  # (n_out, vocab)
-        picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, my sequences
-        my_slots = mine.slot_ids[:n_out]
-        by_slot = jnp.zeros(self.max_seqs, jnp.int32).at[jnp.where(my_slots >= 0, my_slots, self.max_seqs)]
-        by_slot = jax.lax.psum(by_slot.set(picked, mode="drop"), DATA)  # (S,) every device's picks
-        sampled = by_slot[jnp.maximum(info.slot_ids, 0)]  # (S,) in batch order; padding rows ignored
+        picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, in batch order
+        sampled = jnp.pad(picked, (0, self.max_num_seqs - n_out))  # (S,) padding rows are ignored
         return ds.update_tokens(state, info, sampled), kv_pages, info
 
     def _prefill_fn(self, params, state, kv_pages, work):
@@ -275,15 +162,13 @@ class Engine:
         new, kv_pages, info = self._step(
             params, state, kv_pages, work["tokens"], work["slots"], work["pos"], self.kernel
         )
-        state = record_shortage(keep_if(~info.out_of_pages, new, state), info)
-
-        first_page = jax.lax.axis_index(DATA) * self.pages_per_shard  # my slice of the pool starts here
+        state = ds.record_shortage(ds.keep_if(~info.out_of_pages, new, state), info)
 
         def clone_one(i, carry):
-            return ds.clone_sequence(*carry, work["parents"][i], work["children"][i], first_page)
+            return ds.clone_sequence(*carry, work["parents"][i], work["children"][i])
 
-        state, kv_pages = jax.lax.fori_loop(0, self.max_seqs, clone_one, (state, kv_pages))
-        state = ds.record_peaks(state)  # the clones' pages, before anything frees them
+        state, kv_pages = jax.lax.fori_loop(0, self.max_num_seqs, clone_one, (state, kv_pages))
+        state = record_peaks(state)  # the clones' pages, before anything frees them
         if self.cleanup == "incremental":
             state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)
         return state, kv_pages
@@ -297,13 +182,13 @@ class Engine:
 
         def one_round(carry):
             state, kv_pages, i = carry
-            queue, tokens, slots, pos = ds.pack_next(state.tqueue, width, self.num_shards)  # (width,) each
+            queue, tokens, slots, pos = ds.pack_next(state.tqueue, width)  # (width,) each
             new, kv_pages, info = self._step(
                 params, replace(state, tqueue=queue), kv_pages, tokens, slots, pos, self.decode_kernel
             )
             if self.cleanup == "incremental":
                 new = ds.free_finished(new)  # pages return the step a sequence finishes
-            state = record_shortage(keep_if(~info.out_of_pages, new, state), info)
+            state = ds.record_shortage(ds.keep_if(~info.out_of_pages, new, state), info)
             return state, kv_pages, i + 1
 
         state, kv_pages, _ = jax.lax.while_loop(go_on, one_round, (state, kv_pages, jnp.int32(0)))
@@ -311,55 +196,25 @@ class Engine:
 
     # ---- host side ----
 
-    def _call(self, name: str, fn, *args, shapes: str = ""):
-        """Make jit call ``fn(*args)``; with the guard on, first check every host makes the same one."""
-        if self.guard:
-            check_same_call(self.num_calls, f"{name}({shapes})")
-        self.num_calls += 1
-        return fn(*args)
-
     def reset(self) -> None:
-        """Back to the baseline state. Always runs (never skipped, on any host); physical also zeroes KV.
+        """Back to the baseline state. Always runs (never skipped); physical also zeroes the KV pages.
 
         The device counters go back to zero too, after their values are added to the engine's totals.
         """
-        totals = self._totals()
-        t0 = time.perf_counter()
-        self.state = self._call("reset_logical", self._reset_logical, self.state)
+        self.totals = self.totals.plus(jax.device_get(self.state.stats))
+        self.state = self._reset_logical(self.state)
         if self.reset_mode == "physical":
-            self.kv_pages = self._call("zero_kv_pages", self._zero, self.kv_pages)
-        jax.block_until_ready((self.state, self.kv_pages))
-        self.reset_seconds = time.perf_counter() - t0
-        self.meter, self.num_steps, self.num_tokens_run = totals
+            self.kv_pages = self._zero(self.kv_pages)
 
     def host_state(self) -> ds.DecodeState:
-        """A NumPy copy of the device state, read from this host's own copy (no collective)."""
-        return local_copy(self.state)
-
-    @property
-    def peak_pages_in_use(self) -> int:
-        """Most pages held at once since the last reset (clones' shared pages count once)."""
-        return int(self.state.peak_pages_in_use)
-
-    def _totals(self) -> tuple[UsageMeter, int, int]:
-        """(meter, steps, tokens run) since the engine was built: the totals folded in at earlier
-        resets plus the device counters now."""
-        now = local_copy({name: getattr(self.state, name) for name in ds.COUNTERS})
-        m = self.meter
-        meter = UsageMeter(
-            live_sum=m.live_sum + int(now["live_sum"]),  # whole numbers, exact in f32 below 2**24
-            held_sum=m.held_sum + int(now["held_sum"]),
-            live_peak=max(m.live_peak, int(now["peak_live"])),
-            blocks_held_peak=max(m.blocks_held_peak, int(now["peak_pages_in_use"])),
-            blocks_shared_peak=max(m.blocks_shared_peak, int(now["peak_pages_shared"])),
-        )
-        return meter, self.num_steps + int(now["steps"]), self.num_tokens_run + int(now["tokens_run"])
+        """A NumPy copy of the device state."""
+        return jax.device_get(self.state)
 
     def stats(self) -> EngineStats:
         """KV reserved vs live, pages held and shared, steps, tokens, clones and compiles, since the
-        engine was built. Live and held positions are counted on the device, every step (prefill
-        call or decode round) exactly."""
-        meter, steps, tokens = self._totals()
+        engine was built, counted on the device (``device_stats.py``)."""
+        totals = self.totals.plus(jax.device_get(self.state.stats))
+        meter = totals.meter
         return EngineStats(
             kv_bytes_reserved=sum(pool.nbytes for pool in self.kv_pages),
             kv_bytes_live=meter.live_peak * self.cfg.kv_bytes_per_token(),
@@ -368,10 +223,13 @@ class Engine:
             num_blocks=self.num_pages,
             blocks_held=meter.blocks_held_peak,
             blocks_shared=meter.blocks_shared_peak,
-            steps=steps,
-            tokens_run=tokens,
-            clones=self.num_forks,
+            steps=totals.steps,
+            tokens_run=totals.tokens_run,
+            clones=self.num_clones,
             compiles=dict(self.traces),
+            device=f"{self.platform}:{self.device.id}",
+            kernel=self.attention,
+            max_num_seqs=self.max_num_seqs,
         )
 
     def describe(self) -> str:
@@ -379,13 +237,10 @@ class Engine:
 
         Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers``.
         """
-        devices = list(self.mesh.devices.flat)
-        where = describe_device(devices[0])
-        if len(devices) > 1:
-            where = f"{len(devices)} {self.platform} devices (a {DATA!r} mesh)"
         kernel = "reference attention"
         if self.attention == "pallas":
             kernel = "Pallas TPU kernel" + (", TPU interpret mode" if self.platform != "tpu" else "")
+        where = describe_jax_device(self.device)
         return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {self.cfg.num_layers} layers"
 
     def occupancy(self) -> dict[str, int]:
@@ -397,20 +252,16 @@ class Engine:
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more clones than
-        slots, more pages than the pool). Returns its budget. Over a mesh a request and its clones
-        live on one device, so the limits are one device's share of the slots and pages."""
+        slots, more pages than the pool). Returns its budget."""
         [budget] = check_requests([prompt], max_new_tokens, self.cfg.vocab_size, self.max_model_len)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"{label}: n must be an integer >= 1, got {n!r}")
-        share = f" per device ({self.num_shards} {DATA!r} devices)" if self.num_shards > 1 else ""
-        if n > self.seqs_per_shard:
-            limit = f"max_seqs={self.max_seqs}" + (f", {self.seqs_per_shard}{share}" if share else "")
-            raise ValueError(f"{label}: n={n} sequences exceed {limit}")
+        if n > self.max_num_seqs:
+            raise ValueError(f"{label}: n={n} sequences exceed max_num_seqs={self.max_num_seqs}")
         need = pages_for(len(prompt), budget, n, self.page_size)
-        if need > self.pages_per_shard:
+        if need > self.num_pages:
             raise ValueError(
-                f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only "
-                f"{self.pages_per_shard}{share}"
+                f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only {self.num_pages}"
             )
         return budget
 
@@ -419,12 +270,7 @@ class Engine:
         if int(host.pages_needed) > 0:
             raise OutOfPagesError(
                 f"out of KV pages: a step needed {int(host.pages_needed)} new pages but only "
-                f"{int(host.pages_free)} of {self.pages_per_shard} were free"
-                + (
-                    f" on its device ({self.num_pages} pages over {self.num_shards})"
-                    if self.num_shards > 1
-                    else ""
-                )
+                f"{int(host.pages_free)} of {self.num_pages} were free"
             )
 
     def generate(
@@ -462,127 +308,75 @@ class Engine:
                     results[i] = [host.tokens[s, : host.num_generated[s]].tolist() for s in slots]
                     del running[i]
             if self.cleanup == "end" and (host.finished & host.sequences.used_mask).any():
-                self.state = self._call("free_finished", self._free, self.state)
+                self.state = self._free(self.state)
                 host = self.host_state()
             if not waiting and not running:
-                if self.guard:  # an extra call on one host meets the others here at the latest
-                    check_same_call(self.num_calls, "generate returns")
                 return results
             work = self._admit(host, waiting, running, prompts, budgets, n, ignore_eos)
             if work is not None:
                 # Prefill, then collect again before admitting more (a prompt can finish on its prefill
                 # token and free its slot): everything that fits is admitted before the next decode.
-                crc = zlib.crc32(b"".join(np.asarray(a).tobytes() for a in work.values()))
-                self.state, self.kv_pages = self._call(
-                    "prefill",
-                    self._prefill,
-                    self.params,
-                    self.state,
-                    self.kv_pages,
-                    work,  # NumPy: jit copies it to every device, inside the guarded call
-                    shapes=f"tokens={work['tokens'].shape[0]}, inputs crc32 {crc:08x}",
-                )
+                self.state, self.kv_pages = self._prefill(self.params, self.state, self.kv_pages, work)
                 continue
             if not running:
-                raise RuntimeError(
-                    f"prompt {waiting[0]} cannot be admitted: {ds.occupancy(host)['free_pages']} pages free with "
-                    f"cleanup={self.cleanup!r}"
-                    + (
-                        " (finished sequences keep their pages until the next generate())"
-                        if self.cleanup == "none"
-                        else ""
-                    )
-                )
+                free = ds.occupancy(host)["free_pages"]
+                kept = " (finished sequences keep their pages until the next generate())"
+                why = f"cleanup={self.cleanup!r}" + (kept if self.cleanup == "none" else "")
+                raise RuntimeError(f"prompt {waiting[0]} cannot be admitted: {free} pages free with {why}")
             width = self.decode_width(host)
             if width:
-                self.state, self.kv_pages = self._call(
-                    "decode",
-                    self._decode,
-                    self.params,
-                    self.state,
-                    self.kv_pages,
-                    width,
-                    shapes=f"width={width}",
-                )
+                self.state, self.kv_pages = self._decode(self.params, self.state, self.kv_pages, width)
 
     def decode_width(self, host: ds.DecodeState) -> int:
-        """The decode batch's width: one block per device, as wide as the most tokens one device has
-        queued (one per running sequence), rounded up to a power of two; 0 when nothing is queued.
-
-        Example: one device, 3 sequences running -> 4. Two devices with 3 and 1 running -> 2 x 4 = 8.
-        """
-        slots = host.tqueue.slot_ids[: int(host.tqueue.num_queued)]
-        if not len(slots):
-            return 0
-        most = int(np.bincount(slots // self.seqs_per_shard).max())
-        return self.num_shards * min(self.seqs_per_shard, bucket(most, smallest=1))
+        """The decode batch's width: the tokens queued (one per running sequence), rounded up to a
+        power of two; 0 when nothing is queued. Example: 3 sequences running -> 4."""
+        queued = int(host.tqueue.num_queued)
+        return min(self.max_num_seqs, bucket(queued, smallest=1)) if queued else 0
 
     def _admit(self, host, waiting, running, prompts, budgets, n, ignore_eos):
         """Give waiting prompts (in order) free slots while the pool can hold them to their budgets.
 
-        Over a mesh each prompt goes, with its clones, to one device: the one with the most pages to
-        spare among those with n free slots, room for its pages and for its tokens in this call
-        (the lowest device on a tie), so every host picks the same. Returns the prefill work, the
-        tokens laid out as one block per device, each padded to the same power-of-two bucket; or None.
+        Returns the prefill work, the tokens padded to a power-of-two bucket; or None.
         """
-        ps, seqs, per = self.page_size, host.sequences, self.seqs_per_shard
-        shards = range(self.num_shards)
-        free_slots = [[s for s in range(k * per, (k + 1) * per) if not seqs.used_mask[s]] for k in shards]
+        ps, seqs = self.page_size, host.sequences
+        free_slots = [s for s in range(self.max_num_seqs) if not seqs.used_mask[s]]
         held = (seqs.page_indices >= 0).sum(axis=1)  # (S,)
-        free_pages = (host.page_table.page_ref_counts == 0).reshape(self.num_shards, -1).sum(axis=1)
-        budget_pages = [int(f) for f in free_pages]  # pages each device can still promise
+        spare = int((host.page_table.page_ref_counts == 0).sum())  # pages the pool can still promise
         for slots in running.values():
             for s in slots:
-                if not host.finished[s]:  # pages a running sequence may still take on its device
+                if not host.finished[s]:  # pages a running sequence may still take
                     left = int(host.max_new_tokens[s] - host.num_generated[s])
-                    budget_pages[s // per] -= cdiv(int(seqs.seq_lens[s]) + left, ps) - int(held[s])
-        blocks = [{"tokens": [], "slots": [], "pos": []} for _ in shards]
-        pairs = []
-        new = np.zeros(self.max_seqs, bool)
-        seq_budgets = np.zeros(self.max_seqs, np.int32)
+                    spare -= cdiv(int(seqs.seq_lens[s]) + left, ps) - int(held[s])
+        tokens, slot_ids, pos, pairs = [], [], [], []
+        new = np.zeros(self.max_num_seqs, bool)
+        seq_budgets = np.zeros(self.max_num_seqs, np.int32)
         while waiting:
             i = waiting[0]
             need = pages_for(len(prompts[i]), budgets[i], n, ps)
-            fits = [
-                k
-                for k in shards
-                if len(free_slots[k]) >= n
-                and need <= budget_pages[k]
-                and not (
-                    blocks[k]["tokens"]
-                    and len(blocks[k]["tokens"]) + len(prompts[i]) > self.max_prefill_tokens
-                )
-            ]
-            if not fits:
+            room = not tokens or len(tokens) + len(prompts[i]) <= self.max_prefill_tokens  # in this call
+            if len(free_slots) < n or need > spare or not room:
                 break
-            k = max(fits, key=lambda k: (budget_pages[k], -k))
             waiting.popleft()
-            mine = [free_slots[k].pop(0) for _ in range(n)]
+            mine = [free_slots.pop(0) for _ in range(n)]
             running[i] = mine
-            budget_pages[k] -= need
-            blocks[k]["tokens"] += prompts[i]
-            blocks[k]["slots"] += [mine[0]] * len(prompts[i])
-            blocks[k]["pos"] += range(len(prompts[i]))
+            spare -= need
+            tokens += prompts[i]
+            slot_ids += [mine[0]] * len(prompts[i])
+            pos += range(len(prompts[i]))
             new[mine[0]], seq_budgets[mine[0]] = True, budgets[i]
             pairs += [(mine[0], child) for child in mine[1:]]
-            self.num_forks += n > 1  # one request split into its n sequences
-        if not any(b["tokens"] for b in blocks):
+            self.num_clones += n > 1  # one request split into its n sequences
+        if not tokens:
             return None
-        width = bucket(max(len(b["tokens"]) for b in blocks))
-
-        def laid_out(key: str, pad: int) -> np.ndarray:
-            return np.concatenate(
-                [np.asarray(b[key] + [pad] * (width - len(b[key])), np.int32) for b in blocks]
-            )
-
-        pairs += [(0, INVALID)] * (self.max_seqs - len(pairs))
+        pad = bucket(len(tokens)) - len(tokens)
+        pairs += [(0, INVALID)] * (self.max_num_seqs - len(pairs))
         return {
-            "tokens": laid_out("tokens", 0),  # (devices * width,)
-            "slots": laid_out("slots", INVALID),  # (devices * width,)
-            "pos": laid_out("pos", 0),  # (devices * width,)
+            "tokens": np.asarray(tokens + [0] * pad, np.int32),  # (T,)
+            "slots": np.asarray(slot_ids + [INVALID] * pad, np.int32),  # (T,)
+            "pos": np.asarray(pos + [0] * pad, np.int32),  # (T,)
             "new": new,  # (S,)
             "budgets": seq_budgets,  # (S,)
-            "ignore_eos": np.full(self.max_seqs, ignore_eos),  # (S,)
+            "ignore_eos": np.full(self.max_num_seqs, ignore_eos),  # (S,)
             "parents": np.asarray([p for p, _ in pairs], np.int32),  # (S,)
             "children": np.asarray([c for _, c in pairs], np.int32),  # (S,)
         }

@@ -6,8 +6,8 @@
 The launcher (this process) prepares every model's prompts, HF's greedy answers (cached) and the
 single-process L6 engine's tokens, then starts P "hosts": copies of this script, each a JAX process
 with D / P CPU devices, joined by ``jax.distributed.initialize`` on a free localhost port with gloo
-CPU collectives. Every host runs the same program: one ``Engine`` over the global ``data`` mesh of D
-devices, with the same-call guard on, and ``generate`` on every prompt. Each host writes the tokens it
+CPU collectives. Every host runs the same program: one ``MeshEngine`` (``mesh_engine.py``) over the
+global ``data`` mesh of D devices, with the same-call guard on, and ``generate`` on every prompt. Each host writes the tokens it
 reads from its own copy of the replicated state; host 0's report is streamed here. The launcher then
 checks, prompt by prompt, that every host read the same tokens and that they equal single-process L6
 and HF (the tie rule is the only tolerance). The last line is
@@ -25,7 +25,7 @@ batch to another width, or skipping a reset is caught by the guard on every host
 ``HostDivergenceError`` naming the call on each side, instead of hanging.
 
 Without --model: the course model and a seeded random tiny Qwen3, as every smoke.
-Not run here: a real TPU slice; a ``model`` mesh axis (see the chapter, section 11).
+Not run here: a real TPU slice; a ``model`` mesh axis (see the chapter, section 12).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
 
 
-def max_seqs_for(devices: int, wanted: int = 16) -> int:
+def max_num_seqs_for(devices: int, wanted: int = 16) -> int:
     """The engine's slots over a mesh: ``wanted`` rounded up to a multiple of the devices.
 
     Example: 16 slots over 3 devices -> 18 (6 per device); over 4 -> 16.
@@ -192,7 +192,7 @@ def host_main(args: argparse.Namespace) -> int:
         jax.distributed.initialize(
             coordinator_address=f"localhost:{args.port}", num_processes=args.processes, process_id=args.host
         )
-    from L6_tpu_jax.engine import Engine
+    from L6_tpu_jax.mesh_engine import MeshEngine
     from L6_tpu_jax.multihost import data_mesh
 
     job = json.loads(Path(args.job).read_text())
@@ -204,11 +204,11 @@ def host_main(args: argparse.Namespace) -> int:
     )
     report = {"models": [], "demos": []}
     for k, model in enumerate(job["models"]):
-        engine = Engine(
+        engine = MeshEngine(
             model["model_dir"],
+            mesh,
             max_model_len=model["max_model_len"],
-            max_seqs=max_seqs_for(args.devices),
-            mesh=mesh,
+            max_num_seqs=max_num_seqs_for(args.devices),
             guard=True,
         )
         if args.diverge and k == 0:
@@ -225,7 +225,7 @@ def host_main(args: argparse.Namespace) -> int:
         print(f"  host {me}: {engine.num_calls} jit calls, compiles {dict(engine.traces)}", flush=True)
         found = []
         if me == 0:  # compiling a program is host-only work: nothing runs, no other host takes part
-            width = max_seqs_for(args.devices)
+            width = max_num_seqs_for(args.devices)
             hlo = (
                 engine._decode.lower(engine.params, engine.state, engine.kv_pages, width).compile().as_text()
             )

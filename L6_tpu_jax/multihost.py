@@ -4,11 +4,11 @@ A JAX program on several hosts (Levanter's TPU slices, or here several processes
 *multi-controller*: every host runs the same Python program, and each jit'd call is one SPMD program
 over every device of the global mesh. A host that calls something the others don't, or the same thing
 with another shape, leaves the others waiting in a collective: on a TPU slice that is a hang or an
-XLA crash with no Python traceback. This file holds the three pieces the engine needs for that world:
+XLA crash with no Python traceback. This file holds the three pieces ``mesh_engine.py`` needs for that
+world:
 
 - ``data_mesh``: a one-axis ``Mesh`` named ``data`` over the given devices (default: every device of
-  every process). The engine cuts its slots and its KV pages into one equal range per device along it.
-  Without a mesh the engine runs on one device, ``jax_device(device)``: ``"cpu"``, ``"cuda"``, ...
+  every process). The mesh engine cuts its slots and its KV pages into one equal range per device along it.
 - ``local_copy``: a NumPy copy of replicated device state, read from this host's own copy.
   ``jax.device_get`` refuses an array that spans other processes' devices, even a replicated one.
 - ``check_same_call``: before a jit call, every host sends a short description of the call it is
@@ -17,7 +17,7 @@ XLA crash with no Python traceback. This file holds the three pieces the engine 
   a program the others will not run.
 
 Left out on purpose: a ``model`` axis (sharding heads; the course model has 3 KV heads, see the
-chapter, section 11), process groups other than "all", and timeouts (the launcher,
+chapter, section 12), process groups other than "all", and timeouts (the launcher,
 ``l6_multihost.py``, has one for the whole run).
 """
 
@@ -43,35 +43,6 @@ def data_mesh(devices=None) -> Mesh:
     devices 0 and 1, so the engine's shards 0 and 1 (their slots and pages) live in process 0.
     """
     return Mesh(np.asarray(jax.devices() if devices is None else devices), (DATA,))
-
-
-def jax_device(device: str | None = None) -> jax.Device:
-    """The JAX device a name picks: None -> JAX's default (this process's first device); ``"cpu"``;
-    ``"cuda"`` or ``"gpu"`` (JAX's GPU backend); ``"tpu"``; each may end in ``":N"``, the N-th such device.
-
-    Example: ``jax_device("cpu")`` -> ``CpuDevice(id=0)``. On a machine without a GPU, ``jax_device("cuda")``
-    raises ``ValueError: device 'cuda': JAX has no 'cuda' backend here (it has: cpu)``.
-    """
-    if device is None:
-        return jax.local_devices()[0]
-    platform, _, index = device.partition(":")
-    try:
-        devices = jax.local_devices(backend=platform)
-    except RuntimeError:
-        have = ", ".join(sorted({jax.default_backend(), "cpu"}))
-        raise ValueError(
-            f"device {device!r}: JAX has no {platform!r} backend here (it has: {have})"
-        ) from None
-    if not index:
-        return devices[0]
-    if not index.isdigit() or int(index) >= len(devices):
-        raise ValueError(f"device {device!r}: JAX has {len(devices)} {platform} device(s), numbered from 0")
-    return devices[int(index)]
-
-
-def describe_device(device: jax.Device) -> str:
-    """``platform:id (kind)``, e.g. ``cpu:0 (cpu)`` or ``gpu:0 (NVIDIA H100 80GB HBM3)``."""
-    return f"{device.platform}:{device.id} ({device.device_kind})"
 
 
 def local_copy(tree):

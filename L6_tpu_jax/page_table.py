@@ -4,16 +4,14 @@ Three pytrees (plain dataclasses registered with ``jax.tree_util.register_datacl
 through ``jit``, ``while_loop`` and ``device_get`` like any array):
 
 - ``PageTable``: the allocator. Only ``page_ref_counts`` i32[P]; a page is free when its count is 0,
-  and a count above 1 means clones share it. Over a device mesh the pool is cut into ``num_shards``
-  equal ranges of pages, one per device of the ``data`` axis, and so are the slots: slot ``s`` lives
-  on shard ``s // (S / num_shards)`` and only ever gets pages of its own shard's range, so its
-  attention reads only the pages its own device holds (``engine.py``, "Over a device mesh").
-- ``SequenceTable``: one row per local sequence slot: ``seq_lens``, ``page_indices`` (INVALID = -1
-  where a sequence has no page yet) and ``used_mask``. ``page_indices`` is the one copy of the
-  mapping (Levanter also kept a ``kv_pages`` mirror of it; two copies of one truth can only drift
-  apart).
+  and a count above 1 means clones share it.
+- ``SequenceTable``: one row per sequence slot (Levanter's word: a slot is a sequence's row of the
+  tables, ``0 .. max_num_seqs - 1``): ``seq_lens``, ``page_indices`` (INVALID = -1 where a sequence
+  has no page yet) and ``used_mask``. ``page_indices`` is the one copy of the mapping (Levanter also
+  kept a ``kv_pages`` mirror of it; two copies of one truth can only drift apart).
 - ``PageBatchInfo``: what a forward call needs to know about its batch (which slots, their pages and
-  lengths, query offsets, and ``new_token_dests = page * page_size + slot`` for the KV writes).
+  lengths, query offsets, and ``new_token_dests = page * page_size + row`` for the KV writes, ``row``
+  being the position's row within its page; Levanter calls that row a slot too).
 
 Every function is pure (old state in, new state out), has static shapes and no Python branches on
 values, so the decode loop can run entirely inside one ``jax.lax.while_loop``. The address mapping for
@@ -21,12 +19,9 @@ the token of slot ``s`` at position ``p``::
 
     page = page_indices[s, p // page_size]        kv_pages[page, p % page_size]  holds its K/V
 
-The tables themselves are small and replicated: every device holds all of them and computes every
-update, identically, from the same inputs. ``shard_batch_info`` then cuts one device's part out of a
-batch, with its page ids made local to that device's slice of the pool.
-
 Left out on purpose: eviction and preemption (L3's job; here the host admits only what fits), the
-prefix cache (L5), and sharding the tables themselves (they are a few KB).
+prefix cache (L5), and devices: these are one pool's tables (``mesh_tables.py`` runs them once per
+device's share of the pool, side by side).
 """
 
 from __future__ import annotations
@@ -44,23 +39,28 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def pages_for(prompt_len: int, budget: int, n: int, page_size: int) -> int:
+    """Pages a prompt needs to finish its budget, with n clones sharing its full prompt pages.
+
+    Example, page_size 16: a 20-token prompt, budget 30, n=4 -> 4 pages for one sequence (50 tokens)
+    plus 3 clones x (4 - 1 shared) = 13.
+    """
+    total = cdiv(prompt_len + budget, page_size)
+    return total + (n - 1) * (total - prompt_len // page_size)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PageTable:
     page_ref_counts: jax.Array  # i32[P]: owners of each page; 0 = free
-    num_shards: int = field(default=1, metadata=dict(static=True))  # equal page ranges, one per device
 
     @classmethod
-    def init(cls, num_pages: int, num_shards: int = 1) -> PageTable:
-        return cls(jnp.zeros(num_pages, jnp.int32), num_shards)
+    def init(cls, num_pages: int) -> PageTable:
+        return cls(jnp.zeros(num_pages, jnp.int32))
 
     @property
     def num_pages(self) -> int:
         return self.page_ref_counts.shape[0]
-
-    @property
-    def pages_per_shard(self) -> int:
-        return self.num_pages // self.num_shards
 
 
 @jax.tree_util.register_dataclass
@@ -72,16 +72,16 @@ class SequenceTable:
     page_size: int = field(metadata=dict(static=True))
 
     @classmethod
-    def init(cls, max_seqs: int, pages_per_seq: int, page_size: int) -> SequenceTable:
+    def init(cls, max_num_seqs: int, pages_per_seq: int, page_size: int) -> SequenceTable:
         return cls(
-            seq_lens=jnp.zeros(max_seqs, jnp.int32),
-            page_indices=jnp.full((max_seqs, pages_per_seq), INVALID, jnp.int32),
-            used_mask=jnp.zeros(max_seqs, bool),
+            seq_lens=jnp.zeros(max_num_seqs, jnp.int32),
+            page_indices=jnp.full((max_num_seqs, pages_per_seq), INVALID, jnp.int32),
+            used_mask=jnp.zeros(max_num_seqs, bool),
             page_size=page_size,
         )
 
     @property
-    def max_seqs(self) -> int:
+    def max_num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
     @property
@@ -106,7 +106,7 @@ class PageBatchInfo:
     seq_lens: jax.Array  # i32[S]: KV length of each batch sequence, new tokens included (0 padding)
     cu_q_lens: jax.Array  # i32[S + 1]: query offsets into the flat batch
     num_seqs: jax.Array  # i32[]: valid rows
-    new_token_dests: jax.Array  # i32[T]: page * page_size + slot for each token, INVALID = no write
+    new_token_dests: jax.Array  # i32[T]: page * page_size + row for each token, INVALID = no write
     pages_needed: jax.Array  # i32[]: new pages this batch asked for
     pages_free: jax.Array  # i32[]: free pages before it asked
     page_size: int = field(metadata=dict(static=True))
@@ -136,8 +136,6 @@ def allocate_for_seq(
     to its largest position + 1; each slot gets new pages up to ceil(length / page_size), the lowest
     free page ids first, in slot order (the same inputs always give the same pages). All or nothing:
     if the pool lacks pages, both tables come back unchanged and the info says how many were needed.
-    With ``num_shards`` > 1 a slot's pages come from its own shard's range, and every shard must have
-    enough (a shortage reports the first short shard's numbers).
 
     Example, page_size 4, pages 0..5 with page_ref_counts [1, 0, 1, 0, 0, 0]:
     slot 0 holds 3 tokens on page 0 (page_indices [0, -1, -1]), slot 1 holds 4 on page 2 ([2, -1, -1]).
@@ -146,11 +144,9 @@ def allocate_for_seq(
         slot 1: position 4 starts its 2nd page; page 1  -> page_indices [2, 1, -1],  seq_len 5
         page_ref_counts [1, 1, 1, 0, 0, 0]; new_token_dests [0 * 4 + 3, 1 * 4 + 0] = [3, 4]
         cu_q_lens [0, 1, 2, 2, ...], slot_ids [0, 1, -1, ...], pages_needed 1, pages_free 4.
-    With 2 shards (slot 0 and pages 0..2 on shard 0, slot 1 and pages 3..5 on shard 1) slot 1 would
-    get page 3 instead, the lowest free page of its own shard.
     """
     n_seqs, per_seq = seq_table.page_indices.shape
-    ps, n_sh, per_shard = seq_table.page_size, page_table.num_shards, page_table.pages_per_shard
+    ps, n_pages = seq_table.page_size, page_table.num_pages
     refs = page_table.page_ref_counts  # (P,)
     valid = token_slot_ids >= 0  # (T,)
     slot = jnp.where(valid, token_slot_ids, n_seqs)  # (T,) padding -> out of range, dropped below
@@ -161,32 +157,19 @@ def allocate_for_seq(
     need = cdiv(new_lens, ps)  # (S,) pages needed
     j = jnp.arange(per_seq)
     want = (j[None, :] >= have[:, None]) & (j[None, :] < need[:, None])  # (S, pages_per_seq) to fill
-    # Each shard fills its own slots' rows from its own pages (one shard: the whole pool).
-    want_sh = want.reshape(n_sh, -1)  # (shards, S / shards * pages_per_seq), slot order
-    free_sh = refs.reshape(n_sh, per_shard) == 0  # (shards, P / shards)
-    needed, free = jnp.sum(want_sh, axis=1), jnp.sum(free_sh, axis=1)  # (shards,) each
-    ok = jnp.all(needed <= free)
-    lowest_free = jax.vmap(lambda f: jnp.nonzero(f, size=per_shard, fill_value=per_shard)[0])(free_sh)
-    free_ids = lowest_free + per_shard * jnp.arange(n_sh)[:, None]  # (shards, P / shards) global ids
-    rank = jnp.cumsum(want_sh, axis=1) - 1  # (shards, ...) k-th wanted entry of its shard
-    picked = jnp.take_along_axis(free_ids, jnp.clip(rank, 0, per_shard - 1), axis=1)
-    fresh = jnp.where(want_sh, picked, INVALID).reshape(want.shape)  # (S, pages_per_seq)
+    needed, free = jnp.sum(want), jnp.sum(refs == 0)
+    ok = needed <= free  # all or nothing
+    free_ids = jnp.nonzero(refs == 0, size=n_pages, fill_value=n_pages)[0]  # (P,) lowest free first
+    rank = jnp.cumsum(want.reshape(-1)).reshape(want.shape) - 1  # (S, pages_per_seq) k-th wanted entry
+    fresh = jnp.where(want, free_ids[jnp.clip(rank, 0, n_pages - 1)], INVALID)  # gets the k-th free page
     page_indices = jnp.where(want & ok, fresh, seq_table.page_indices)  # (S, pages_per_seq)
-    refs = refs.at[jnp.where(want & ok, fresh, refs.shape[0])].add(1, mode="drop")  # (P,)
+    refs = refs.at[jnp.where(want & ok, fresh, n_pages)].add(1, mode="drop")  # (P,)
     seq_table = replace(
         seq_table,
         seq_lens=jnp.where(ok, new_lens, seq_table.seq_lens),
         page_indices=page_indices,
     )
-    short = jnp.argmax(needed > free)  # the first short shard (0 when none is)
-    info = batch_info(
-        seq_table,
-        token_slot_ids,
-        token_pos_ids,
-        writes=ok,
-        pages_needed=jnp.where(ok, jnp.sum(needed), needed[short]),
-        pages_free=jnp.where(ok, jnp.sum(free), free[short]),
-    )
+    info = batch_info(seq_table, token_slot_ids, token_pos_ids, ok, needed, free)
     return seq_table, replace(page_table, page_ref_counts=refs), info
 
 
@@ -197,23 +180,19 @@ def batch_info(
     writes: jax.Array,
     pages_needed: jax.Array,
     pages_free: jax.Array,
-    first_page: jax.Array | int = 0,
 ) -> PageBatchInfo:
     """Describe a flat batch whose pages are allocated: sequences, offsets, pages and KV destinations.
 
     Sequence i of the batch starts where the slot id changes. ``writes`` False (a failed allocation)
-    makes every destination INVALID. Page ids are given relative to ``first_page``: 0 for the whole
-    pool, a shard's first page for that shard's slice of it.
+    makes every destination INVALID.
     Example, page_size 4: slot 1 holds 6 tokens on pages [4, 5]; a batch of its 2 newest tokens
-    (slots [1, 1], positions [4, 5]) with first_page 3 -> page_indices [[1, 2, ...]], seq_lens [6],
-    cu_q_lens [0, 2, ...], new_token_dests [2 * 4 + 0, 2 * 4 + 1] = [8, 9].
+    (slots [1, 1], positions [4, 5]) -> page_indices [[4, 5, ...]], seq_lens [6], cu_q_lens [0, 2, ...],
+    new_token_dests [5 * 4 + 0, 5 * 4 + 1] = [20, 21].
     """
-    n_seqs, ps = seq_table.max_seqs, seq_table.page_size
+    n_seqs, ps = seq_table.max_num_seqs, seq_table.page_size
     valid = token_slot_ids >= 0  # (T,)
     slot = jnp.where(valid, token_slot_ids, n_seqs)  # (T,)
-    local = jnp.where(
-        seq_table.page_indices >= 0, seq_table.page_indices - first_page, INVALID
-    )  # (S, pages_per_seq)
+    table = seq_table.page_indices  # (S, pages_per_seq)
     prev = jnp.concatenate([jnp.array([INVALID - 1], jnp.int32), token_slot_ids[:-1]])  # (T,)
     starts = valid & (token_slot_ids != prev)  # (T,) first token of each sequence
     seg = jnp.cumsum(starts) - 1  # (T,) batch index of each token's sequence
@@ -225,10 +204,10 @@ def batch_info(
     q_lens = jnp.zeros(n_seqs, jnp.int32).at[jnp.where(valid, seg, n_seqs)].add(1, mode="drop")  # (S,)
     in_batch = slot_ids >= 0  # (S,)
     rows = jnp.maximum(slot_ids, 0)  # (S,)
-    page = local[jnp.minimum(slot, n_seqs - 1), token_pos_ids // ps]  # (T,)
+    page = table[jnp.minimum(slot, n_seqs - 1), token_pos_ids // ps]  # (T,)
     return PageBatchInfo(
         slot_ids=slot_ids,
-        page_indices=jnp.where(in_batch[:, None], local[rows], INVALID),
+        page_indices=jnp.where(in_batch[:, None], table[rows], INVALID),
         seq_lens=jnp.where(in_batch, seq_table.seq_lens[rows], 0),
         cu_q_lens=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]),
         num_seqs=jnp.sum(starts),
@@ -236,33 +215,6 @@ def batch_info(
         pages_needed=pages_needed,
         pages_free=pages_free,
         page_size=ps,
-    )
-
-
-def shard_block(x: jax.Array, shard: jax.Array, num_shards: int) -> jax.Array:
-    """Shard ``shard``'s block of a batch laid out in ``num_shards`` equal blocks along axis 0.
-
-    Example: x = [10, 11, 12, 13], 2 shards -> shard 0 gets [10, 11], shard 1 gets [12, 13].
-    """
-    width = x.shape[0] // num_shards
-    return jax.lax.dynamic_slice_in_dim(x, shard * width, width)
-
-
-def shard_batch_info(
-    seq_table: SequenceTable, info: PageBatchInfo, token_slot_ids: jax.Array, token_pos_ids: jax.Array,
-    shard: jax.Array, page_table: PageTable,
-) -> PageBatchInfo:  # fmt: skip
-    """One shard's part of a batch that ``allocate_for_seq`` described whole: its block of tokens (its
-    own slots only), with page ids local to its slice of the pool. One shard: the batch as it is."""
-    n_sh = page_table.num_shards
-    return batch_info(
-        seq_table,
-        shard_block(token_slot_ids, shard, n_sh),
-        shard_block(token_pos_ids, shard, n_sh),
-        writes=~info.out_of_pages,
-        pages_needed=info.pages_needed,
-        pages_free=info.pages_free,
-        first_page=shard * page_table.pages_per_shard,
     )
 
 
@@ -296,11 +248,10 @@ def clone_pages_from(
 
     Full pages never change again, so the child points at the same pages (refcount + 1). The last,
     partly filled page will be written by both, so the child gets a fresh page (``argmin`` of the
-    refcounts within the child's shard, a free one if any, as Levanter picks) and the caller copies
-    the K/V of the filled slots into it. Parent and child must be on the same shard (the host
-    admits a prompt's clones together). Returns (seq_table, page_table, src_page, dst_page, ok); src/dst are INVALID when
-    the parent's length is a whole number of pages (nothing to copy). ``ok`` is False (tables
-    unchanged) if the fresh page was needed and none was free. An INVALID child is a no-op.
+    refcounts, a free one if any, as Levanter picks) and the caller copies the K/V of its filled rows
+    into it. Returns (seq_table, page_table, src_page, dst_page, ok); src/dst are INVALID when the
+    parent's length is a whole number of pages (nothing to copy). ``ok`` is False (tables unchanged)
+    if the fresh page was needed and none was free. An INVALID child is a no-op.
 
     Example, page_size 4: parent holds 6 tokens on pages [3, 5]. The child gets [3, 8] (page 8 was
     free): refcounts p3 1 -> 2, p8 0 -> 1; the caller copies page 5 into page 8.
@@ -311,9 +262,7 @@ def clone_pages_from(
     n_full = length // ps
     partial = length % ps > 0
     row = seq_table.page_indices[parent]  # (pages_per_seq,)
-    shard = jnp.maximum(child, 0) // (seq_table.max_seqs // page_table.num_shards)  # the child's shard
-    mine = jnp.arange(n_pages) // page_table.pages_per_shard == shard  # (P,) its pages
-    fresh = jnp.argmin(jnp.where(mine, refs, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
+    fresh = jnp.argmin(refs).astype(jnp.int32)  # a free page if there is one
     ok = ~partial | (refs[fresh] == 0)
     go = ok & (child >= 0)
     shared = (jnp.arange(row.shape[0]) < n_full) & (row >= 0) & go  # (pages_per_seq,)
@@ -321,7 +270,7 @@ def clone_pages_from(
     child_row = jnp.where(shared, row, INVALID).at[n_full].set(jnp.where(take, fresh, INVALID), mode="drop")
     refs = refs.at[jnp.where(shared, row, n_pages)].add(1, mode="drop")
     refs = refs.at[jnp.where(take, fresh, n_pages)].add(1, mode="drop")
-    keep = jnp.arange(seq_table.max_seqs) == jnp.where(go, child, INVALID)  # (S,) the child's row, if any
+    keep = jnp.arange(seq_table.max_num_seqs) == jnp.where(go, child, INVALID)  # (S,) the child's row, if any
     seq_table = replace(
         seq_table,
         seq_lens=jnp.where(keep, length, seq_table.seq_lens),

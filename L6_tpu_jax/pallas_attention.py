@@ -11,17 +11,17 @@ instead of three ``fori_loop``s, Pallas runs one kernel body per point of a 4-D 
 The KV axis is last and "arbitrary": consecutive steps of one (s, h, b) carry the online-softmax state
 (m, l, acc) in VMEM scratch; step j == 0 resets it, the last step writes ``acc / l`` to the output block.
 
-Scalar prefetch. ``kv_lens``, ``page_indices``, ``cu_q_lens`` and ``num_seqs`` are passed with
+Scalar prefetch. ``context_lens``, ``page_indices``, ``cu_q_lens`` and ``num_seqs`` are passed with
 ``pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4)``: they land in SMEM before the grid starts, and
 every ``index_map`` receives them after the grid indices. The KV ``BlockSpec`` of page i in a block uses
 them to name a page of the pool::
 
-    index_map(s, h, b, j, kv_lens, page_indices, ...) = (page_indices[s, j' * N + i], 0, h, 0)
+    index_map(s, h, b, j, context_lens, page_indices, ...) = (page_indices[s, j' * N + i], 0, h, 0)
 
 with block shape ``(one page, page_size, 2, D)``: block h of the head axis is rows ``2h, 2h + 1``, which
 the interleaved layout makes ``K_h, V_h``. A block of N = ``kv_pages_per_block`` pages is N inputs, the
 same pool passed N times, page i of the block in input i. ``j'`` is j clamped to the last KV block this
-query block can see (causal, kv_len): steps past it name the same pages again, so the pipeline skips the
+query block can see (causal, context_len): steps past it name the same pages again, so the pipeline skips the
 copy, and ``pl.when`` skips their compute. Pages past the end are INVALID and read as page 0, always masked.
 
 Queries. A BlockSpec cuts fixed blocks, but a sequence's rows start anywhere (``cu_q_lens``). So a
@@ -79,7 +79,7 @@ def interpret_mode(platform: str):
 
 
 def _kernel(
-    kv_lens_ref,  # SMEM (S,)
+    context_lens_ref,  # SMEM (S,)
     pages_ref,  # SMEM (S, n_kv_blocks * N)
     cu_ref,  # SMEM (S + 1,)
     num_seqs_ref,  # SMEM (1,)
@@ -94,8 +94,8 @@ def _kernel(
     s, b, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     ps = kv_refs[0].shape[0]
     span = n_pages * ps  # keys per KV block
-    kv_len, q_len = kv_lens_ref[s], cu_ref[s + 1] - cu_ref[s]
-    newest = kv_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1  # last key this block can see
+    context_len, q_len = context_lens_ref[s], cu_ref[s + 1] - cu_ref[s]
+    newest = context_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1  # last key this block can see
 
     @pl.when(j == 0)
     def _init():
@@ -112,9 +112,9 @@ def _kernel(
         q = q_ref[...]  # (QB * G, D)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * scale  # (QB * G, span)
         rows = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 0)  # (QB * G, span)
-        q_pos = kv_len - q_len + b * q_block + rows // g  # absolute position of each row's query
+        q_pos = context_len - q_len + b * q_block + rows // g  # absolute position of each row's query
         k_pos = j * span + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
-        sc = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), sc, -jnp.inf)
+        sc = jnp.where((k_pos <= q_pos) & (k_pos < context_len), sc, -jnp.inf)
         m = m_ref[...]  # (QB * G, 1)
         m_new = jnp.maximum(m, sc.max(axis=-1, keepdims=True))
         base = jnp.where(jnp.isinf(m_new), 0.0, m_new)  # rows with nothing visible yet stay at 0
@@ -133,7 +133,7 @@ def _kernel(
 def pallas_ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
-    kv_lens: jax.Array,
+    context_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
@@ -149,7 +149,7 @@ def pallas_ragged_paged_attention(
     default backend: ``False`` (compiled by Mosaic) on a TPU, TPU interpret mode on a CPU, refused on a
     GPU. Under ``pltpu.force_tpu_interpret_mode()`` even ``interpret=False`` runs interpreted.
 
-    Example, page_size 4, kv_pages_per_block 2, q_block 2, H=H_kv=1: one sequence, kv_len 6, q_len 3,
+    Example, page_size 4, kv_pages_per_block 2, q_block 2, H=H_kv=1: one sequence, context_len 6, q_len 3,
     page_indices [[5, 0, -1]] -> grid (1, 1, 2, 2). Step (0, 0, 0, 0) loads pages 5 and 0 and queries 0..1
     (positions 3, 4); step (0, 0, 1, 1) loads the same pages again (block 1 is clamped to block 0: nothing
     past key 5 exists), so it is skipped, and query 2 (position 5) finishes after block 0.
@@ -179,9 +179,9 @@ def pallas_ragged_paged_attention(
         return s, h, b, 0
 
     def page_map(i):
-        def index_map(s, h, b, j, kv_lens_ref, pages_ref, cu_ref, num_seqs_ref):
-            kv_len, q_len = kv_lens_ref[s], cu_ref[s + 1] - cu_ref[s]
-            newest = kv_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1
+        def index_map(s, h, b, j, context_lens_ref, pages_ref, cu_ref, num_seqs_ref):
+            context_len, q_len = context_lens_ref[s], cu_ref[s + 1] - cu_ref[s]
+            newest = context_len - q_len + jnp.minimum((b + 1) * q_block, q_len) - 1
             jj = jnp.minimum(j, jnp.maximum(newest, 0) // span)  # past what b can see: same block again
             return jnp.maximum(pages_ref[s, jj * n_pb + i], 0), 0, h, 0
 
@@ -208,7 +208,7 @@ def pallas_ragged_paged_attention(
         ),
         interpret=interpret,
     )(
-        kv_lens.astype(jnp.int32),
+        context_lens.astype(jnp.int32),
         pages.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
         jnp.reshape(num_seqs, (1,)).astype(jnp.int32),

@@ -200,9 +200,9 @@ def block_size_sweep(cfg, sizes: dict) -> dict:
         return 1000 * ceilings.median_seconds(lambda: f(*args).block_until_ready(), 5)
 
     rows = {}
-    for work, (n_tok, kv_lens, cu) in batches.items():
+    for work, (n_tok, context_lens, cu) in batches.items():
         q = jnp.asarray(rng.standard_normal((n_tok, n_heads, d), np.float32))
-        args = (q, pool, kv_lens, pages, cu, jnp.int32(n_seq if work == "decode" else 1))
+        args = (q, pool, context_lens, pages, cu, jnp.int32(n_seq if work == "decode" else 1))
         for qb, kb in sizes["e_blocks"]:
             rows[f"{work} ragged q{qb} x kv{kb}"] = ms(
                 functools.partial(ragged_paged_attention, q_block=qb, kv_pages_per_block=kb), args
@@ -216,13 +216,20 @@ def block_size_sweep(cfg, sizes: dict) -> dict:
 
 def reset_times(model_dir, options: dict) -> dict:
     """(e) Milliseconds of L6's logical reset (metadata only) and physical reset (also zeroes every page)."""
+    import jax
+
     from L6_tpu_jax.engine import Engine
 
     out = {}
     for mode in ("logical", "physical"):
         engine = Engine(model_dir, reset=mode, **options)
-        engine.reset()  # compile
-        out[mode] = 1000 * ceilings.median_seconds(engine.reset, 5)
+
+        def reset(engine=engine):
+            engine.reset()
+            jax.block_until_ready((engine.state, engine.kv_pages))  # until the device has done it
+
+        reset()  # compile
+        out[mode] = 1000 * ceilings.median_seconds(reset, 5)
         out["pool_MiB"] = sum(pool.nbytes for pool in engine.kv_pages) / 2**20
     return out
 
@@ -306,7 +313,7 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     and the device (``"cpu"`` or ``"cuda"``: L1-L5 put their tensors there, L6 picks that JAX backend).
 
     Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
-    L3-L5 ``max_num_seqs``; L6 uses Levanter's names, ``num_pages`` and ``max_seqs``. A stage with a
+    L3-L6 ``max_num_seqs``; L6 calls its pool ``num_pages`` (Levanter's name). A stage with a
     ``kernel`` choice (L4, L5) runs, on a CPU, its compiled C++ kernel, the fastest it has there (its
     PyTorch kernel where no compiler could build the C++ one; ``cpp_kernel_problem`` says why); on a
     GPU ``kernel="auto"``, which is its Triton kernel. A stage with a
@@ -325,7 +332,7 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     )
     options = {"max_model_len": max_len, "device": str(device)}
     options |= {name: blocks for name in ("num_blocks", "num_pages") if name in params}
-    options |= {name: sizes["b_requests"] for name in ("max_num_seqs", "max_seqs") if name in params}
+    options |= {"max_num_seqs": sizes["b_requests"]} if "max_num_seqs" in params else {}
     gpu = torch.device(device).type == "cuda"
     if "kernel" in params and (gpu or not cpp_kernel_problem(engine_cls)):
         options["kernel"] = "auto" if gpu else "cpp"

@@ -16,7 +16,7 @@ decode token); the timers add a few microseconds per call. The chapters' profile
 L6 (JAX) is one compiled call per prefill and one per decode loop (up to ``max_rounds`` steps on the
 device), so its parts are the calls themselves, each timed to ``block_until_ready``: prefill, decode
 (and its milliseconds per step), the host's reads of the state (``host_state``, device -> host) and
-what is left, the host's Python (admission, packing the prefill work, the guard).
+what is left, the host's Python (admission, packing the prefill work).
 
 On a GPU (``--device cuda``; ``auto``, the default, picks it where torch sees one) the host timers
 above time launches and host work, not kernels: a launch returns before its kernel runs, and the
@@ -147,27 +147,24 @@ def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
     first_run = time.perf_counter() - t0  # generate ends reading the device's state: nothing is left queued
     compiles_after_first = dict(engine.stats().compiles)
     seconds, calls = defaultdict(float), defaultdict(int)
-    call, host_state = engine._call, engine.host_state
 
-    def timed_call(name, fn, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(call(name, fn, *args, **kwargs))
-        seconds[name] += time.perf_counter() - t0
-        calls[name] += 1
-        return out
+    def timed(name, fn):
+        def run(*args):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))  # host_state's NumPy copy is ready already
+            seconds[name] += time.perf_counter() - t0
+            calls[name] += 1
+            return out
 
-    def timed_host_state():
-        t0 = time.perf_counter()
-        out = host_state()
-        seconds["host_state"] += time.perf_counter() - t0
-        calls["host_state"] += 1
-        return out
+        return run
 
+    # the engine's jit'd calls (reset and free included, though not reported as parts) and its reads
+    timed_parts = {"_prefill": "prefill", "_decode": "decode", "_free": "free_finished",
+                   "_reset_logical": "reset_logical", "_zero": "zero_kv_pages", "host_state": "host_state"}  # fmt: skip
     steps_before = engine.stats().steps
-    with (
-        mock.patch.object(engine, "_call", timed_call),
-        mock.patch.object(engine, "host_state", timed_host_state),
-    ):
+    with ExitStack() as patches:
+        for attr, name in timed_parts.items():
+            patches.enter_context(mock.patch.object(engine, attr, timed(name, getattr(engine, attr))))
         t0 = time.perf_counter()
         engine.generate(prompts, budgets, ignore_eos=True)
         wall = time.perf_counter() - t0

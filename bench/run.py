@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     if gpu:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts its GPU client
         if "L6" in stages:  # refuse now, not after minutes of other systems, where JAX has no GPU
-            from L6_tpu_jax.multihost import jax_device
+            from kvcourse.devices import jax_device
 
             try:
                 jax_device(str(device))
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
             label = f"{n} + decode graphs"
             options[label] = options[n] | {"cuda_graphs": True}  # results["stage_options"] is this dict
             makers[label] = lambda n=n, label=label: stage(n, model_dir, label=label, **options[label])
-    one_at_a_time = {"HF batch 1"} | {n for n in stages if not {"max_num_seqs", "max_seqs"} & set(options[n])}
+    one_at_a_time = {"HF batch 1"} | {n for n in stages if "max_num_seqs" not in options[n]}
     works = {name: ["a", "b", "u", "c", "d"] for name in makers}
     for n in one_at_a_time & set(stages):  # L1, L2 are not peers on the uniform workload
         works[n].remove("u")

@@ -168,7 +168,7 @@ def stage(name: str, model_dir, label: str | None = None, **options) -> System:
         return engine.generate(prompts, budgets, ignore_eos=True)
 
     params = inspect.signature(engine_class(name)).parameters
-    batched = "max_num_seqs" in params or "max_seqs" in params  # L1 and L2 run one request at a time
+    batched = "max_num_seqs" in params  # L1 and L2 run one request at a time
     return System(label or name, run, engine, one_at_a_time=not batched)
 
 

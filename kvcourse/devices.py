@@ -1,7 +1,8 @@
-"""Which device the torch stages run on, decided in one place: ``resolve_device``.
+"""Which device a stage runs on, decided in one place: ``resolve_device`` (torch), ``jax_device`` (JAX).
 
 Every engine of L1-L5 takes ``device=`` ("cpu", "cuda", "cuda:N" or a ``torch.device``) and puts its
-weights, KV pool, block tables and step metadata there; the smoke scripts, the CLI, the benchmark and
+weights, KV pool, block tables and step metadata there; L6 takes the same names and resolves them to a
+JAX device with ``jax_device``. The smoke scripts, the CLI, the benchmark and
 ``python -m kvcourse.tools.gpu_check`` take ``--device cpu|cuda``, whose default is the environment variable
 ``KVCOURSE_DEVICE``, else the CPU. All of them resolve the name here, so a bad one is refused the same
 way everywhere::
@@ -77,6 +78,36 @@ def describe(device: torch.device) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
+def jax_device(device: str = "cpu"):
+    """The JAX device a name picks: ``"cpu"``; ``"cuda"`` or ``"gpu"`` (JAX's GPU backend); ``"tpu"``;
+    each may end in ``":N"``, the N-th such device of this process.
+
+    Example: ``jax_device("cpu")`` -> ``CpuDevice(id=0)``. On a machine without a GPU, ``jax_device("cuda")``
+    raises ``ValueError: device 'cuda': JAX has no 'cuda' backend here (it has: cpu)``.
+    """
+    import jax
+
+    platform, _, index = device.partition(":")
+    try:
+        devices = jax.local_devices(backend=platform)
+    except RuntimeError:
+        have = ", ".join(sorted({jax.default_backend(), "cpu"}))
+        raise ValueError(
+            f"device {device!r}: JAX has no {platform!r} backend here (it has: {have})"
+        ) from None
+    if not index:
+        return devices[0]
+    if not index.isdigit() or int(index) >= len(devices):
+        raise ValueError(f"device {device!r}: JAX has {len(devices)} {platform} device(s), numbered from 0")
+    return devices[int(index)]
+
+
+def describe_jax_device(device) -> str:
+    """A JAX device as a report names it: ``platform:id (kind)``, e.g. ``cpu:0 (cpu)`` or
+    ``gpu:0 (NVIDIA H100 80GB HBM3)``."""
+    return f"{device.platform}:{device.id} ({device.device_kind})"
+
+
 def add_device_argument(parser) -> None:
     """A script's ``--device`` flag (validated by ``device_argument``)."""
     parser.add_argument("--device", help=f"cpu or cuda (default: ${DEVICE_ENV}, else cpu)")
@@ -84,7 +115,7 @@ def add_device_argument(parser) -> None:
 
 def device_argument(value: str | None) -> str | None:
     """The device a script was asked for: ``--device``'s value, else ``$KVCOURSE_DEVICE``, else None
-    (the torch stages' CPU; L6's JAX default device). Refused with a ValueError naming where the value
+    (the CPU). Refused with a ValueError naming where the value
     came from, e.g. ``--device cuda: no CUDA device (torch.cuda.is_available() is False)``."""
     what = f"--device {value}"
     if value is None and default_device() is not None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from kvcourse.harness.stages import STAGES
-from kvcourse.tools import diffs
+from kvcourse.tools import diffs, names
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_DIRS = list(STAGES.values())
@@ -236,8 +236,9 @@ def test_committed_diff_is_current(path, text):
 
 
 def test_no_diff_file_is_left_over():
-    written = sorted(path.name for path, _ in DIFF_FILES)
-    assert sorted(p.name for p in (ROOT / "lessons" / "diffs").glob("*.diff")) == written
+    """Every file in lessons/diffs/ is one make diffs writes (a renamed stage leaves no stale diff)."""
+    written = sorted(path.name for path, _ in DIFF_FILES if path.parent.name == "diffs")
+    assert sorted(p.name for p in (ROOT / "lessons" / "diffs").iterdir()) == written
 
 
 @pytest.mark.parametrize("stage, names", IDENTICAL.items(), ids=list(IDENTICAL))
@@ -324,3 +325,51 @@ def test_a_chapter_shows_only_lines_of_its_stage_diff(old, new):
         assert any("\n" + block in "\n" + path.read_text(encoding="utf-8") for path in shown), (
             f"lessons/{new}.md shows a diff that is not in {' or '.join(p.name for p in shown)}:\n{block}"
         )
+
+
+def test_l6_mesh_diff_is_current_and_the_chapter_shows_only_its_lines():
+    """L6's mesh engine is its one-device engine changed for a mesh: the diff is current, and every
+    ```diff block of the L6 chapter is a run of its lines."""
+    path = ROOT / "lessons" / "diffs" / "L6_mesh.diff"
+    assert path.exists(), f"{path} is missing: run `make diffs`"
+    whole = path.read_text(encoding="utf-8")
+    assert whole == diffs.mesh_diff(), f"{path} is stale: run `make diffs`"
+    chapter = (ROOT / "lessons" / "L6_tpu_jax.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```diff\n(.*?)```", chapter, flags=re.S)
+    assert blocks, "lessons/L6_tpu_jax.md shows no ```diff block from L6_mesh.diff"
+    for block in blocks:
+        assert "\n" + block in "\n" + whole, (
+            f"lessons/L6_tpu_jax.md shows a diff not in L6_mesh.diff:\n{block}"
+        )
+
+
+def test_the_l5_to_l6_name_map_is_complete_true_and_current():
+    """Every public name of L5 is mapped, every mapped name is L5's, every L6 name the map gives is
+    L6's; the table file and the chapter's copy are what ``make diffs`` writes now."""
+    assert names.problems() == []
+    for path, text in names.outputs():
+        assert path.read_text(encoding="utf-8") == text, f"{path} is stale: run `make diffs`"
+
+
+def test_the_name_map_check_names_the_missing_name_and_its_side():
+    """A row L5 lacks, an L5 name without a row and an L6 name L6 lacks are each one line."""
+    broken = dict(names.NAMES)
+    del broken["allocator.py:BlockAllocator.clone"]
+    broken["allocator.py:BlockAllocator.spoon"] = ("page_table.py:allocate_for_seq", "no such L5 name")
+    broken["sequence.py:reserve"] = ("page_table.py:reserve_pages", "no such L6 name")
+    assert names.problems(broken) == [
+        "L5 has allocator.py:BlockAllocator.clone, which NAMES does not map: add a row",
+        "NAMES maps allocator.py:BlockAllocator.spoon, which L5 does not have (renamed or gone?)",
+        "NAMES maps sequence.py:reserve to page_table.py:reserve_pages, which L6 does not have",
+    ]
+
+
+def test_the_one_device_engine_holds_no_mesh_code():
+    """L6's lesson path: ``engine.py`` and the tables it uses know nothing of meshes, shards or hosts;
+    that is ``mesh_engine.py``'s, ``mesh_tables.py``'s and ``multihost.py``'s."""
+    for name in ("engine.py", "page_table.py", "decode_state.py", "device_stats.py", "kv_cache.py"):
+        code = (
+            (ROOT / "L6_tpu_jax" / name).read_text(encoding="utf-8").split('"""', 2)[2]
+        )  # past the docstring
+        for word in ("shard", "mesh", "psum", "check_same_call", "PartitionSpec", "local_copy"):
+            assert word not in code.lower(), f"L6_tpu_jax/{name} mentions {word!r} outside its docstring"

@@ -11,7 +11,8 @@ import pytest
 
 from kvcourse.harness.reference import hf_greedy
 from L6_tpu_jax import decode_state as ds
-from L6_tpu_jax.engine import Engine, OutOfPagesError, bucket, pages_for
+from L6_tpu_jax.engine import Engine, OutOfPagesError, bucket
+from L6_tpu_jax.page_table import pages_for
 
 PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]
 BUDGET = 24
@@ -25,7 +26,7 @@ def expected(tiny_qwen3_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3_dir):
     """Defaults: incremental cleanup, logical reset, reference attention 16x16."""
-    return Engine(tiny_qwen3_dir, max_seqs=8, max_rounds=8)
+    return Engine(tiny_qwen3_dir, max_num_seqs=8, max_rounds=8)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def small_engine(tiny_qwen3_dir):
     return Engine(
         tiny_qwen3_dir,
         page_size=4,
-        max_seqs=2,
+        max_num_seqs=2,
         cleanup="end",
         reset="physical",
         q_block=1,
@@ -73,7 +74,7 @@ def test_cleanup_none_keeps_pages_until_the_next_generate(tiny_qwen3_dir, expect
     """With cleanup="none" every finished sequence keeps its slot and pages, and there are only as many
     slots as prompts: the second call (no reset by hand in between) runs, and equals HF, only because
     generate() starts with a reset. Every call's first prefill starts from the baseline state."""
-    engine = Engine(tiny_qwen3_dir, max_seqs=len(PROMPTS), cleanup="none", max_rounds=64)
+    engine = Engine(tiny_qwen3_dir, max_num_seqs=len(PROMPTS), cleanup="none", max_rounds=64)
     entering = []  # the state each prefill call starts from
     prefill = engine._prefill
 
@@ -115,7 +116,7 @@ def test_clones_share_full_pages(engine, expected):
     assert samples == [[e] * 3 for e in expected]
     engine.check_invariants()
     independent = sum(pages_for(len(p), BUDGET, 1, 16) for p in PROMPTS) * 3
-    assert engine.peak_pages_in_use < independent
+    assert int(engine.host_state().stats.peak_pages_in_use) < independent
     assert engine.occupancy()["pages_in_use"] == 0
 
 
@@ -142,12 +143,12 @@ def test_bad_options_are_named(tiny_llama_dir, options, message):
 def test_bad_requests_are_named(small_engine):
     with pytest.raises(ValueError, match="exceeds max_model_len=2048"):
         small_engine.generate([[5] * 2000], 100)
-    with pytest.raises(ValueError, match="n=3 sequences exceed max_seqs=2"):
+    with pytest.raises(ValueError, match="n=3 sequences exceed max_num_seqs=2"):
         small_engine.generate_samples([[5]], 2, n=3)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         small_engine.generate([[]], 2)
     assert small_engine.check_fits([5, 6], 3) == 3
-    with pytest.raises(ValueError, match="request: n=3 sequences exceed max_seqs=2"):
+    with pytest.raises(ValueError, match="request: n=3 sequences exceed max_num_seqs=2"):
         small_engine.check_fits([5], 2, n=3)
     with pytest.raises(ValueError, match="prompt 4: needs 3 pages of 4 tokens, but the pool has only 2"):
         Engine(small_engine.model_dir, page_size=4, num_pages=2).check_fits([5] * 9, 1, "prompt 4")
@@ -160,7 +161,7 @@ def test_bucket_and_pages_for_examples():
 
 def test_incremental_cleanup_frees_sequences_that_finish_at_prefill(tiny_llama_dir):
     """Budget 1: every sequence finishes on its prefill token, so no decode round ever frees it."""
-    engine = Engine(tiny_llama_dir, max_seqs=2, cleanup="incremental")
+    engine = Engine(tiny_llama_dir, max_num_seqs=2, cleanup="incremental")
     expected = [r.tokens for r in hf_greedy(tiny_llama_dir, [[5], [6], [7]], [1, 1, 1])]
     assert engine.generate([[5], [6], [7]], 1) == expected
     occupancy = engine.occupancy()
@@ -170,7 +171,7 @@ def test_incremental_cleanup_frees_sequences_that_finish_at_prefill(tiny_llama_d
 def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_llama_dir):
     """One 10-token prompt, 6 new tokens, pages of 4: a prefill call and 5 decode rounds (one host
     call: the device counts each round). Live = the sequence's length; held = its pages x 4."""
-    engine = Engine(tiny_llama_dir, page_size=4, max_seqs=4, max_model_len=64, max_rounds=64)
+    engine = Engine(tiny_llama_dir, page_size=4, max_num_seqs=4, max_model_len=64, max_rounds=64)
     prompt, per_token = list(range(30, 40)), engine.cfg.kv_bytes_per_token()
     for _ in range(2):  # the second call resets the device counters; stats() keeps counting
         engine.generate([prompt], 6, ignore_eos=True)
@@ -185,7 +186,7 @@ def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_ll
     assert stats.compiles == {"prefill": 1, "decode": 1}
 
     # 3 clones: 2 full pages shared, each clone's private rows 2 + k after decode round k.
-    engine = Engine(tiny_llama_dir, page_size=4, max_seqs=4, max_model_len=64, max_rounds=64)
+    engine = Engine(tiny_llama_dir, page_size=4, max_num_seqs=4, max_model_len=64, max_rounds=64)
     engine.generate_samples([prompt], 6, n=3, ignore_eos=True)
     live = [10] + [8 + 3 * (2 + k) for k in range(1, 6)]  # 10, 17, 20, 23, 26, 29
     held = [12] + [4 * (2 + 3 * -(-(2 + k) // 4)) for k in range(1, 6)]  # 12, 20, 20, 32, 32, 32
@@ -198,7 +199,7 @@ def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_ll
 
 def test_device_is_where_everything_lives(tiny_llama_dir):
     """device="cpu" puts the weights, the state and the pages on JAX's CPU device, and says so."""
-    engine = Engine(tiny_llama_dir, max_seqs=2, max_model_len=32, device="cpu")
+    engine = Engine(tiny_llama_dir, max_num_seqs=2, max_model_len=32, device="cpu")
     cpu = jax.devices("cpu")[0]
     for leaf in jax.tree.leaves((engine.params, engine.state, engine.kv_pages)):
         assert leaf.devices() == {cpu}

@@ -1,8 +1,9 @@
 """L6 over a mesh and across processes: the per-shard bookkeeping, and l6_multihost.py run as a learner runs it.
 
-- allocation, cloning and packing with the pool and the slots cut into shards (pure functions, one
-  device): a slot only ever gets its own shard's pages, one short shard fails the whole step, each
-  device finds its own sequences in its own block of the batch, with page ids local to its slice;
+- ``mesh_tables.py``'s allocation, cloning and packing with the pool and the slots cut into shards (pure
+  functions, one device): a slot only ever gets its own shard's pages, one short shard fails the whole
+  step, each device finds its own sequences in its own block of the batch, with page ids local to its
+  slice;
 - ``l6_multihost.py`` with two JAX processes (gloo on localhost), each with a simulated mesh of 2 CPU
   devices (so one run covers both kinds of mesh), on the tiny Qwen3 with ``--diverge``: every prompt
   equals single-process L6 and HF, host-only logging changes nothing, and the guard turns an extra
@@ -26,13 +27,8 @@ import jax.numpy as jnp
 import pytest
 
 from L6_tpu_jax import decode_state as ds
-from L6_tpu_jax.page_table import (
-    PageTable,
-    SequenceTable,
-    allocate_for_seq,
-    clone_pages_from,
-    shard_batch_info,
-)
+from L6_tpu_jax.mesh_tables import allocate_on_shards, clone_pages_on_shard, pack_on_shards, shard_batch_info
+from L6_tpu_jax.page_table import PageTable, SequenceTable
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "L6_tpu_jax" / "l6_multihost.py"
@@ -47,16 +43,19 @@ def two_shards(refs, rows, lens, page_size=4):
         used_mask=jnp.array([n > 0 for n in lens]),
         page_size=page_size,
     )
-    return seqs, PageTable(jnp.array(refs, jnp.int32), num_shards=2)
+    return seqs, PageTable(jnp.array(refs, jnp.int32))
+
+
+allocate = jax.jit(allocate_on_shards, static_argnums=4)
 
 
 def test_each_shard_allocates_from_its_own_pages():
     e = -1
     seqs, pages = two_shards([1, 0, 0, 0, 0, 0], [[0, e], [e, e], [e, e], [e, e]], [3, 0, 0, 0])
     # slot 0 (shard 0) crosses into its 2nd page, slot 2 (shard 1) prefills 2 tokens
-    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.array([0, 2, 2]), jnp.array([4, 0, 1]))
+    seqs, pages, info = allocate(seqs, pages, jnp.array([0, 2, 2]), jnp.array([4, 0, 1]), 2)
     assert seqs.page_indices.tolist() == [[0, 1], [e, e], [3, e], [e, e]]  # page 3: shard 1's lowest
-    assert pages.page_ref_counts.tolist() == [1, 1, 0, 1, 0, 0] and pages.num_shards == 2
+    assert pages.page_ref_counts.tolist() == [1, 1, 0, 1, 0, 0]
     assert info.new_token_dests.tolist() == [1 * 4 + 0, 3 * 4 + 0, 3 * 4 + 1]
 
 
@@ -64,7 +63,7 @@ def test_one_short_shard_fails_the_step_and_reports_its_numbers():
     e = -1
     # shard 0 (pages 0-1) is full; shard 1 (pages 2-3) has both free: 2 free pages in all, 1 needed
     seqs, pages = two_shards([1, 1, 0, 0], [[0, e], [1, e], [e, e], [e, e]], [4, 4, 0, 0])
-    new_seqs, new_pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.array([0]), jnp.array([4]))
+    new_seqs, new_pages, info = allocate(seqs, pages, jnp.array([0]), jnp.array([4]), 2)
     assert bool(info.out_of_pages) and (int(info.pages_needed), int(info.pages_free)) == (1, 0)
     assert new_pages.page_ref_counts.tolist() == [1, 1, 0, 0] and (info.new_token_dests == -1).all()
     assert new_seqs.page_indices.tolist() == seqs.page_indices.tolist()
@@ -73,7 +72,9 @@ def test_one_short_shard_fails_the_step_and_reports_its_numbers():
 def test_a_clone_gets_its_fresh_page_on_its_own_shard():
     e = -1
     seqs, pages = two_shards([0, 0, 0, 1, 1, 0], [[e, e], [e, e], [3, 4], [e, e]], [0, 0, 6, 0])
-    seqs, pages, src, dst, ok = jax.jit(clone_pages_from)(seqs, pages, jnp.int32(2), jnp.int32(3))
+    seqs, pages, src, dst, ok = jax.jit(clone_pages_on_shard, static_argnums=4)(
+        seqs, pages, jnp.int32(2), jnp.int32(3), 2
+    )
     assert bool(ok) and (int(src), int(dst)) == (4, 5)  # not page 0, the pool's lowest free page
     assert seqs.page_indices.tolist()[3] == [3, 5] and pages.page_ref_counts.tolist() == [0, 0, 0, 2, 1, 1]
 
@@ -86,16 +87,16 @@ def test_packing_puts_each_shard_in_its_own_block_with_local_page_ids():
         jnp.array([6, 4, 0]),
         jnp.array([True, True, True]),
     )
-    rest, tokens, slots, pos = jax.jit(ds.pack_next, static_argnums=(1, 2))(queue, 4, 2)
+    rest, tokens, slots, pos = jax.jit(pack_on_shards, static_argnums=(1, 2))(queue, 4, 2)
     assert (
         slots.tolist() == [0, -1, 2, 3] and tokens.tolist() == [71, -1, 72, 70] and int(rest.num_queued) == 0
     )
     e = -1
     seqs, pages = two_shards([1, 1, 0, 1, 1, 0], [[0, 1], [e, e], [e, e], [3, 4]], [4, 0, 0, 6])
-    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, slots, pos)
-    mine = jax.jit(shard_batch_info)(seqs, info, slots, pos, jnp.int32(1), pages)  # shard 1: pages 3, 4, 5
+    seqs, pages, info = allocate(seqs, pages, slots, pos, 2)
+    mine = jax.jit(shard_batch_info, static_argnums=6)(seqs, pages, info, slots, pos, jnp.int32(1), 2)
     assert mine.slot_ids.tolist()[:2] == [2, 3] and mine.cu_q_lens.tolist()[:3] == [0, 1, 2]
-    assert mine.page_indices.tolist()[:2] == [[2, e], [0, 1]]  # global pages 5 / 3, 4 minus first page 3
+    assert mine.page_indices.tolist()[:2] == [[2, e], [0, 1]]  # shard 1's pages 5 / 3, 4 less its first, 3
     assert mine.new_token_dests.tolist() == [2 * 4 + 0, 1 * 4 + 2]
 
 

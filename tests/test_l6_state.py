@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from L6_tpu_jax import decode_state as ds
-from L6_tpu_jax.engine import keep_if
+from L6_tpu_jax import device_stats as dstats
 from L6_tpu_jax.kv_cache import update_kv
 from L6_tpu_jax.page_table import (
     PageTable,
@@ -41,9 +41,9 @@ def tables(refs, rows, lens, page_size=4):
     return seqs, PageTable(jnp.array(refs, jnp.int32))
 
 
-def as_state(seqs, pages, max_seqs=None):
+def as_state(seqs, pages):
     """Wrap tables in an otherwise empty DecodeState so check_invariants can read them."""
-    n = seqs.max_seqs
+    n = seqs.max_num_seqs
     state = ds.DecodeState.init(n, seqs.pages_per_seq, pages.num_pages, seqs.page_size, 4, [2])
     return jax.device_get(replace(state, sequences=seqs, page_table=pages))
 
@@ -164,10 +164,10 @@ def test_kv_usage_and_count_step_docstring_examples():
     seqs, pages = tables([0, 0, 0, 2, 0, 1, 0, 0, 1], [[3, 5], [3, 8]], [6, 5])
     state = as_state(seqs, pages)
     ds.check_invariants(state)
-    assert [int(x) for x in ds.kv_usage(state)] == [7, 3, 1]  # page 3's rows once
-    assert int(ds.kv_usage(replace(state, finished=np.array([False, True])))[0]) == 6  # slot 1 is done
+    assert [int(x) for x in dstats.kv_usage(state)] == [7, 3, 1]  # page 3's rows once
+    assert int(dstats.kv_usage(replace(state, finished=np.array([False, True])))[0]) == 6  # slot 1 is done
     info = allocate(seqs, pages, jnp.array([0, 1, -1]), jnp.array([5, 4, 0]))[2]  # 2 real tokens, no new page
-    counted = ds.count_step(state, info)
+    counted = dstats.count_step(state, info).stats
     assert (int(counted.steps), int(counted.tokens_run)) == (1, 2)
     assert (float(counted.live_sum), float(counted.held_sum)) == (7.0, 12.0)
     assert (int(counted.peak_live), int(counted.peak_pages_in_use), int(counted.peak_pages_shared)) == (
@@ -195,10 +195,10 @@ def model_free_step(state, fallback, kv_pages, slots, pos, sampled, roots):
 
     Returns (state, kv_pages, info, tables right after allocate_for_seq)."""
     seqs, pages, info = allocate_for_seq(state.sequences, state.page_table, slots, pos)
-    new = ds.count_step(replace(state, sequences=seqs, page_table=pages), info)
+    new = dstats.count_step(replace(state, sequences=seqs, page_table=pages), info)
     new = ds.update_tokens(new, info, sampled)
     kv_pages = fake_kv(new, kv_pages, info, slots, pos, roots)
-    return keep_if(~info.out_of_pages, new, fallback), kv_pages, info, (seqs, pages)
+    return ds.keep_if(~info.out_of_pages, new, fallback), kv_pages, info, (seqs, pages)
 
 
 @jax.jit
@@ -224,12 +224,12 @@ def op_decode(state, kv_pages, width, token, roots):
 def op_clone(state, kv_pages, parent, child):
     """Slot ``child`` becomes a clone of slot ``parent``; the peaks see its pages (as in the engine)."""
     state, kv_pages = ds.clone_sequence(state, kv_pages, parent, child)
-    return ds.record_peaks(state), kv_pages
+    return dstats.record_peaks(state), kv_pages
 
 
 op_free = jax.jit(ds.free_finished)
 op_reset = jax.jit(ds.reset_logical)
-usage = jax.jit(ds.kv_usage)
+usage = jax.jit(dstats.kv_usage)
 
 
 def tables_of(state):
@@ -316,8 +316,9 @@ def test_random_operations_keep_invariants(ops):
                 live |= set(zip(page.tolist(), (p % ps).tolist(), strict=True))
         refs = host.page_table.page_ref_counts
         assert [int(x) for x in usage(state)] == [len(live), int((refs > 0).sum()), int((refs > 1).sum())]
-        assert (int(host.steps), int(host.tokens_run)) == (steps, tokens)
-        assert host.live_sum <= host.held_sum and host.peak_pages_in_use >= (refs > 0).sum()
+        counted = host.stats
+        assert (int(counted.steps), int(counted.tokens_run)) == (steps, tokens)
+        assert counted.live_sum <= counted.held_sum and counted.peak_pages_in_use >= (refs > 0).sum()
         most_shared = max(most_shared, int((refs > 1).sum()))
     state = op_free(replace(state, finished=state.finished | state.sequences.used_mask))
     assert not np.asarray(state.page_table.page_ref_counts).any()  # no leaks once everything is freed

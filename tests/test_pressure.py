@@ -36,7 +36,7 @@ from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine
 from L6_tpu_jax import decode_state as ds
 from L6_tpu_jax.engine import Engine as L6Engine
-from L6_tpu_jax.engine import pages_for
+from L6_tpu_jax.page_table import pages_for
 
 _rng = random.Random(29)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (2, 9, 13, 3, 22, 6, 17, 5)]
@@ -195,7 +195,7 @@ def test_l6_admission_keeps_room_for_what_running_sequences_will_grow_into(tiny_
     pages to take runs the pool dry mid-decode (``OutOfPagesError``). It must finish, equal to HF."""
     prompts = [[5, 17, 300], [9, 9, 9, 9, 9], [42] * 7]
     want = [x.tokens for x in hf_greedy(tiny_qwen3_dir, prompts, [20] * 3)]
-    engine = L6Engine(tiny_qwen3_dir, page_size=4, num_pages=8, max_seqs=2, max_model_len=64)
+    engine = L6Engine(tiny_qwen3_dir, page_size=4, num_pages=8, max_num_seqs=2, max_model_len=64)
     assert engine.generate(prompts, 20) == want
     engine.check_invariants()
     assert engine.occupancy()["pages_in_use"] == 0
@@ -207,7 +207,7 @@ def test_l6_on_the_smallest_pool_changes_no_token(cleanup, tiny_qwen3_dir, expec
     pages as well as for slots, clones included; every token is HF's."""
     pages = max(pages_for(len(p), b, 1, BLOCK) for p, b in zip(PROMPTS, BUDGETS, strict=True))
     engine = L6Engine(
-        tiny_qwen3_dir, page_size=BLOCK, num_pages=pages, max_seqs=4, max_model_len=64, cleanup=cleanup
+        tiny_qwen3_dir, page_size=BLOCK, num_pages=pages, max_num_seqs=4, max_model_len=64, cleanup=cleanup
     )
     assert engine.generate(PROMPTS, BUDGETS) == expected
     assert engine.stats().blocks_held <= pages
@@ -231,7 +231,9 @@ def test_l6_two_calls_in_a_row_start_from_a_reset_state(cleanup, reset, tiny_lla
     equal HF, and the pages are back after each (except with cleanup "none", which keeps them)."""
     first, second = [[7, 8, 9, 10, 11], [12] * 9], [[300, 301, 302], [40, 41] * 3]
     want = [[x.tokens for x in hf_greedy(tiny_llama_dir, ps, [6] * len(ps))] for ps in (first, second)]
-    engine = L6Engine(tiny_llama_dir, page_size=4, max_seqs=2, max_model_len=32, cleanup=cleanup, reset=reset)
+    engine = L6Engine(
+        tiny_llama_dir, page_size=4, max_num_seqs=2, max_model_len=32, cleanup=cleanup, reset=reset
+    )
     entering = []  # (state, kv pages) each prefill call starts from, copied before the call donates them
     prefill = engine._prefill
 

@@ -98,10 +98,10 @@ def check_plan_step(plan_step: Callable) -> None:
     max_num_seqs 4: running [1, 1], waiting [10, 3] -> ([1, 1], [4, 2]).
     """
 
-    def case(running, waiting, budget, chunk, max_seqs) -> Callable[[], str | None]:
+    def case(running, waiting, budget, chunk, max_num_seqs) -> Callable[[], str | None]:
         def run() -> str | None:
-            want = scheduler_plan(running, waiting, budget, chunk, max_seqs)
-            got = plan_step(list(running), list(waiting), budget, chunk, max_seqs)
+            want = scheduler_plan(running, waiting, budget, chunk, max_num_seqs)
+            got = plan_step(list(running), list(waiting), budget, chunk, max_num_seqs)
             if not isinstance(got, tuple | list) or len(got) != 2:
                 return f"returned {got!r}, expected two lists (running, waiting)"
             got = (list(got[0]), list(got[1]))

@@ -6,8 +6,8 @@
   ``free_pages_for_finished`` (``page_table.py``);
 - ``check_write_kv_pages``: the vectorized KV write into the page pool, run under ``jax.jit``, against
   ``update_kv`` (``kv_cache.py``);
-- ``check_mesh_specs``: the ``PartitionSpec``s of the engine's inputs over a ``data`` mesh, by sharded
-  runs against the engine on one device (``engine.py``, ``SPECS``).
+- ``check_mesh_specs``: the ``PartitionSpec``s of the mesh engine's inputs over a ``data`` mesh, by
+  sharded runs against the engine on one device (``mesh_engine.py``, ``SPECS``; ``engine.py``).
 
 For the first two the learner writes plain NumPy on small arrays; each case builds a real
 ``SequenceTable`` and ``PageTable`` holding the same arrays, runs the stage's function on them, and
@@ -18,7 +18,7 @@ The third is JAX: the checker jits the learner's function behind a Python-side t
 have destination -1, compares the pool with ``update_kv``'s, and fails a case that needs more than one
 trace for one shape. A Python branch on a traced value (``if dests[t] >= 0``) cannot run under jit at
 all: its ``ConcretizationTypeError`` (or another tracer error) is reported as that case's ``WRONG``
-line. The fourth runs the whole engine over a simulated mesh with the learner's ``PartitionSpec``s.
+line. The fourth runs the mesh engine over a simulated mesh with the learner's ``PartitionSpec``s.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
@@ -375,9 +375,9 @@ MESH_DEVICES = 4  # CPU devices the notebook asks XLA for, before JAX starts (it
 def check_mesh_specs(mesh_specs: Callable) -> None:
     """Grade ``mesh_specs() -> {"params": P, "decode_state": P, "kv_pages": P}`` with sharded runs.
 
-    Each case builds the engine over a ``data`` mesh of 2 or 4 simulated CPU devices with the learner's
-    ``PartitionSpec``s, runs a tiny seeded Llama on a few prompts, and compares the tokens with the
-    single-device engine (``Engine`` without a mesh). The engine's per-device program indexes its own
+    Each case builds the mesh engine over a ``data`` mesh of 2 or 4 simulated CPU devices with the
+    learner's ``PartitionSpec``s, runs a tiny seeded Llama on a few prompts, and compares the tokens with
+    the single-device engine (``Engine``). The mesh engine's per-device program indexes its own
     slice of the pool with page ids local to it, so a pool that is copied whole (``P()``) or split along
     another axis gives wrong tokens or an error, and a state split over devices cannot be built.
     A case also fails if a device holds more than its share of the pages.
@@ -388,6 +388,7 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
     from kvcourse.harness.tiny import make_tiny_checkpoint
 
     from ..engine import Engine
+    from ..mesh_engine import MeshEngine
     from ..multihost import data_mesh
 
     if len(jax.devices()) < MESH_DEVICES:
@@ -404,7 +405,7 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
     @functools.cache
     def one_device() -> list[list[list[int]]]:
         """The engine on one device, 2 greedy clones of each prompt (clone 0 is the n=1 answer)."""
-        return Engine(tiny, max_seqs=8, max_model_len=48, num_pages=16).generate_samples(
+        return Engine(tiny, max_num_seqs=8, max_model_len=48, num_pages=16).generate_samples(
             prompts, budgets, n=2
         )
 
@@ -413,8 +414,8 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
             specs = mesh_specs()
             if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
                 return f"returned {specs!r}, expected a dict with keys params, decode_state, kv_pages"
-            options = dict(max_seqs=8, max_model_len=48, num_pages=8 * devices)
-            engine = Engine(tiny, **options, mesh=data_mesh(jax.devices()[:devices]), specs=specs)
+            options = dict(max_num_seqs=8, max_model_len=48, num_pages=8 * devices)
+            engine = MeshEngine(tiny, data_mesh(jax.devices()[:devices]), **options, specs=specs)
             held = engine.kv_pages[0].addressable_shards[0].data.shape[0]
             share = engine.num_pages // devices
             if held != share:
@@ -441,7 +442,7 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
 # judged in the grader's process against the independent answers of answers.py.
 
-# (max_seqs, pages_per_seq, num_pages, page_size) of the NumPy exercises' hidden cases: a few shapes,
+# (max_num_seqs, pages_per_seq, num_pages, page_size) of the NumPy exercises' hidden cases: a few shapes,
 # so that the stage's jit'd functions, which the tests hold them against, compile a few times only.
 TABLE_SHAPES = ((2, 3, 8, 4), (3, 4, 12, 1), (4, 3, 12, 3), (3, 2, 8, 16), (5, 3, 16, 2))
 
@@ -454,11 +455,11 @@ def _draw_pages(rng, shape: tuple[int, int, int, int], clone: bool = False) -> d
     Example, page_size 4: slot 0 holds 6 tokens on pages [5, 2], slot 1 is its clone on [5, 7]:
     refs of pages 5, 2, 7 are 2, 1, 1.
     """
-    max_seqs, pages_per_seq, num_pages, page_size = shape
+    max_num_seqs, pages_per_seq, num_pages, page_size = shape
     order = rng.sample(range(num_pages), num_pages)  # pages taken in this order: scattered ids
-    table, lens = [[INVALID] * pages_per_seq for _ in range(max_seqs)], [0] * max_seqs
+    table, lens = [[INVALID] * pages_per_seq for _ in range(max_num_seqs)], [0] * max_num_seqs
     spare = rng.randint(2, max(2, num_pages // 2))  # free pages kept for the batches
-    for s in range(max_seqs):
+    for s in range(max_num_seqs):
         kind = ["long", "clone"][s] if clone and s < 2 else rng.choice(["empty", "used", "used", "clone"])
         parents = [p for p in range(s) if lens[p] >= page_size]
         if kind == "clone" and parents:
@@ -485,13 +486,15 @@ def draw_allocate(rng) -> list[dict]:
     then the slots out of order or an empty batch), always with enough free pages."""
     cases = []
     for k in range(8):
-        max_seqs, pages_per_seq, num_pages, page_size = shape = TABLE_SHAPES[k % len(TABLE_SHAPES)]
+        max_num_seqs, pages_per_seq, num_pages, page_size = shape = TABLE_SHAPES[k % len(TABLE_SHAPES)]
         case = _draw_pages(rng, shape, clone=k % 3 == 1)
         lens, free = list(case["lens"]), case["refs"].count(0)
         batches = []
         for _ in range(rng.randint(1, 3)):
             slots, pos = [], []
-            chosen = rng.sample(range(max_seqs), rng.randint(0 if k == 0 and not batches else 1, max_seqs))
+            chosen = rng.sample(
+                range(max_num_seqs), rng.randint(0 if k == 0 and not batches else 1, max_num_seqs)
+            )
             for s in chosen if rng.random() < 0.25 else sorted(chosen):  # the order of the slots
                 room = pages_per_seq * page_size - lens[s]
                 grow = min(room, rng.choice([1, 1, rng.randint(1, max(1, room))]))  # decode, chunk, prefill
@@ -690,7 +693,7 @@ def draw_mesh(rng) -> list[dict]:
         }  # fmt: skip
         page_size = rng.choice([1, 4, 16])
         cases.append(
-            {"devices": d, "num_pages": d * rng.randint(1, 8), "max_seqs": d * rng.randint(1, 4),
+            {"devices": d, "num_pages": d * rng.randint(1, 8), "max_num_seqs": d * rng.randint(1, 4),
              "page_size": page_size, "max_model_len": page_size * rng.randint(1, 6), "model": model}
         )  # fmt: skip
     return cases
@@ -720,7 +723,7 @@ def _model_shapes(m: dict):
 
 def _held(mesh, spec, tree) -> str | list:
     """What one device of ``mesh`` holds of ``tree`` laid out as ``NamedSharding(mesh, spec)`` (as
-    ``Engine`` lays out its inputs): ``"whole"`` when it holds every leaf whole, else the leaves it
+    ``MeshEngine`` lays out its inputs): ``"whole"`` when it holds every leaf whole, else the leaves it
     holds a piece of, as ``"path: piece of shape"`` (at most 3)."""
     sharding = NamedSharding(mesh, spec)
     pieces = []
@@ -747,7 +750,7 @@ def observe_mesh(fn, case) -> list[dict]:
     pages_per_seq = cdiv(case["max_model_len"], ps)
     state = jax.eval_shape(
         lambda: DecodeState.init(
-            case["max_seqs"], pages_per_seq, case["num_pages"], ps, case["max_model_len"], [2], d
+            case["max_num_seqs"], pages_per_seq, case["num_pages"], ps, case["max_model_len"], [2]
         )
     )
     pool = jax.ShapeDtypeStruct((case["num_pages"], ps, 2 * m["kv_heads"], m["head_dim"]), jnp.float32)
@@ -770,7 +773,7 @@ def describe_mesh(case: dict) -> str:
     m = case["model"]
     return (
         f"{case['devices']} devices, {case['num_pages']} pages of {case['page_size']}, "
-        f"{case['max_seqs']} slots, a {m['layers']}-layer model (vocab {m['vocab']}, hidden {m['hidden']}, "
+        f"{case['max_num_seqs']} slots, a {m['layers']}-layer model (vocab {m['vocab']}, hidden {m['hidden']}, "
         f"{m['heads']} heads, {m['kv_heads']} KV heads of {m['head_dim']})"
     )
 
@@ -794,5 +797,5 @@ HIDDEN = {
         describe_write_kv_pages,
         answers=("L6_tpu_jax.kv_cache:update_kv",),
     ),
-    "L6.4": Hidden(draw_mesh, observe_mesh, describe_mesh, answers=("L6_tpu_jax.engine:SPECS",)),
+    "L6.4": Hidden(draw_mesh, observe_mesh, describe_mesh, answers=("L6_tpu_jax.mesh_engine:SPECS",)),
 }

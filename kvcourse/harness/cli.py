@@ -70,9 +70,8 @@ def generate(args: argparse.Namespace) -> None:
     ids = [encode(tok, p) for p in prompts]
     budget = budgets(prompts, args.max_new_tokens)
     longest = check_context(ids, budget, cfg)
-    options = {} if device is None else {"device": device}  # L6 without one: JAX's default device
     engine = engine_class(args.stage)(
-        model_dir, max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest), **options
+        model_dir, device or "cpu", max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest)
     )
     t0 = time.perf_counter()
     outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)

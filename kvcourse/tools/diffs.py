@@ -5,6 +5,8 @@
     lessons/diffs/L3_L4.diff     L4_paged_kernel's lesson files against L3_block_tensor's
     lessons/diffs/L4_fast.diff   what L4_paged_kernel's fast paths (its ``fast/`` folder) add
     lessons/diffs/L4_L5.diff     L5_clones against L4_paged_kernel, in two steps: prefix cache, clones
+    lessons/diffs/L6_mesh.diff   L6's mesh engine against its one-device engine
+    lessons/diffs/L5_L6_names.md L5's names and L6's (``kvcourse/tools/names.py``)
 
 A stage is a closed snapshot of the one before it, so the unified diff of the two folders is exactly
 what the lesson changes. Each file starts with a short header (files unchanged byte for byte, files
@@ -18,7 +20,10 @@ kernels, split-KV, decode graphs) are diffed apart, in ``LN_fast.diff``, against
 its own, and its lesson diff's header says so. Left out: ``__init__.py`` (a package marker naming the
 stage), the smoke script (``lN_smoke.py``) and the ``exercises/`` folder (the notebook's checkers and
 the grader's independent answers), which are each stage's own harness, not its lesson. L6 is not
-diffed against L5: it is a rewrite in JAX, and its chapter maps L5's names to Levanter's instead.
+diffed against L5: it is a rewrite in JAX, and ``names.py`` maps L5's names to Levanter's instead (a
+table, also written into the L6 chapter). Within L6, ``mesh_engine.py`` is a copy of ``engine.py``
+changed for a device mesh: ``L6_mesh.diff`` is that change, then the files only the mesh uses, whole
+(``MESH``).
 
 A stage that teaches two ideas (``STEPS``: L5, clones and the prefix cache) gets its diff in two
 marked parts, each a diff of its own: the first from the previous stage to the text after step 1, the
@@ -84,6 +89,11 @@ STEPS = {
 
 class MixedParagraph(ValueError):
     """A changed paragraph names both ideas of a stage taught in two steps."""
+
+
+# L6's lesson of sharding: (stage, one-device file, mesh file, files only the mesh uses).
+NEW_FILE = "\ndiff -u "  # how each file's diff starts
+MESH = ("L6_tpu_jax", "engine.py", "mesh_engine.py", ("mesh_tables.py", "multihost.py"))
 
 
 def lesson_files(stage_dir: Path) -> dict[str, str]:
@@ -281,6 +291,30 @@ def fast_diff(stage: str, root: Path = ROOT) -> str | None:
     return "\n".join(lines + file_diffs(a, b, before, stage)) + "\n"
 
 
+def mesh_diff(root: Path = ROOT) -> str:
+    """The unified diff of L6's mesh engine against its one-device engine, with its header, then the
+    files only the mesh uses, each as a new file."""
+    stage, single, mesh, only = MESH
+    lines = [
+        f"# {stage}/{mesh} against {stage}/{single}: what running over a device mesh changes "
+        "(written by `make diffs`; do not edit)",
+        f"# then the files only the mesh uses, whole: {', '.join(only)}",
+    ]
+    for before, after in [(single, mesh), *((None, name) for name in only)]:
+        old = (root / stage / before).read_text(encoding="utf-8") if before else ""
+        new = (root / stage / after).read_text(encoding="utf-8")
+        from_path = f"a/{stage}/{before}" if before else "/dev/null"
+        to_path = f"b/{stage}/{after}"
+        lines.append(f"diff -u {from_path} {to_path}")
+        lines.extend(
+            line.rstrip("\n")
+            for line in difflib.unified_diff(
+                old.splitlines(keepends=True), new.splitlines(keepends=True), from_path, to_path, n=3
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
 def diff_path(old: str, new: str, root: Path = ROOT) -> Path:
     """``lessons/diffs/L2_L3.diff`` for ``("L2_token_flat", "L3_block_tensor")``."""
     return root / "lessons" / "diffs" / f"{old.split('_')[0]}_{new.split('_')[0]}.diff"
@@ -297,14 +331,17 @@ def pairs() -> list[tuple[str, str]]:
 
 
 def outputs(root: Path = ROOT) -> list[tuple[Path, str]]:
-    """Every diff file ``make diffs`` writes, with its text: each pair's lesson diff, and the fast
-    paths' diff of each stage whose ``fast/`` changes."""
+    """Every file ``make diffs`` writes, with its text: each pair's lesson diff, the fast paths' diff of
+    each stage whose ``fast/`` changes, L6's mesh diff and the table of L5's names and L6's."""
+    from kvcourse.tools import names
+
     found = [(diff_path(old, new, root), stage_diff(old, new, root)) for old, new in pairs()]
     for stage in DIFFED[1:]:
         text = fast_diff(stage, root)
         if text is not None:
             found.append((fast_diff_path(stage, root), text))
-    return found
+    found.append((root / "lessons" / "diffs" / "L6_mesh.diff", mesh_diff(root)))
+    return found + names.outputs(root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a diff is stale")
     args = parser.parse_args(argv)
+    from kvcourse.tools import names
+
+    wrong = names.problems()
+    for line in wrong:
+        print(f"names: {line}")
     stale = 0
     for path, text in outputs():
         differs, shown = sync(path, text, args.check), path.relative_to(ROOT)
@@ -320,9 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             stale += differs
             print(f"{shown}: {'OUT OF DATE: run make diffs' if differs else 'up to date'}")
         else:
-            changed = text.count("\ndiff -u ")
-            print(f"{shown}: {changed} file diff(s), {'written' if differs else 'unchanged'}")
-    return 1 if stale else 0
+            changed = f"{text.count(NEW_FILE)} file(s) differ, " if path.suffix == ".diff" else ""
+            print(f"{shown}: {changed}{'written' if differs else 'unchanged'}")
+    return 1 if stale or wrong else 0
 
 
 if __name__ == "__main__":
