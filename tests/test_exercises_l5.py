@@ -15,7 +15,7 @@ should catch the mistake must say ``WRONG`` or ``raised``. Example::
 
 Each wrong solution must also fail the exercise's hidden cases, as ``make grade`` judges them.
 
-The other half: each checker gets the independent answer of ``L5_clones/answers.py`` (written apart
+The other half: each checker gets the independent answer of ``L5_clones/exercises/answers.py`` (written apart
 from the stage; the checker compares it with the stage's own code, so the two hold each other in
 check) and the reference notebook's solution cells; every case must print ``ok``. The stage's own
 functions are held to hard-coded examples in ``tests/test_l5.py``. Everything runs on small
