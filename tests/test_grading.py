@@ -239,7 +239,7 @@ def read(path):
         return repr(pathlib.Path(path).read_text())
     except OSError as e:
         return type(e).__name__
-print("key", os.listdir({str(ROOT / "notebooks")!r}), read({str(ROOT / "L2_token_flat" / "answers.py")!r}))
+print("key", os.listdir({str(ROOT / "notebooks")!r}), read({str(ROOT / "L2_token_flat" / "exercises" / "answers.py")!r}))
 """
     box = Sandbox.here(ROOT, memory_bytes=4 << 30, cpu_seconds=60)
     argv, limits = box.wrap([sys.executable, "-c", probe], tmp_path)
