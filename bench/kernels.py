@@ -1,5 +1,7 @@
-"""The paged-attention kernel alone, at decode shapes, against the machine's copy bandwidth:
-``python -m bench.kernels [--device auto|cpu|cuda] [--sweep] [--resources] [--quick] [--out FILE]``.
+"""The paged-attention kernel alone, at decode shapes against the machine's copy bandwidth, and at
+prefill shapes with and without query tiles:
+``python -m bench.kernels [--device auto|cpu|cuda] [--prefill] [--sweep] [--resources] [--quick] [--out FILE]``
+and ``python -m bench.kernels --interpreter [--quick]``.
 
 One decode step of attention (one query token per sequence, every sequence the same history) done
 three ways, each checked against dense attention before it is timed:
@@ -21,22 +23,42 @@ repeated launches timed with CUDA events, the L2 cache flushed between them); on
 wall times. The shapes (``SHAPES``) are DESIGN.md's: SmolLM2's 9 query / 3 KV heads of 64, an 8B
 model's 32 / 8 of 128, up to 256 sequences x 4,096 positions and 8 x 32,768, blocks of 16.
 
-``--resources`` needs no GPU: it compiles each launch shape of ``SWEEP`` for an H100 (``sm_90``) and
-asks NVIDIA's assembler (``ptxas -v``, shipped with Triton) how many registers a thread needs and how
-many bytes spill to memory, and from the registers how many programs fit on one multiprocessor.
+``--prefill``: one prefill step of attention instead (every sequence a prompt of the same length,
+causal), on ``PREFILL_SHAPES``: the Triton kernel with query tiles in its grid (in its default launch,
+and with ``--sweep`` in every shape of ``prefill_sweep_configs``), the same kernel as it was before
+query tiles (``bench/triton_sequence_grid.py``: one program per sequence and KV head), the C++ kernel
+on a CPU, and SDPA over contiguous K/V with its causal mask. A row's rate is the attention's
+floating-point operations (4 x heads x head dim per visible query-key pair) over its time; the
+``x before`` column is the sequence-grid kernel's time over the row's. On a GPU this is the measure
+of issue 38's target: a 2,000-token prefill at least 5x faster with query tiles than without.
 
-Results: one JSON file (``--out``, default ``bench/results/kernels.json``, ``kernels-cuda.json`` for a GPU's)
-and a table on stdout.
+``--interpreter`` runs on the CPU whatever ``--device`` says: Triton's interpreter on one layer's
+attention for a prompt (SmolLM2's 9/3 heads of 64), from the kernel as it was to the kernel as it is,
+a step at a time: one program per sequence with combine functions of its own, query tiles with the
+same combine functions, query tiles with ``tl.max``'s and ``tl.sum``'s (which the interpreter reduces
+with NumPy), and query tiles in the interpreter's own launch shape (``choose_launch``). One run each,
+on the longest prompt of ``INTERPRETER_PROMPTS`` that the step was given.
+
+``--resources`` needs no GPU: it compiles each launch shape of the sweep (``--prefill``: the prefill
+sweep) for an H100 (``sm_90``) and asks NVIDIA's assembler (``ptxas -v``, shipped with Triton) how
+many registers a thread needs and how many bytes spill to memory, and from the registers how many
+programs fit on one multiprocessor.
+
+Results: one JSON file (``--out``, default ``bench/results/kernels.json``, ``kernels-cuda.json`` for a
+GPU's; ``kernels-prefill[-cuda].json`` with ``--prefill``, ``kernels-interpreter.json`` with
+``--interpreter``) and a table on stdout.
 ``make bench`` runs it (without the sweep) after ``bench.run``, in a process of its own. A wrong output fails the run
 (exit status 1) after the results are written.
 
-Left out on purpose: prefill shapes (compute-bound; the engines' workloads time them), fp16/bf16,
-and ragged histories (each row of a shape has one length, so the contiguous peer needs no mask).
+Left out on purpose: fp16/bf16, ragged histories and prompts (each row of a shape has one length, so
+the contiguous peer needs no mask), and prefill chunks after a history (the kernel tests check them;
+the engines' workloads time them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -44,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,6 +88,20 @@ SHAPES = (
 )
 CPU_SHAPES = SHAPES[:2] + ((64, 4096, 32, 8, 128),)  # the CPU has the bandwidth for these in seconds
 QUICK_SHAPES = ((4, 48, 9, 3, 16), (2, 70, 8, 2, 32))
+# (sequences, prompt tokens each, query heads, KV heads, head dim): one prefill step
+PREFILL_SHAPES = (
+    (1, 2048, 9, 3, 64),
+    (4, 512, 9, 3, 64),
+    (1, 8192, 9, 3, 64),
+    (1, 2048, 32, 8, 128),
+    (8, 1024, 32, 8, 128),
+)
+CPU_PREFILL_SHAPES = PREFILL_SHAPES[:2]
+QUICK_PREFILL_SHAPES = ((1, 24, 9, 3, 16), (2, 13, 8, 2, 32))
+# --interpreter: prompt lengths, and the longest each step of INTERPRETER_STEPS is given (the steps
+# before the NumPy reductions take minutes past a few hundred tokens)
+INTERPRETER_PROMPTS = (128, 2048)
+QUICK_INTERPRETER_PROMPTS = (24, 40)
 TOLERANCE = 2e-5  # max |output - dense attention|, as in the kernel tests
 
 
@@ -83,10 +120,34 @@ def sweep_configs(quick: bool = False) -> list[dict]:
     ]
 
 
+def prefill_sweep_configs(quick: bool = False) -> list[dict]:
+    """The launch shapes ``--prefill --sweep`` times: 16-128 query rows, tiles of 32 or 64 positions, 4
+    or 8 warps, 2 pipeline stages."""
+    if quick:
+        return [
+            {"block_m": 16, "tile_n": 16, "num_warps": 4, "num_stages": 1},
+            {"block_m": 64, "tile_n": 64, "num_warps": 8, "num_stages": 2},
+        ]
+    return [
+        {"block_m": rows, "tile_n": tile, "num_warps": warps, "num_stages": 2}
+        for rows in (16, 32, 64, 128)
+        for tile in (32, 64)
+        for warps in (4, 8)
+    ]
+
+
 def kv_bytes(shape) -> int:
     """Bytes of K and V one decode step must read: ``kv_bytes((32, 512, 9, 3, 64))`` -> 25,165,824."""
     seqs, ctx, _, n_kv, head_dim = shape
     return 2 * seqs * ctx * n_kv * head_dim * 4
+
+
+def prefill_flops(shape) -> int:
+    """Floating-point operations of a causal prefill step: each visible (query, key) pair costs 2 x head
+    dim for the score and 2 x head dim for the weighted value, per query head.
+    ``prefill_flops((1, 2048, 9, 3, 64))`` -> 4,834,197,504."""
+    seqs, tokens, heads, _, head_dim = shape
+    return 4 * heads * head_dim * seqs * tokens * (tokens + 1) // 2
 
 
 def shape_name(shape) -> str:
@@ -118,6 +179,11 @@ def sdpa(q, k, v):
     return out[:, :, 0, :]
 
 
+def sdpa_causal(q, k, v):
+    """q, k, v: (B, H or H_kv, L, D), each sequence's prompt attending to itself, causally."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 def paged_kernels(device: torch.device, quick: bool) -> dict:
     """L4's paged kernels worth timing on ``device``, by row name: Triton on a GPU (and on the CPU with
     ``--quick``, interpreted, to check the code), C++ on a CPU where ``make setup`` built it."""
@@ -136,6 +202,15 @@ def paged_kernels(device: torch.device, quick: bool) -> dict:
         if build_problem(SOURCE) is None:
             found["paged kernel (C++)"] = cpp_paged_attention
     return found
+
+
+def prefill_case(shape, device: torch.device) -> tuple:
+    """``make_case``'s tensors for one prefill step of ``shape``: every sequence a prompt of ``tokens``
+    new tokens, its K/V already in the pool."""
+    seqs, tokens, heads, n_kv, head_dim = shape
+    return make_case(
+        BLOCK_SIZE, heads, n_kv, [tokens] * seqs, [tokens] * seqs, head_dim=head_dim, device=device
+    )
 
 
 def decode_case(shape, device: torch.device) -> tuple:
@@ -158,9 +233,9 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
 def resources(
     configs: list[dict], head_shapes=((9, 3, 64), (32, 8, 128)), capability: int = 90
 ) -> list[dict]:
-    """Registers a thread, spilled bytes and programs per multiprocessor of each launch shape, compiled for
-    ``sm_<capability>`` without a GPU. Raises RuntimeError naming what is missing where Triton has no
-    NVIDIA backend or no ``ptxas``."""
+    """Registers a thread, spilled bytes and programs per multiprocessor of each launch shape (query rows
+    16 where a config names none), compiled for ``sm_<capability>`` without a GPU. Raises RuntimeError
+    naming what is missing where Triton has no NVIDIA backend or no ``ptxas``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -184,8 +259,11 @@ def resources(
     rows = []
     for heads, n_kv, head_dim in head_shapes:
         for config in configs:
-            constants = {"G": heads // n_kv, "BLOCK_SIZE": BLOCK_SIZE, "HEAD_DIM": head_dim, "NUM_SPLITS": 1,
-                         "BLOCK_M": 16, "TILE_N": config["tile_n"], "BLOCK_D": head_dim}  # fmt: skip
+            config = {"block_m": 16} | config
+            group = heads // n_kv
+            constants = {"G": group, "BLOCK_SIZE": BLOCK_SIZE, "HEAD_DIM": head_dim, "NUM_SPLITS": 1,
+                         "BLOCK_Q": config["block_m"] // group, "BLOCK_M": config["block_m"],
+                         "TILE_N": config["tile_n"], "BLOCK_D": head_dim}  # fmt: skip
             source = ASTSource(
                 kernel, signature={n: arg_type(n) for n in kernel.arg_names}, constexprs=constants
             )
@@ -255,6 +333,119 @@ def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwid
     return rows
 
 
+BEFORE = "Triton, one program per sequence (before query tiles)"
+
+
+def prefill_kernels(device: torch.device, quick: bool) -> dict:
+    """The paged kernels of a prefill row: ``paged_kernels``'s, and where the Triton kernel runs, the
+    same kernel as it was before query tiles (``bench/triton_sequence_grid.py``)."""
+    found = paged_kernels(device, quick)
+    if "paged kernel (Triton)" in found:
+        from bench.triton_sequence_grid import sequence_grid_attention
+
+        found[BEFORE] = sequence_grid_attention
+    return found
+
+
+def measure_prefill_shape(shape, device: torch.device, sweep: bool, quick: bool) -> list[dict]:
+    """Every system on one prefill shape: checked against dense attention, then timed."""
+    seqs, tokens, heads, _, head_dim = shape
+    case = prefill_case(shape, device)
+    expected = dense_reference(*case)
+    q = case[0].view(seqs, tokens, heads, head_dim).transpose(1, 2)  # (B, H, L, D)
+    k, v = contiguous_kv(*case[1:4], tokens)  # (B, H_kv, L, D)
+    runs = {name: (lambda fn=fn: fn(*case)) for name, fn in prefill_kernels(device, quick).items()}
+    runs["SDPA contiguous, causal"] = lambda: (
+        sdpa_causal(q, k, v).transpose(1, 2).reshape(-1, heads, head_dim)
+    )
+    if sweep and "paged kernel (Triton)" in runs:
+        from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
+
+        for config in prefill_sweep_configs(quick):
+            launch = LaunchConfig(**config)
+            name = f"Triton rows {launch.block_m}, tile {launch.tile_n}, {launch.num_warps} warps, "
+            runs[f"{name}{launch.num_stages} stages"] = lambda c=launch: triton_paged_attention(
+                *case, config=c
+            )
+    rows = []
+    for name, run in runs.items():
+        error = (run() - expected).abs().max().item()
+        seconds = device_seconds(run, device, quick) if error < TOLERANCE else math.nan
+        rows.append({"shape": shape_name(shape), "system": name, "max_error": error, "ms": seconds * 1e3,
+                     "GFLOPs": prefill_flops(shape) / seconds / 1e9})  # fmt: skip
+    before = next((r["ms"] for r in rows if r["system"] == BEFORE), math.nan)
+    for r in rows:
+        r["x_before"] = before / r["ms"]
+    return rows
+
+
+def measure_prefill(device: torch.device, shapes, sweep: bool, quick: bool) -> dict:
+    """The prefill table: every system on every shape."""
+    rows = []
+    for shape in shapes:
+        rows += measure_prefill_shape(shape, device, sweep, quick)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+@contextlib.contextmanager
+def own_combine_functions():
+    """The query-tiled kernel with combine functions of its own (the sequence-grid kernel's), as it had
+    before: the interpreter looks the module's names up as the kernel runs, so swapping them for the
+    run swaps them in the interpreted kernel (the compiled one is not run here)."""
+    from bench import triton_sequence_grid as before
+    from L4_paged_kernel.fast import triton_paged_attention as module
+
+    saved = module._maximum, module._add
+    module._maximum, module._add = before._maximum, before._add
+    try:
+        yield
+    finally:
+        module._maximum, module._add = saved
+
+
+def interpreter_steps(prompts) -> list[tuple[str, int, Callable]]:
+    """(name, longest prompt it runs, attention) of ``--interpreter``, from the kernel as it was to the
+    kernel as it is. The first three run in the compiled kernel's default launch, 16 rows x 32
+    positions; the steps before the NumPy reductions run on the shortest prompt only."""
+    from bench.triton_sequence_grid import sequence_grid_attention
+    from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
+
+    gpu_launch = LaunchConfig()
+
+    def own_combine(*case):
+        with own_combine_functions():
+            return triton_paged_attention(*case, config=gpu_launch)
+
+    return [
+        ("one program per (sequence, KV head), combine functions of its own", min(prompts), sequence_grid_attention),
+        ("query tiles, combine functions of its own", min(prompts), own_combine),
+        ("query tiles, tl.max's and tl.sum's combine functions", min(prompts),
+         lambda *case: triton_paged_attention(*case, config=gpu_launch)),
+        ("query tiles, the interpreter's launch shape (choose_launch)", max(prompts), triton_paged_attention),
+    ]  # fmt: skip
+
+
+def measure_interpreter(prompts) -> dict:
+    """One layer's attention for a prompt of each length of ``prompts`` (SmolLM2's heads), on CPU
+    tensors, by each step of ``interpreter_steps`` that runs it: one timed run each, checked against
+    dense attention."""
+    rows = []
+    for tokens in prompts:
+        shape = (1, tokens, 9, 3, 64)
+        case = prefill_case(shape, torch.device("cpu"))
+        expected = dense_reference(*case)
+        for name, longest, attention in interpreter_steps(prompts):
+            if tokens > longest:
+                continue
+            t0 = time.perf_counter()
+            error = (attention(*case) - expected).abs().max().item()
+            rows.append({"shape": shape_name(shape), "prompt": tokens, "system": name, "max_error": error,
+                         "seconds": time.perf_counter() - t0 if error < TOLERANCE else math.nan})  # fmt: skip
+    return {"rows": rows}
+
+
 def measure(device: torch.device, shapes, sweep: bool, quick: bool) -> dict:
     """The kernel table: every system on every shape, and the copy bandwidth of the same run."""
     megabytes, _, repeats = ceilings.QUICK_SIZES if quick else ceilings.SIZES[device.type]
@@ -297,9 +488,63 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def prefill_table(results: dict) -> str:
+    """Markdown, a row per (shape, system); of the sweep, its fastest launch and any wrong one."""
+    lines = [
+        f"Prefill table on {results['device_name']}:",
+        "",
+        "| prefill shape (sequences x prompt) | system | ms | GFLOP/s | x before query tiles | max error |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def line(r: dict, name: str) -> str:
+        timing = (
+            "WRONG | - | -"
+            if math.isnan(r["ms"])
+            else f"{r['ms']:.3f} | {r['GFLOPs']:,.1f} | {r['x_before']:.1f}"
+        )
+        return f"| {r['shape']} | {name} | {timing} | {r['max_error']:.1e} |"
+
+    for shape in dict.fromkeys(r["shape"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["shape"] == shape]
+        swept = [r for r in rows if r["system"].startswith("Triton rows")]
+        lines += [line(r, r["system"]) for r in rows if r not in swept or math.isnan(r["ms"])]
+        timed = [r for r in swept if not math.isnan(r["ms"])]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            launch = best["system"].removeprefix("Triton ")
+            lines.append(line(best, f"Triton, fastest of {len(swept)} launches: {launch}"))
+    return "\n".join(lines)
+
+
+def interpreter_table(results: dict) -> str:
+    """Markdown, a row per (prompt, step), with each step's speedup over the first step on that prompt."""
+    lines = [
+        f"Triton's interpreter on {results['device_name']}, one layer's attention (9/3 heads x 64), one run each:",
+        "",
+        "| prompt tokens | kernel | seconds | x faster than the first | max error |",
+        "|---|---|---|---|---|",
+    ]
+    first_step = results["rows"][0]["system"]
+    first = {r["prompt"]: r["seconds"] for r in results["rows"] if r["system"] == first_step}
+    for r in results["rows"]:
+        seconds = "WRONG" if math.isnan(r["seconds"]) else f"{r['seconds']:.2f}"
+        speedup = f"{first[r['prompt']] / r['seconds']:.0f}" if r["prompt"] in first else "-"
+        lines.append(f"| {r['prompt']:,} | {r['system']} | {seconds} | {speedup} | {r['max_error']:.1e} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     add_device_option(parser, "the kernels run")
+    parser.add_argument(
+        "--prefill", action="store_true", help="prefill shapes: query tiles against one program per sequence"
+    )
+    parser.add_argument(
+        "--interpreter",
+        action="store_true",
+        help="Triton's interpreter on the CPU, before and after (no GPU)",
+    )
     parser.add_argument(
         "--sweep", action="store_true", help="also time every launch shape of the Triton kernel"
     )
@@ -313,33 +558,48 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.resources:
         try:
-            rows = resources(sweep_configs(args.quick))
+            rows = resources((prefill_sweep_configs if args.prefill else sweep_configs)(args.quick))
         except (ImportError, RuntimeError) as e:
             print(f"error: --resources needs Triton's NVIDIA backend: {e}", file=sys.stderr)
             return 2
-        print("| heads | tile | warps | stages | registers | spilled bytes | programs per SM |")
-        print("|---|---|---|---|---|---|---|")
+        print("| heads | rows | tile | warps | stages | registers | spilled bytes | programs per SM |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['heads']} | {r['tile_n']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
-                  f"{r['spill_bytes']} | {r['programs_per_sm']} |")  # fmt: skip
+            print(f"| {r['heads']} | {r['block_m']} | {r['tile_n']} | {r['num_warps']} | {r['num_stages']} | "
+                  f"{r['registers']} | {r['spill_bytes']} | {r['programs_per_sm']} |")  # fmt: skip
         return 0
+    if args.interpreter:
+        results = measure_interpreter(QUICK_INTERPRETER_PROMPTS if args.quick else INTERPRETER_PROMPTS)
+        return finish(results, args.out, "kernels-interpreter.json", interpreter_table, "seconds")
     try:
         device = bench_device(args.device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    shapes = QUICK_SHAPES if args.quick else SHAPES if device.type == "cuda" else CPU_SHAPES
+    cuda = "-cuda" if device.type == "cuda" else ""
+    if args.prefill:
+        shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES if cuda else CPU_PREFILL_SHAPES
+        results = measure_prefill(device, shapes, args.sweep, args.quick)
+        return finish(results, args.out, f"kernels-prefill{cuda}.json", prefill_table, "ms", device)
+    shapes = QUICK_SHAPES if args.quick else SHAPES if cuda else CPU_SHAPES
     results = measure(device, shapes, args.sweep, args.quick)
-    results["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return finish(results, args.out, f"kernels{cuda}.json", table, "ms", device)
+
+
+def finish(results: dict, out: str | None, default: str, make_table, timed: str, device=None) -> int:
+    """Name the machine in ``results``, write them (``out``, else ``bench/results/<default>``), print
+    ``make_table(results)``; exit status 1 when a row's output differed from dense attention (its
+    ``timed`` field is NaN), else 0."""
+    cuda = device is not None and device.type == "cuda"
+    results["device_name"] = torch.cuda.get_device_name(device) if cuda else cpu_name()
     results["versions"] = {name: package_version(name) for name in ("torch", "triton")}
     results["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    default = "kernels-cuda.json" if device.type == "cuda" else "kernels.json"
-    out = Path(args.out or REPO_ROOT / "bench" / "results" / default)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
+    path = Path(out or REPO_ROOT / "bench" / "results" / default)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(make_table(results))
     wrong = [
-        f"{r['shape']}: {r['system']} ({r['max_error']:.1e})" for r in results["rows"] if math.isnan(r["ms"])
+        f"{r['shape']}: {r['system']} ({r['max_error']:.1e})" for r in results["rows"] if math.isnan(r[timed])
     ]
     if wrong:
         print("kernels FAILED: outputs differ from dense attention:\n  " + "\n  ".join(wrong))

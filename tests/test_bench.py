@@ -336,6 +336,46 @@ def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
     assert table.count("Triton, fastest of 4 launches") == len(kernels.QUICK_SHAPES), table
 
 
+def test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them(tmp_path, capsys):
+    """bench.kernels --prefill on tiny prompts: the query-tiled Triton kernel, the kernel as it was before
+    query tiles, the C++ kernel where it builds and SDPA's causal attention all agree with dense
+    attention and are timed, each with its speedup over the kernel before query tiles."""
+    pytest.importorskip(
+        "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
+    )
+    out = tmp_path / "prefill.json"
+    assert kernels.main(["--quick", "--prefill", "--device", "cpu", "--sweep", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    systems = {r["system"] for r in rows}
+    assert {"paged kernel (Triton)", kernels.BEFORE, "SDPA contiguous, causal"} <= systems, systems
+    assert len([s for s in systems if s.startswith("Triton rows")]) == len(
+        kernels.prefill_sweep_configs(quick=True)
+    )
+    assert all(r["max_error"] < kernels.TOLERANCE and r["ms"] > 0 for r in rows)
+    assert all(r["x_before"] == 1 for r in rows if r["system"] == kernels.BEFORE)
+    table = capsys.readouterr().out
+    assert "| x before query tiles |" in table and table.count("Triton, fastest of 2 launches") == 2, table
+
+
+def test_quick_interpreter_table_runs_each_step_on_its_prompts(tmp_path, capsys):
+    """bench.kernels --interpreter on tiny prompts: the steps before the NumPy reductions on the shortest
+    prompt only, the kernel as it is on every prompt, each checked against dense attention."""
+    pytest.importorskip(
+        "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
+    )
+    out = tmp_path / "interpreter.json"
+    assert kernels.main(["--quick", "--interpreter", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    short, long = kernels.QUICK_INTERPRETER_PROMPTS
+    assert [r["prompt"] for r in rows] == [short] * 4 + [long]
+    assert all(r["max_error"] < kernels.TOLERANCE and r["seconds"] > 0 for r in rows)
+    assert "| 24 | query tiles, the interpreter's launch shape (choose_launch) |" in capsys.readouterr().out
+
+
+def test_prefill_flops_docstring_example():
+    assert kernels.prefill_flops((1, 2048, 9, 3, 64)) == 4_834_197_504
+
+
 def test_a_wrong_kernel_fails_the_kernel_table(tmp_path, monkeypatch, capsys):
     """An attention that answers wrongly is not timed: its row reads WRONG and the run exits 1."""
     monkeypatch.setattr(
@@ -358,6 +398,15 @@ def test_kernel_resources_from_the_assembler(capsys):
     rows = kernels.resources(kernels.sweep_configs(quick=True), head_shapes=((9, 3, 64),))
     assert [(r["tile_n"], r["num_warps"]) for r in rows] == [(16, 4), (64, 8)]
     assert all(0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1 for r in rows)
+
+
+@pytest.mark.cuda
+def test_prefill_table_on_a_gpu(tmp_path):
+    done = gpu_run(["bench.kernels", "--quick", "--prefill", "--device", "cuda", "--sweep", "--out",
+                    str(tmp_path / "p.json")], tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    systems = {r["system"] for r in json.loads((tmp_path / "p.json").read_text())["rows"]}
+    assert {"paged kernel (Triton)", kernels.BEFORE} <= systems
 
 
 @pytest.mark.cuda

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from cpp_kernel import PROBLEM, needs_cpp
-from smoke_runs import course_smoke, smoke_module
+from smoke_runs import course_smoke, run_smoke_in_process, smoke_module
 
 from kvcourse.harness.reference import hf_greedy
 from L3_block_tensor.engine import Engine as L3Engine
@@ -64,10 +64,43 @@ def test_bad_options_are_named(tiny_llama_dir, options, message):
         Engine(tiny_llama_dir, **options)
 
 
+def test_interpreter_prompts_docstring_examples():
+    smoke = smoke_module("L4")
+    assert smoke.interpreter_prompts([345, 380, 37]) == [0, 1, 2]
+    assert smoke.interpreter_prompts([900, 40, 300, 2000]) == [1, 2]
+    assert smoke.interpreter_prompts([2000]) == []
+    assert smoke.interpreter_prompts([5] * 9) == [0, 1, 2, 3]  # TRITON_PROMPTS of them
+
+
+def test_the_interpreter_run_is_bounded_and_says_what_it_covered(
+    tiny_qwen3_dir, tmp_path, monkeypatch, capsys
+):
+    """The smoke's interpreted Triton run takes the prompts within its bound and names them; where even
+    the shortest prompt is over it, the run is skipped with the reason, and the rest of the smoke runs."""
+    prompts = tmp_path / "three.jsonl"
+    prompts.write_text(
+        "".join(f'{{"text": "{" ".join(["word"] * n)}"}}\n' for n in (30, 3, 12)), encoding="utf-8"
+    )
+    argv = ["--model", str(tiny_qwen3_dir), "--prompts", str(prompts), "--max-new-tokens", "2"]
+    smoke = smoke_module("L4")
+    monkeypatch.setattr(smoke, "TRITON_PROMPTS", 2)
+    assert run_smoke_in_process("L4", argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"-- L4 triton kernel \(interpreter\), 2 of 3 prompts, the shortest \(\d+ prompt tokens; "
+                     r"bound: 2 prompts, 1,024 tokens\), first 8 new tokens each\n", out), out  # fmt: skip
+    monkeypatch.setattr(smoke, "TRITON_PROMPT_TOKENS", 2)
+    assert run_smoke_in_process("L4", argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"SKIPPED, its shortest prompt has \d+ tokens, over the interpreter's bound of 2 ", out
+    ), out
+    assert "1 run(s) skipped on this machine" in out.strip().splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, monkeypatch):
-    """The smoke, with its Triton run (the interpreter: ~13 s per prompt on the course model) on the one
-    shortest prompt; make smoke runs it on three."""
+    """The smoke, with its Triton run (the interpreter) on the one shortest prompt; make smoke runs it on
+    the shortest within its bound (``interpreter_prompts``)."""
     monkeypatch.setattr(smoke_module("L4"), "TRITON_PROMPTS", 1)
     status, out = course_smoke("L4", model_dir, capsys, course_prompts_subset)
     last = out.strip().splitlines()[-1]
@@ -75,7 +108,7 @@ def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, 
     # 4 prompts x 4 runs + 1 (the Triton run's one prompt), less the C++ run's 4 where it cannot run
     matched = 17 if PROBLEM is None else 13
     assert last.startswith(f"L4 smoke: {matched}/{matched} prompts match L3 and HF"), last
-    assert "L4 triton kernel (interpreter), 1 shortest prompts" in out
+    assert "L4 triton kernel (interpreter), 1 of 4 prompts, the shortest" in out
     preemptions = re.findall(
         r"  L4 torch kernel, small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions",
         out,

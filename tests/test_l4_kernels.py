@@ -6,7 +6,8 @@ multiples of block_size and ragged; block sizes 1, 7, 16; GQA ratios 1, 3, 4; de
 prefill chunks (causal inside the new tokens). The reference kernel (``paged_attention.py``) runs them,
 and so do its fast paths (``fast/``): the split-KV extension with 1 and 4 splits and decode rows in
 tiles of 1, 3 and 16 blocks, the C++ kernel (built by ``make setup``) and the Triton kernel
-(interpreted).
+(interpreted), whose query tiles also run prompts of 1 to 2,048 rows and chunks after long histories,
+and write every output row once, from a program of the row's own sequence.
 
 The Triton kernel is compiled for GPU tensors and interpreted for CPU ones, in one process: on the CPU
 the compiled twin is built for NVIDIA GPUs down to a GPU binary (Triton's compiler needs no GPU for
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from cpp_kernel import needs_cpp
@@ -26,7 +28,7 @@ from smoke_runs import run_smoke_in_process, smoke_module
 
 from kvcourse.cpp_kernels import CppKernelUnavailable, build_all, build_name, build_problem, load_cpp_kernel
 from kvcourse.devices import resolve_device
-from kvcourse.harness.kernel_cases import TRITON_CASES, cases, dense_reference, make_case
+from kvcourse.harness.kernel_cases import QUERY_TILE_CASES, TRITON_CASES, cases, dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 from L4_paged_kernel import fast as l4_fast
 from L4_paged_kernel.engine import Engine
@@ -100,15 +102,72 @@ def test_more_splits_than_blocks():
     assert (split_kv_attention(*args, num_splits=4) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("launch", ["interpreter's", "16 x 32"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", TRITON_CASES)
-def test_triton_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits):
-    """The interpreted kernel, on CPU tensors: on any machine, one with a GPU included."""
+def test_triton_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits, launch):
+    """The interpreted kernel, on CPU tensors: on any machine, one with a GPU included. In the launch the
+    interpreter gets by default (one key tile holds a whole history here) and in the compiled kernel's
+    (16 rows x 32 positions: the online softmax rescales across key tiles)."""
     l4, _ = triton_kernels()
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
-    got = l4.triton_paged_attention(*args, num_splits=num_splits)
+    config = l4.LaunchConfig() if launch == "16 x 32" else None
+    got = l4.triton_paged_attention(*args, num_splits=num_splits, config=config)
     assert got.device.type == "cpu"
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("launch", ["interpreter's", "small tiles"])
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", QUERY_TILE_CASES)
+def test_query_tiles_match_dense(block_size, n_heads, n_kv, context_lens, q_lens, launch):
+    """Prefill through query tiles: prompts of 1 to 2,048 rows, GQA 1:1 to 4:1 and 32:1, chunks after a
+    history, against dense attention. In the interpreter's launch (few large tiles) and in small tiles:
+    the compiled kernel's 16 x 32 (5 tokens a tile with G = 3, a history of many key tiles), or 128 x 128
+    for the 2,048-row prompt (16 x 32 would take the interpreter a minute there)."""
+    l4, _ = triton_kernels()
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
+    small = l4.LaunchConfig(128, 128) if max(q_lens) > 1000 else l4.LaunchConfig(max(16, n_heads // n_kv))
+    got = l4.triton_paged_attention(*args, config=small if launch == "small tiles" else None)
+    assert (got - dense_reference(*args)).abs().max().item() < 2e-5
+
+
+def test_each_output_row_is_written_once_by_its_own_tile(monkeypatch):
+    """The query tiles' contract, read from the stores the interpreted kernel makes: every (token, head)
+    of the output is written exactly once, by a program whose tile belongs to the token's sequence and
+    whose KV head is the head's. Dense attention alone does not see a tile that runs past its
+    sequence's last token into the next sequence: the interpreter runs programs in order, so the next
+    sequence's own tile overwrites what the stray one wrote (a GPU runs them in any order). Past the
+    last sequence such a tile would write outside the output, so the stores are recorded, not made."""
+    from triton.runtime import interpreter
+
+    l4, _ = triton_kernels()
+    args = make_case(7, 9, 3, [12, 30, 1, 9], [12, 7, 1, 9])  # prompts ending mid-tile, a decode token
+    q, cu_q_lens = args[0], args[5].tolist()
+    block_q = 16 // 3  # LaunchConfig()'s 16 rows: 5 tokens x 3 heads a tile
+    stores = []  # (program, flat float indices it stored to)
+    builder = interpreter.interpreter_builder
+
+    def record(ptrs, value, mask, cache_modifier, eviction_policy):
+        stores.append((builder.grid_idx, ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]))
+
+    monkeypatch.setattr(builder, "create_masked_store", record)
+    out = l4.triton_paged_attention(*args, config=l4.LaunchConfig())
+    n_tok, n_heads, d = q.shape
+    first_tile = [cu_q_lens[s] // block_q + s for s in range(len(cu_q_lens) - 1)]  # sequence s's first
+    written = np.zeros(n_tok * n_heads * d, dtype=int)
+    for (tile, kv_head, _), addresses in stores:
+        seq = max(s for s, first in enumerate(first_tile) if first <= tile)
+        index = (addresses.astype(np.int64) - out.data_ptr()) // 4
+        assert ((index >= 0) & (index < written.size)).all(), f"program {tile} stores outside the output"
+        token, head = index // (n_heads * d), index // d % n_heads
+        assert ((cu_q_lens[seq] <= token) & (token < cu_q_lens[seq + 1])).all(), (
+            tile,
+            seq,
+            sorted(set(token)),
+        )
+        assert (head // 3 == kv_head).all()
+        np.add.at(written, index, 1)
+    assert (written == 1).all(), f"{(written == 0).sum()} floats never written, {(written > 1).sum()} twice"
 
 
 def test_triton_rejects_bad_split_count():
@@ -136,10 +195,23 @@ def test_every_launch_shape_matches_dense(config, num_splits):
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
 
 
+def test_choose_launch_examples():
+    """The docstring's examples: the compiled kernel's 16 x 32 whatever the batch; in the interpreter,
+    rows for the most tokens one sequence can bring and positions for the longest history."""
+    l4, _ = triton_kernels()
+    for shapes in [(8, 8, 3, 304), (300, 1, 3, 320), (40, 2, 3, 48)]:
+        assert l4.choose_launch(*shapes, interpreted=False) == l4.LaunchConfig(16, 32)
+    assert l4.choose_launch(8, 8, 3, 304, interpreted=True) == l4.LaunchConfig(16, 512)  # decode
+    assert l4.choose_launch(300, 1, 3, 320, interpreted=True) == l4.LaunchConfig(512, 512)  # 170 tokens
+    assert l4.choose_launch(40, 2, 3, 48, interpreted=True) == l4.LaunchConfig(128, 64)
+    assert l4.choose_launch(4, 4, 32, 48, interpreted=False) == l4.LaunchConfig(32, 32)  # 32 heads a token
+
+
 def test_choose_splits_examples():
     """The docstring's examples, on an H100's 132 multiprocessors."""
     l4, _ = triton_kernels()
     assert l4.choose_splits(256 * 3, 4096, 32, 132) == 1  # the grid fills the GPU already
+    assert l4.choose_splits(400 * 3, 2048, 32, 132) == 1  # a 2,000-token prompt's query tiles fill it too
     assert l4.choose_splits(32 * 3, 4096, 32, 132) == 4
     assert l4.choose_splits(32 * 3, 256, 32, 132) == 2  # 8 tiles: 2 splits of 4
     assert l4.choose_splits(32 * 3, 64, 32, 132) == 1  # 2 tiles: splitting them buys nothing
@@ -153,6 +225,8 @@ def test_bad_launch_shapes_and_pools_are_refused():
         l4.LaunchConfig(block_m=24)
     with pytest.raises(ValueError, match="num_warps must be a power of two >= 1, got 3"):
         l4.LaunchConfig(num_warps=3)
+    with pytest.raises(ValueError, match="block_m must hold one token's 32 query heads, got 16"):
+        l4.triton_paged_attention(*make_case(16, 32, 1, [5], [1]), config=l4.LaunchConfig(16))
     q, k_pool, v_pool, *meta = make_case(16, 4, 2, [5], [1])
     huge = torch.zeros(1, 1, 1, 1).expand(2**27, 16, 1, 1)  # 2**31 floats, none stored
     with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1 floats per layer, got 2147483648"):
@@ -181,6 +255,7 @@ def test_compiled_and_interpreted_triton_kernels_live_side_by_side(monkeypatch):
             kind = InterpretedFunction if interpret else triton.runtime.JITFunction
             assert all(type(k) is kind for k in kernels), (module.__name__, interpret, kernels)
         assert type(module._maximum) is triton.runtime.JITFunction  # called from both
+        assert module._maximum is triton.language.standard._elementwise_max  # the interpreter's NumPy path
     l4, _ = triton_kernels()
     for outside in ("1", "0", None):  # jit() puts the variable back as it found it
         if outside is None:
@@ -210,34 +285,70 @@ def test_the_triton_kernel_runs_whoever_imported_triton_first():
     assert float(run.stdout.strip().splitlines()[-1]) < 2e-5
 
 
-@pytest.mark.parametrize("tile_n", [32, 64])
-@pytest.mark.parametrize("capability", [80, 90])  # A100, H100
-def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability, tile_n):
-    """Triton's compiler takes the GPU twin of the kernel down to a GPU binary here, with no GPU: the
-    source, its IEEE dots and its reductions all compile. Running it needs a GPU (the cuda tests)."""
+def test_the_kernels_build_and_run_where_triton_was_imported_to_interpret():
+    """The other way round: a process that imports Triton with ``TRITON_INTERPRET=1`` (Triton's own
+    ``tl.max`` and its combine functions are then interpreted ones). The interpreted kernel matches
+    dense attention, and the compiled twin still builds for an H100: its combine functions are
+    compiled twins of Triton's (``compiled``)."""
     l4, _ = triton_kernels()
     pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    code = (
+        "import triton\n"
+        "from kvcourse.harness.kernel_cases import make_case, dense_reference\n"
+        "from L4_paged_kernel.fast import triton_paged_attention as l4\n"
+        "from tests.test_l4_kernels import build_for_nvidia\n"
+        "args = make_case(7, 9, 3, [1, 14, 10], [1, 1, 4])\n"
+        "print(all(build_for_nvidia(l4, 90, 16, 32)))\n"
+        "print((l4.triton_paged_attention(*args, num_splits=2) - dense_reference(*args)).abs().max().item())\n"
+    )
+    env = os.environ | {
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}",
+    }
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built, error = run.stdout.strip().splitlines()[-2:]
+    assert built == "True" and float(error) < 2e-5
+
+
+@pytest.mark.parametrize("block_m, tile_n", [(16, 32), (16, 64), (64, 64)])
+@pytest.mark.parametrize("capability", [80, 90])  # A100, H100
+def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability, block_m, tile_n):
+    """Triton's compiler takes the GPU twin of the kernel down to a GPU binary here, with no GPU: the
+    source, its search for a tile's sequence, its IEEE dots and its reductions all compile, in the
+    default launch, a larger key tile and a prefill's larger query tile. Running it needs a GPU (the
+    cuda tests)."""
+    l4, _ = triton_kernels()
+    pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    for kernel, binary in zip(
+        l4.KERNELS[False], build_for_nvidia(l4, capability, block_m, tile_n), strict=True
+    ):
+        assert binary.asm["cubin"], f"{kernel.fn.__name__}: no GPU binary"
+        assert f"sm_{capability}" in binary.asm["ptx"]
+
+
+def build_for_nvidia(module, capability: int, block_m: int, tile_n: int) -> list:
+    """The compiled attention and merge kernels of ``module``, built for ``sm_<capability>`` with SmolLM2's
+    heads (9/3 x 64) and 4 splits: Triton's compiled binaries, made without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     pointers = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr"]
     ints = ["block_tables_ptr", "context_lens_ptr", "cu_q_lens_ptr"]
-    strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt",
-               "stride_ms", "stride_mt", "stride_as", "stride_at", "stride_ah"]  # fmt: skip
-    constexprs = {"G": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 4, "BLOCK_M": 16, "TILE_N": tile_n,
-                  "BLOCK_D": 64}  # fmt: skip
+    scalars = ["num_seqs", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt",
+               "stride_ms", "stride_mt", "stride_as", "stride_at", "stride_ah", "stride_ot", "stride_oh"]  # fmt: skip
+    constexprs = {"G": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 4, "BLOCK_Q": block_m // 3,
+                  "BLOCK_M": block_m, "TILE_N": tile_n, "BLOCK_D": 64}  # fmt: skip
     types = {name: "*fp32" for name in pointers} | {name: "*i32" for name in ints} | {"scale": "fp32"}
-    types |= {name: "i32" for name in strides} | dict.fromkeys(constexprs, "constexpr")
+    types |= {name: "i32" for name in scalars} | dict.fromkeys(constexprs, "constexpr")
     merge_constexprs = {"NUM_SPLITS": 4, "HEAD_DIM": 64, "BLOCK_D": 64}
-    types |= {"stride_ot": "i32", "stride_oh": "i32"}
-    for kernel, constants in zip(l4.KERNELS[False], (constexprs, merge_constexprs), strict=True):
+    binaries = []
+    for kernel, constants in zip(module.KERNELS[False], (constexprs, merge_constexprs), strict=True):
         source = ASTSource(kernel, signature={n: types[n] for n in kernel.arg_names}, constexprs=constants)
-        binary = triton.compile(
-            source, target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": False}
-        )
-        assert binary.asm["cubin"], f"{kernel.fn.__name__}: no GPU binary"
-        assert f"sm_{capability}" in binary.asm["ptx"]
+        target = GPUTarget("cuda", capability, 32)
+        binaries.append(triton.compile(source, target=target, options={"enable_fp_fusion": False}))
+    return binaries
 
 
 def gpu():
@@ -246,15 +357,17 @@ def gpu():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [(16, 32, 4, 2), (16, 16, 2, 1), (32, 64, 8, 3)], ids=str)
+@pytest.mark.parametrize("config", [(16, 32, 4, 2), (16, 16, 2, 1), (32, 64, 8, 3), (128, 64, 8, 2)], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("num_splits", [1, 4, "auto"])
-@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()))
+@pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()) + QUERY_TILE_CASES)
 def test_triton_kernel_on_a_gpu_matches_dense(
     block_size, n_heads, n_kv, context_lens, q_lens, num_splits, head_dim, config
 ):
     """The compiled kernel of L4 and of L5 on CUDA tensors against dense attention on the same GPU, in the
-    default launch shape and two the kernel bench sweeps."""
+    default launch shape and three the kernel bench sweeps, on decode batches and on query tiles."""
+    if n_heads // n_kv > config[0]:
+        pytest.skip(f"{config[0]} rows cannot hold one token's {n_heads // n_kv} query heads")
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim, device=gpu())
     expected = dense_reference(*args)
     for module in triton_kernels():

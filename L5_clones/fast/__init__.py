@@ -11,8 +11,9 @@ graphs add to the pool and its ``name`` what ``stats().kernel`` says.
     kernel="cpp"       the same algorithm compiled for this CPU (``cpp_paged_attention.py`` and
                        ``paged_attention.cpp``): built on first use, refused with the reason where no
                        compiler can build it, and on a GPU; no split-KV path
-    kernel="triton"    the same algorithm as a Triton program (``triton_paged_attention.py``): compiled
-                       for a GPU's tensors, run in Triton's interpreter for a CPU's (slowly: small runs)
+    kernel="triton"    the same algorithm as a Triton program (``triton_paged_attention.py``), query
+                       tiles in its grid: compiled for a GPU's tensors, run in Triton's interpreter
+                       for a CPU's (slowly: small runs)
     kernel="auto"      the fastest this device has (``choose_kernel``): the engines' default
     cuda_graphs=True   each decode step replays a CUDA graph recorded once per batch-size bucket
                        (``kvcourse.decode_graphs``), padded to its bucket; prompt steps keep the

@@ -1,47 +1,70 @@
 """Paged attention as a Triton kernel, a fast path of L4: the algorithm of the reference
-``../paged_attention.py``, one program per (sequence, KV head, split).
+``../paged_attention.py``, one program per (tile of query tokens, KV head, split).
 
-Each program loads its sequence's query rows for one KV head (the G query heads that share it, for
-every new token of the sequence), walks that sequence's positions a tile of ``TILE_N`` at a time,
-finding each position's block through the block table, and keeps the online-softmax state (m, l, acc)
-in registers. With one split it writes the output; with several, each program writes its partial
-(m, l, acc) and a second small kernel merges them (the flash-decoding reduce of ``split_kv.py``).
+The grid puts tiles of query rows side by side, as FlashAttention's varlen kernel and vLLM's Triton
+attention do. A program takes ``BLOCK_Q`` consecutive new tokens of one sequence and the G query heads
+of one KV head that each token brings: ``BLOCK_M = BLOCK_Q x G`` rows (a decode token is a tile of one
+token). It walks its sequence's positions a tile of ``TILE_N`` at a time, finding each position's
+block through the block table, and keeps the online-softmax state (m, l, acc) of its rows in
+registers. With one split it writes the output; with several, each program writes its partial (m, l,
+acc) and a second small kernel merges them (the flash-decoding reduce of ``split_kv.py``). So a
+2,000-token prompt of SmolLM2 (G = 3: 5 tokens a tile) runs as 400 tiles x 3 KV heads = 1,200
+programs on an H100's 132 multiprocessors, where one program per (sequence, KV head) would run 3, each looping
+over the 2,000 tokens one chunk after another.
 
-A tile may span several blocks: the program loads the tile's block ids from the table (one per
+The grid is sized from shapes alone: ``T // BLOCK_Q + S`` tiles for T new tokens in S sequences, an
+upper bound on the ``sum_s ceil(q_len_s / BLOCK_Q)`` tiles there are (reading the lengths back to the
+host would cost a GPU a wait). Sequence s's tiles are numbered from ``cu_q_lens[s] // BLOCK_Q + s``
+on; a program finds its sequence by a binary search over those first numbers, and a number past its
+sequence's last tile (at most one per sequence) exits at once. This is vLLM's scheme
+(``vllm/attention/ops/triton_unified_attention.py``, read at commit 001ceb3e98e7: ``find_seq_idx``
+and ``total_num_q_blocks``).
+
+A key tile may span several blocks: the program loads the tile's block ids from the table (one per
 position, ``position // BLOCK_SIZE``) and reads every position's K/V row where it lies. Loading a whole
 tile per step instead of one block keeps more memory requests in flight on a GPU; the block size stops
 mattering to the kernel's shapes (a block of 7 and one of 16 read through the same 32-position tile).
 
-``LaunchConfig`` holds a launch's sizes: query rows per chunk (``tl.dot`` needs 16 at least, so a
-decode token's G heads are padded to 16 rows), positions per tile, warps, and pipeline stages.
-``choose_splits`` picks the split count for ``num_splits="auto"``: enough programs to fill a GPU's
-multiprocessors when there are few sequences and long histories. The defaults were chosen without a
-GPU to time them, from what NVIDIA's assembler reports for each shape (``python -m bench.kernels
---resources``, no GPU needed): a 32-position tile with 4 warps spills nothing and needs 128 registers
-a thread at head dim 64, where the kernel that read one 16-position block per step needed 96. On a
-GPU, ``python -m bench.kernels`` times the alternatives, and its table, not this docstring, says which
-is fastest.
+``LaunchConfig`` holds a launch's sizes: query rows per program (``tl.dot`` needs 16 at least, so a
+decode token's G heads are padded to 16 rows), positions per key tile, warps, and pipeline stages;
+``choose_launch`` picks them from shapes when none is given. ``choose_splits`` picks the split count
+for ``num_splits="auto"``: enough programs to fill a GPU's multiprocessors when there are few query
+tiles and long histories. The GPU defaults were chosen without a GPU to time them, from what NVIDIA's
+assembler reports for each shape (``python -m bench.kernels --resources``, no GPU needed). On a GPU,
+``python -m bench.kernels`` times the alternatives, decode and prefill, and its table, not this
+docstring, says which is fastest.
 
 Compiled or interpreted, by the tensor. ``triton.jit`` turns a Python function into a kernel compiled
 for the GPU or, when the environment variable ``TRITON_INTERPRET`` is 1 at that moment, into one that
 Triton's interpreter runs with NumPy on the CPU. This module decorates each kernel function both ways
 (``jit``) and ``triton_paged_attention`` launches the compiled kernel for GPU tensors and the
 interpreted one for CPU tensors: in one process, on any machine, whatever it has installed or plugged
-in. The interpreter executes the same source one program at a time, slowly, so tests use small shapes.
+in. The interpreter executes the same source one program at a time, paying Python's price for every
+operation on a tile (tens of microseconds) however many elements the tile holds, so on CPU tensors
+``choose_launch`` takes few, large tiles (up to 512 rows x 512 positions).
 
 That choice shapes the source a little. Triton's library functions written in Triton (``tl.max``,
-``tl.sum``, ``tl.zeros``) exist only in the mode Triton was imported in, so the kernels reduce with
-the primitive ``tl.reduce`` and two combine functions of their own, and fill with ``tl.full``. On a
-GPU ``tl.reduce`` compiles to the same reduction ``tl.max`` does; the interpreter runs it element by
-element, a few times slower than its NumPy ``tl.max``.
+``tl.sum``, ``tl.zeros``) are decorated once, when Triton is imported, in whichever mode that was, so
+an interpreted kernel cannot call them where Triton was imported for compiling. The kernels reduce
+with the primitive ``tl.reduce``, which both modes provide, and fill with ``tl.full``. ``tl.reduce``
+takes a combine function; the kernels pass the two that ``tl.max`` and ``tl.sum`` pass,
+``tl.standard._elementwise_max`` and ``tl.standard._sum_combine``: compiled, they are the same
+reduction as ``tl.max`` and ``tl.sum``; interpreted, Triton recognizes them and reduces with NumPy
+(``np.nanmax``, ``np.sum``), where a combine function of our own would be called in Python once per
+pair of elements (7 times slower on a 128-token prompt: ``python -m bench.kernels --interpreter``).
+Where Triton was imported with ``TRITON_INTERPRET=1``, ``combine_function`` falls back to our own.
 
-Verified here (no GPU): the interpreted kernel against dense attention, and the compiled kernel's
-build for NVIDIA GPUs (Triton's compiler down to a GPU binary, which needs no GPU). Running the compiled
-kernel needs a CUDA GPU: ``python -m kvcourse.tools.gpu_check`` does it.
+Verified here (no GPU): the interpreted kernel against dense attention (prompts of 1 to 2,048 rows,
+GQA 1:1 to 4:1, chunked prefill, histories of many tiles, every output row written by exactly one
+program of its own sequence), and the compiled kernel's build for NVIDIA GPUs (Triton's compiler down
+to a GPU binary, which needs no GPU). Running the compiled kernel needs a CUDA GPU:
+``python -m kvcourse.tools.gpu_check`` does it.
 
 Left out on purpose: autotuning at run time (the bench sweeps instead, and the chosen shapes are plain
-code), fp16/bf16 inputs, and the vLLM-style tricks that matter only for speed (persistent programs,
-splitting query tiles across programs).
+code), fp16/bf16 inputs and tensor-core dots (fp32 IEEE dots run on the ordinary units, which is why
+a GPU's query tiles stay at 16 rows: larger ones spill), a separate decode kernel (decode tokens are
+tiles of one token in the same launch, padded to 16 rows, as vLLM's one-kernel path does), and
+persistent programs.
 """
 
 from __future__ import annotations
@@ -69,88 +92,109 @@ def jit(fn, interpret: bool):
             os.environ["TRITON_INTERPRET"] = before
 
 
-def _maximum(a, b):
-    """Combine function of a max reduction: ``tl.reduce(x, axis, _maximum)`` is ``tl.max(x, axis)``."""
+def _max_of_two(a, b):
+    """Combine function of a max reduction: ``tl.reduce(x, axis, _max_of_two)`` is ``tl.max(x, axis)``."""
     return tl.maximum(a, b)
 
 
-def _add(a, b):
-    """Combine function of a sum: ``tl.reduce(x, axis, _add)`` is ``tl.sum(x, axis)``."""
+def _sum_of_two(a, b):
+    """Combine function of a sum: ``tl.reduce(x, axis, _sum_of_two)`` is ``tl.sum(x, axis)``."""
     return a + b
 
 
-# Called from inside the kernels, compiled in both: the interpreter calls their Python function.
-_maximum, _add = jit(_maximum, interpret=False), jit(_add, interpret=False)
+def combine_function(triton_s, ours):
+    """What the kernels reduce with: Triton's own combine function (``tl.max``'s or ``tl.sum``'s), which
+    the interpreter recognizes and runs with NumPy, where Triton was imported for compiling. Where it
+    was imported with ``TRITON_INTERPRET=1``, Triton's are interpreted functions the compiled kernel
+    cannot call: ours, compiled, then serve both kernels (the interpreter calls their Python code once
+    per pair of elements: right, and slow)."""
+    return triton_s if isinstance(triton_s, triton.runtime.JITFunction) else jit(ours, interpret=False)
+
+
+_maximum = combine_function(tl.standard._elementwise_max, _max_of_two)
+_add = combine_function(tl.standard._sum_combine, _sum_of_two)
 
 
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, cu_q_lens_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
-    scale,
+    scale, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_bt,
     stride_ms, stride_mt,
     stride_as, stride_at, stride_ah,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
+    """One program: BLOCK_Q new tokens of one sequence x the G query heads of one KV head (BLOCK_M rows),
+    over one split of the sequence's history (all of it with one split)."""
+    q_tile = tl.program_id(0)  # a tile of BLOCK_Q new tokens of one sequence, numbered over the batch
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+
+    # This tile's sequence: the last s whose first tile number, cu_q_lens[s] // BLOCK_Q + s, is at most
+    # q_tile (the numbers grow with s, so a binary search finds it)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_q_lens_ptr + mid) // BLOCK_Q + mid <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
     q0 = tl.load(cu_q_lens_ptr + seq)
     q_len = tl.load(cu_q_lens_ptr + seq + 1) - q0
+    tile = q_tile - (q0 // BLOCK_Q + seq)  # the tile's place in its sequence: tokens tile * BLOCK_Q, ...
+    if tile * BLOCK_Q >= q_len:  # a spare number of the grid's upper bound: no tokens
+        return
     ctx = tl.load(context_lens_ptr + seq)
     per_split = (ctx + TILE_N * NUM_SPLITS - 1) // (TILE_N * NUM_SPLITS) * TILE_N  # whole tiles per split
     t_start = split * per_split
     t_end = tl.minimum(t_start + per_split, ctx)
 
+    rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,) a row = (token of the tile, query head of this group)
+    tok = tile * BLOCK_Q + rows // G  # the row's new token, counted from the sequence's first
+    head = kv_head * G + rows % G
+    row_mask = (rows < BLOCK_Q * G) & (tok < q_len)  # padding rows, and rows past the sequence's end
+    q_pos = ctx - q_len + tok  # absolute position of each row's token: it sees keys 0..q_pos
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    row_off = (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]  # q and out
+    q = tl.load(q_ptr + row_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.full((BLOCK_M,), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
+    last_pos = ctx - q_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1  # the tile's newest token
     offs_t = tl.arange(0, TILE_N)
-    for row0 in range(0, q_len * G, BLOCK_M):  # query rows = (new token, head of this group) pairs
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < q_len * G
-        tok = rows // G
-        head = kv_head * G + rows % G
-        q_pos = ctx - q_len + tok  # absolute position of each query row
-        q = tl.load(
-            q_ptr + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_D)
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.full((BLOCK_M,), 0.0, tl.float32)
-        acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
-        last_pos = ctx - q_len + tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)  # newest query here
-        for t0 in range(t_start, tl.minimum(t_end, last_pos + 1), TILE_N):  # later tiles: all masked
-            pos = t0 + offs_t  # (TILE_N,) positions of this tile
-            pos_mask = pos < t_end
-            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0)
-            row_off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # (TILE_N,) in place
-            kv_off = row_off[:, None] + kv_head * stride_kh + offs_d[None, :]
-            kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, BLOCK_D)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, TILE_N)
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))
-            base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - base[:, None])
-            alpha = tl.exp(m - base)
-            l = alpha * l + tl.reduce(p, 1, _add)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m = m_new
-        row_off = (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-        out_mask = row_mask[:, None] & d_mask[None, :]
-        if NUM_SPLITS == 1:
-            tl.store(out_ptr + row_off, acc / l[:, None], mask=out_mask)
-        else:
-            ml_off = split * stride_ms + (q0 + tok) * stride_mt + head
-            tl.store(m_ptr + ml_off, m, mask=row_mask)
-            tl.store(l_ptr + ml_off, l, mask=row_mask)
-            a_off = split * stride_as + (q0 + tok)[:, None] * stride_at + head[:, None] * stride_ah
-            tl.store(acc_ptr + a_off + offs_d[None, :], acc, mask=out_mask)
+    for t0 in range(t_start, tl.minimum(t_end, last_pos + 1), TILE_N):  # later tiles: all masked
+        pos = t0 + offs_t  # (TILE_N,) positions of this key tile
+        pos_mask = pos < t_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+        kv_row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # (TILE_N,) in place in the pool
+        kv_off = kv_row[:, None] + kv_head * stride_kh + offs_d[None, :]
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, BLOCK_D)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, TILE_N)
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))  # (BLOCK_M,)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - base[:, None])  # (BLOCK_M, TILE_N)
+        alpha = tl.exp(m - base)
+        l = alpha * l + tl.reduce(p, 1, _add)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # (BLOCK_M, BLOCK_D)
+        m = m_new
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row_off, acc / l[:, None], mask=out_mask)
+    else:
+        ml_off = split * stride_ms + (q0 + tok) * stride_mt + head
+        tl.store(m_ptr + ml_off, m, mask=row_mask)
+        tl.store(l_ptr + ml_off, l, mask=row_mask)
+        a_off = split * stride_as + (q0 + tok)[:, None] * stride_at + head[:, None] * stride_ah
+        tl.store(acc_ptr + a_off + offs_d[None, :], acc, mask=out_mask)
 
 
 def _merge_splits_kernel(
@@ -187,10 +231,12 @@ KERNELS = {
 class LaunchConfig:
     """The shape of one launch of the attention kernel: Triton's compile-time sizes and launch options.
 
-    ``block_m``: query rows a program takes at a time. ``tile_n``: history positions per step of the
-    loop. Both are powers of two, 16 or more (``tl.dot``'s smallest size). ``num_warps``: 32-thread warps
-    per program. ``num_stages``: how many steps ahead Triton's software pipeline issues the loop's loads.
-    The interpreter ignores the last two. Example: ``LaunchConfig(tile_n=64, num_warps=8)``.
+    ``block_m``: query rows a program takes, ``block_m // G`` whole tokens x the G query heads of its
+    KV head (16 rows with G = 3: 5 tokens, one row of padding). ``tile_n``: history positions per step
+    of the loop. Both are powers of two, 16 or more (``tl.dot``'s smallest size), and ``block_m`` holds
+    one token's G rows at least. ``num_warps``: 32-thread warps per program. ``num_stages``: how many
+    steps ahead Triton's software pipeline issues the loop's loads. The interpreter ignores the last
+    two. Example: ``LaunchConfig(block_m=64, tile_n=64, num_warps=8)``.
     """
 
     block_m: int = 16
@@ -209,14 +255,45 @@ class LaunchConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
+def _power_of_two(n: int, low: int, high: int) -> int:
+    """The power of two at or above n, kept within [low, high]: ``_power_of_two(45, 16, 512)`` -> 64."""
+    return min(high, max(low, triton.next_power_of_2(n)))
+
+
+def choose_launch(n_tok: int, n_seqs: int, group: int, max_positions: int, interpreted: bool) -> LaunchConfig:
+    """The launch shape ``triton_paged_attention`` takes when it is given none, from shapes alone: a
+    batch of ``n_tok`` new tokens in ``n_seqs`` sequences, ``group`` query heads per KV head, histories
+    of at most ``max_positions``.
+
+    Compiled (a GPU): ``LaunchConfig()``, 16 rows x 32 positions (rows raised to one token's heads
+    where ``group`` > 16). Many small tiles fill the multiprocessors; ``bench.kernels`` times others.
+    Interpreted (a CPU): the fewest, largest tiles, since the interpreter pays per operation, not per
+    element: rows for every token one sequence can bring (``n_tok - n_seqs + 1``: a decode batch 1, a
+    lone prompt all of its tokens), positions for the longest history, each at most 512.
+
+    Examples, G = 3: compiled, anything -> 16 x 32; interpreted, a decode batch of 8 over 300
+    positions -> 16 x 512; one 300-token prompt over 320 positions -> 512 rows (170 tokens) x 512; 2
+    prompts of 20 tokens over 48 positions -> 128 x 64.
+    """
+    rows = triton.next_power_of_2(group)  # one token's heads
+    if not interpreted:
+        return LaunchConfig(block_m=max(16, rows))
+    most_tokens = n_tok - n_seqs + 1  # one sequence's share when every other brings a single token
+    return LaunchConfig(
+        block_m=max(rows, _power_of_two(group * most_tokens, 16, 512)),
+        tile_n=_power_of_two(max_positions, 16, 512),
+    )
+
+
 def choose_splits(n_programs: int, max_positions: int, tile_n: int, processors: int) -> int:
-    """The split count of ``num_splits="auto"``: 1 when the grid's (sequence, KV head) programs already
+    """The split count of ``num_splits="auto"``: 1 when the grid's (query tile, KV head) programs already
     fill the GPU's ``processors`` (streaming multiprocessors), else the power of two that brings the grid
     nearest four programs per processor from below, while every split keeps at least 4 tiles of the
     longest history (``max_positions``).
 
-    Examples, an H100 (132 processors): 256 sequences x 3 KV heads -> 1; 32 x 3 over 4,096 positions,
-    32-position tiles -> 4 (6 wanted, 32 allowed); 32 x 3 over 256 positions -> 2 (8 tiles allow 2).
+    Examples, an H100 (132 processors): 256 decode tokens x 3 KV heads -> 1; a 2,000-token prompt in
+    tiles of 5 tokens, 400 x 3 -> 1; 32 decode tokens x 3 over 4,096 positions, 32-position tiles -> 4
+    (6 wanted, 32 allowed); 32 x 3 over 256 positions -> 2 (8 tiles allow 2).
     """
     if n_programs >= processors:
         return 1
@@ -244,10 +321,10 @@ def triton_paged_attention(
 
     ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel), or
     ``"auto"``: ``choose_splits`` on a GPU, 1 on the CPU (the interpreter runs one program at a time, so
-    splitting only adds the merge), from shapes alone (the table's width bounds the longest history):
-    nothing here reads a tensor back to the host. ``config`` shapes the launch (``LaunchConfig()`` when
-    None). The kernel addresses a layer's pool with 32-bit offsets, so a pool must hold fewer than 2**31
-    floats per layer.
+    splitting only adds the merge). ``config`` shapes the launch (``choose_launch`` when None). Both are
+    chosen from shapes alone (the table's width bounds the longest history): nothing here reads a
+    tensor back to the host. The kernel addresses a layer's pool with 32-bit offsets, so a pool must
+    hold fewer than 2**31 floats per layer.
     """
     if num_splits != "auto" and (
         not isinstance(num_splits, int) or num_splits < 1 or num_splits & (num_splits - 1)
@@ -264,13 +341,16 @@ def triton_paged_attention(
     attend, merge = KERNELS[on_cpu]
     n_tok, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
-    n_seqs = block_tables.shape[0]
-    config = config or LaunchConfig()
+    n_seqs, max_positions = block_tables.shape[0], block_tables.shape[1] * block_size
+    g = n_heads // n_kv
+    config = config or choose_launch(n_tok, n_seqs, g, max_positions, interpreted=on_cpu)
+    if config.block_m < g:
+        raise ValueError(f"block_m must hold one token's {g} query heads, got {config.block_m}")
+    block_q = config.block_m // g  # whole tokens per query tile
     if num_splits == "auto":
         processors = 1 if on_cpu else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = choose_splits(
-            n_seqs * n_kv, block_tables.shape[1] * block_size, config.tile_n, processors
-        )
+        busy = max(n_seqs, -(-n_tok // block_q)) * n_kv  # programs that have rows, at least
+        num_splits = choose_splits(busy, max_positions, config.tile_n, processors)
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens, cu_q_lens = context_lens.to(torch.int32), cu_q_lens.to(torch.int32)
@@ -279,18 +359,18 @@ def triton_paged_attention(
     l = torch.empty_like(m)
     acc = torch.empty(num_splits, n_tok, n_heads, d, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
-    grid = (n_seqs, n_kv, num_splits)
+    grid = (n_tok // block_q + n_seqs, n_kv, num_splits)  # query tiles: an upper bound (module docstring)
     attend[grid](
         q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
         out, m, l, acc,
-        d**-0.5 if scale is None else scale,
+        d**-0.5 if scale is None else scale, n_seqs,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         block_tables.stride(0),
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        G=n_heads // n_kv, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
-        BLOCK_M=config.block_m, TILE_N=config.tile_n, BLOCK_D=block_d,
+        G=g, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
+        BLOCK_Q=block_q, BLOCK_M=config.block_m, TILE_N=config.tile_n, BLOCK_D=block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # no fused multiply-add: every fp32 operation rounds as written
     )  # fmt: skip

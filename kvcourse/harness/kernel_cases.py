@@ -61,10 +61,24 @@ def cases():
 
 
 # Fewer and smaller cases, for the Triton interpreter (it runs each program in Python). Each has a
-# history longer than the kernel's 32-position tile, so one program rescales across tiles (with 4
-# splits, the tiles of the 70-position history go to three programs and the merge combines them).
+# history longer than the compiled kernel's 32-position tile, so in that launch one program rescales
+# across tiles (with 4 splits, the tiles of the 70-position history go to three programs and the merge
+# combines them).
 TRITON_CASES = [
     (1, 4, 4, [1, 40], [1, 5]),
     (7, 9, 3, [1, 45, 10], [1, 1, 4]),
     (16, 8, 2, [1, 70, 21], [1, 1, 21]),
+]
+
+# Prefill shapes for the Triton kernel's query tiles: prompts of 1 to 2,048 rows, GQA 1:1 to 4:1 (and
+# 32:1, more heads than 16 rows hold), prefill chunks after a history (chunked prefill), histories
+# longer than one key tile, and decode tokens in the same batch as prompts.
+QUERY_TILE_CASES = [
+    (16, 4, 4, [1], [1]),  # one row
+    (16, 9, 3, [300], [300]),  # one prompt, many query tiles
+    (16, 8, 2, [2048], [2048]),  # 2,048 rows
+    (7, 9, 3, [70, 45, 1, 200], [70, 1, 1, 37]),  # a prompt, two decode tokens, a chunk after 163 tokens
+    (16, 8, 2, [129, 5, 600], [64, 5, 8]),  # chunks after 65 and 592 tokens, a whole 5-token prompt
+    (16, 4, 4, [33, 100], [33, 100]),  # two prompts, back to back
+    (16, 32, 1, [40, 3], [17, 1]),  # 32 query heads on one KV head
 ]

@@ -6,9 +6,10 @@ It runs from the repository root as it is, with no ``make setup``, on whatever t
 the machine has (a locked-down cluster node included), and downloads nothing. In order:
 
 1. the L4/L5 kernel cases (``kvcourse.harness.kernel_cases``: block sizes 1, 7, 16; GQA 1:1, 3:1, 4:1; head
-   dims 16, 64, 128; 1 and 4 KV splits) on CUDA tensors: each stage's compiled Triton kernel, the
-   PyTorch reference kernel and its split-KV extension (``fast/split_kv.py``) against dense attention
-   on the same GPU, in this process;
+   dims 16, 64, 128; 1 and 4 KV splits; and the query-tile cases, prompts of 1 to 2,048 rows and
+   chunks after long histories) on CUDA tensors: each stage's compiled Triton kernel, the PyTorch
+   reference kernel and its split-KV extension (``fast/split_kv.py``) against dense attention on the
+   same GPU, in this process;
 2. every stage's smoke with ``--device cuda``, one process per stage, on checkpoints built here on the
    spot in a temporary folder (``kvcourse.harness.tiny``), a tiny Qwen3 and a tiny Llama, and on the course
    model where it is prepared, else on a random Llama of the course model's shape (SmolLM2-135M's).
@@ -108,9 +109,10 @@ def build_models(folders: dict[str, Path]) -> None:
 
 
 def check_kernels() -> tuple[bool, str]:
-    """Step 1: every kernel case on CUDA, each stage's Triton kernel, its PyTorch reference and the
-    reference's split-KV extension against dense attention. Returns (passed, one line)."""
-    from kvcourse.harness.kernel_cases import cases, dense_reference, make_case
+    """Step 1: every kernel case on CUDA (the decode and mixed cases, then the query-tile ones), each
+    stage's Triton kernel, its PyTorch reference and the reference's split-KV extension against dense
+    attention. Returns (passed, one line)."""
+    from kvcourse.harness.kernel_cases import QUERY_TILE_CASES, cases, dense_reference, make_case
 
     kernels = {}  # name -> kernel(*args, num_splits)
     for stage in ("L4", "L5"):
@@ -123,7 +125,7 @@ def check_kernels() -> tuple[bool, str]:
             k(*args) if splits == 1 else s(*args, num_splits=splits)
         )
     worst, failed, total = 0.0, [], 0
-    for case in cases():
+    for case in [*cases(), *QUERY_TILE_CASES]:
         for head_dim in HEAD_DIMS:
             args = make_case(*case, head_dim=head_dim, device="cuda")
             expected = dense_reference(*args)

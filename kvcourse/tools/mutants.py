@@ -402,6 +402,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         needs="triton",
     ),
     Mutation(
+        "L4 Triton kernel's query tile runs past its sequence's last token",
+        "L4_paged_kernel/fast/triton_paged_attention.py",
+        "row_mask = (rows < BLOCK_Q * G) & (tok < q_len)",
+        "row_mask = rows < BLOCK_Q * G",
+        ("tests/test_l4_kernels.py::test_each_output_row_is_written_once_by_its_own_tile",),
+        needs="triton",
+    ),
+    Mutation(
         "L4 C++ kernel forgets to rescale acc",
         "L4_paged_kernel/fast/paged_attention.cpp",
         "for (int64_t x = 0; x < d; ++x) a[x] *= alpha;",
