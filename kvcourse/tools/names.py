@@ -199,6 +199,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "fast/triton_paged_attention.py:LaunchConfig.num_warps": ("", "a GPU launch setting; Pallas TPU has none"),
     "fast/triton_paged_attention.py:LaunchConfig.num_stages": ("", "a GPU launch setting; Pallas pipelines the block copies itself"),
     "fast/triton_paged_attention.py:choose_splits": ("", "no split-KV"),
+    "fast/triton_paged_attention.py:choose_launch": ("engine.py:Engine(q_block=), engine.py:Engine(kv_pages_per_block=)", "block sizes are the caller's, bound into the kernel at build time"),
+    "fast/triton_paged_attention.py:combine_function": ("", "JAX's reductions compile the same on every backend"),
     "fast/triton_paged_attention.py:triton_paged_attention": ("pallas_attention.py:pallas_ragged_paged_attention", "the same algorithm as a Pallas TPU kernel: a grid, scalar prefetch"),
 }  # fmt: skip
 
