@@ -458,63 +458,57 @@ def measure(device: torch.device, shapes, sweep: bool, quick: bool) -> dict:
     return {"copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows}
 
 
-def table(results: dict) -> str:
-    """Markdown, a row per (shape, system); of the sweep, its fastest launch and any wrong one."""
-    lines = [
-        f"Kernel table on {results['device_name']} (copy bandwidth {results['copy_bandwidth_GBps']:,.0f} GB/s, "
-        "bytes read + written):",
-        "",
-        "| decode shape | system | ms | K/V GB/s | of copy bandwidth | max error |",
-        "|---|---|---|---|---|---|",
-    ]
+def shape_rows(results: dict, columns, sweep_prefix: str) -> list[str]:
+    """Markdown rows, one per (shape, system) of ``results["rows"]``; of a sweep (systems named
+    ``sweep_prefix`` ...), only its fastest launch and any wrong one. ``columns(r)`` formats a timed row's
+    middle cells; a wrong row shows ``WRONG``."""
 
     def line(r: dict, name: str) -> str:
-        timing = (
-            "WRONG | - | -"
-            if math.isnan(r["ms"])
-            else f"{r['ms']:.3f} | {r['GBps']:,.0f} | {r['of_copy']:.0%}"
-        )
+        timing = "WRONG | - | -" if math.isnan(r["ms"]) else columns(r)
         return f"| {r['shape']} | {name} | {timing} | {r['max_error']:.1e} |"
 
+    lines = []
     for shape in dict.fromkeys(r["shape"] for r in results["rows"]):
         rows = [r for r in results["rows"] if r["shape"] == shape]
-        swept = [r for r in rows if r["system"].startswith("Triton tile")]
+        swept = [r for r in rows if r["system"].startswith(sweep_prefix)]
         lines += [line(r, r["system"]) for r in rows if r not in swept or math.isnan(r["ms"])]
         timed = [r for r in swept if not math.isnan(r["ms"])]
         if timed:
             best = min(timed, key=lambda r: r["ms"])
             launch = best["system"].removeprefix("Triton ")
             lines.append(line(best, f"Triton, fastest of {len(swept)} launches: {launch}"))
-    return "\n".join(lines)
+    return lines
+
+
+def table(results: dict) -> str:
+    """Markdown, a row per (shape, system); of the sweep, its fastest launch and any wrong one."""
+    return "\n".join(
+        [
+            f"Kernel table on {results['device_name']} (copy bandwidth {results['copy_bandwidth_GBps']:,.0f} GB/s, "
+            "bytes read + written):",
+            "",
+            "| decode shape | system | ms | K/V GB/s | of copy bandwidth | max error |",
+            "|---|---|---|---|---|---|",
+            *shape_rows(
+                results, lambda r: f"{r['ms']:.3f} | {r['GBps']:,.0f} | {r['of_copy']:.0%}", "Triton tile"
+            ),
+        ]
+    )
 
 
 def prefill_table(results: dict) -> str:
     """Markdown, a row per (shape, system); of the sweep, its fastest launch and any wrong one."""
-    lines = [
-        f"Prefill table on {results['device_name']}:",
-        "",
-        "| prefill shape (sequences x prompt) | system | ms | GFLOP/s | x before query tiles | max error |",
-        "|---|---|---|---|---|---|",
-    ]
-
-    def line(r: dict, name: str) -> str:
-        timing = (
-            "WRONG | - | -"
-            if math.isnan(r["ms"])
-            else f"{r['ms']:.3f} | {r['GFLOPs']:,.1f} | {r['x_before']:.1f}"
-        )
-        return f"| {r['shape']} | {name} | {timing} | {r['max_error']:.1e} |"
-
-    for shape in dict.fromkeys(r["shape"] for r in results["rows"]):
-        rows = [r for r in results["rows"] if r["shape"] == shape]
-        swept = [r for r in rows if r["system"].startswith("Triton rows")]
-        lines += [line(r, r["system"]) for r in rows if r not in swept or math.isnan(r["ms"])]
-        timed = [r for r in swept if not math.isnan(r["ms"])]
-        if timed:
-            best = min(timed, key=lambda r: r["ms"])
-            launch = best["system"].removeprefix("Triton ")
-            lines.append(line(best, f"Triton, fastest of {len(swept)} launches: {launch}"))
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            f"Prefill table on {results['device_name']}:",
+            "",
+            "| prefill shape (sequences x prompt) | system | ms | GFLOP/s | x before query tiles | max error |",
+            "|---|---|---|---|---|---|",
+            *shape_rows(
+                results, lambda r: f"{r['ms']:.3f} | {r['GFLOPs']:,.1f} | {r['x_before']:.1f}", "Triton rows"
+            ),
+        ]
+    )
 
 
 def interpreter_table(results: dict) -> str:
