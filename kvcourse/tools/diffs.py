@@ -120,16 +120,19 @@ def file_diffs(a: dict[str, str], b: dict[str, str], old: str, new: str, labels=
     stage folders ``old`` and ``new``; ``labels`` follow the paths on the ``---``/``+++`` lines."""
     lines = []
     for name in sorted(a.keys() | b.keys()):
-        if a.get(name) == b.get(name):
-            continue
-        from_path = f"a/{old}/{name}" if name in a else "/dev/null"
-        to_path = f"b/{new}/{name}" if name in b else "/dev/null"
-        lines.append(f"diff -u {from_path} {to_path}")
-        before = a.get(name, "").splitlines(keepends=True)
-        after = b.get(name, "").splitlines(keepends=True)
-        diff = difflib.unified_diff(before, after, from_path, to_path, *labels, n=3)
-        lines.extend(line.rstrip("\n").rstrip("\t") for line in diff)
+        if a.get(name) != b.get(name):
+            from_path = f"a/{old}/{name}" if name in a else "/dev/null"
+            to_path = f"b/{new}/{name}" if name in b else "/dev/null"
+            lines += unified(a.get(name, ""), b.get(name, ""), from_path, to_path, labels)
     return lines
+
+
+def unified(before: str, after: str, from_path: str, to_path: str, labels=("", "")) -> list[str]:
+    """One file's diff as git writes it: a ``diff -u`` line, then the unified diff, 3 lines of context."""
+    diff = difflib.unified_diff(
+        before.splitlines(keepends=True), after.splitlines(keepends=True), from_path, to_path, *labels, n=3
+    )
+    return [f"diff -u {from_path} {to_path}", *(line.rstrip("\n").rstrip("\t") for line in diff)]
 
 
 IMPORT = re.compile(r"(from \S+ )?import ")
@@ -300,18 +303,9 @@ def mesh_diff(root: Path = ROOT) -> str:
         "(written by `make diffs`; do not edit)",
         f"# then the files only the mesh uses, whole: {', '.join(only)}",
     ]
-    for before, after in [(single, mesh), *((None, name) for name in only)]:
-        old = (root / stage / before).read_text(encoding="utf-8") if before else ""
-        new = (root / stage / after).read_text(encoding="utf-8")
-        from_path = f"a/{stage}/{before}" if before else "/dev/null"
-        to_path = f"b/{stage}/{after}"
-        lines.append(f"diff -u {from_path} {to_path}")
-        lines.extend(
-            line.rstrip("\n")
-            for line in difflib.unified_diff(
-                old.splitlines(keepends=True), new.splitlines(keepends=True), from_path, to_path, n=3
-            )
-        )
+    text = {name: (root / stage / name).read_text(encoding="utf-8") for name in (single, mesh, *only)}
+    lines += unified(text[single], text[mesh], f"a/{stage}/{single}", f"b/{stage}/{mesh}")
+    lines += file_diffs({}, {name: text[name] for name in only}, stage, stage)
     return "\n".join(lines) + "\n"
 
 
