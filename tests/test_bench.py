@@ -417,3 +417,39 @@ def test_kernel_table_on_a_gpu(tmp_path):
     results = json.loads((tmp_path / "k.json").read_text())
     assert "paged kernel (Triton)" in {r["system"] for r in results["rows"]}
     assert results["device_name"] in done.stdout
+
+
+def test_quick_decode_cost_reads_kv_by_position_and_times_each_step(tiny_llama_dir, tmp_path, capsys):
+    """bench.decode_cost (the L1 chapter's table): a row per position, the KV bytes it reads from the
+    model's config (positions 0..t), a no-cache forward for every position but the first."""
+    from bench import decode_cost
+    from kvcourse.config import ModelConfig
+
+    out = tmp_path / "cost.json"
+    assert decode_cost.main(["--quick", "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    per_token = ModelConfig.from_dir(tiny_llama_dir).kv_bytes_per_token()
+    assert [r["position"] for r in results["rows"]] == list(decode_cost.QUICK_POSITIONS)
+    assert [r["kv_read_bytes"] for r in results["rows"]] == [
+        per_token * (p + 1) for p in decode_cost.QUICK_POSITIONS
+    ]
+    assert results["rows"][0]["no_cache_ms"] is None
+    assert all(r["no_cache_ms"] > 0 and r["step_ms"] > 0 for r in results["rows"][1:])
+    assert (
+        results["command"] == "python -m bench.decode_cost" and "| position `t` |" in capsys.readouterr().out
+    )
+
+
+def test_quick_reference_kernel_table_checks_every_way_against_l3(tmp_path, monkeypatch, capsys):
+    """bench.reference_kernel (the L4 chapter's table): every way agrees with L3's gather first, and a
+    way that does not fails the run instead of being timed."""
+    from bench import reference_kernel
+
+    out = tmp_path / "ref.json"
+    assert reference_kernel.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == [f"{b} x {c}" for b, c in reference_kernel.QUICK_SHAPES]
+    assert all(r["L4 reference"] > 0 and r["L4 decode tiles (fast/)"] > 0 for r in rows)
+    monkeypatch.setattr(reference_kernel, "split_kv_attention", lambda *a, **k: torch.zeros(1))
+    with pytest.raises(AssertionError, match="L4 decode tiles"):
+        reference_kernel.main(["--quick", "--out", str(tmp_path / "wrong.json")])
