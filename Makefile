@@ -28,7 +28,7 @@ export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup smoke test lint workspace notebooks grade exercises diffs bench gpu-check mutants clean
+.PHONY: setup smoke test lint workspace notebooks grade exercises diffs numbers bench gpu-check mutants clean
 
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
@@ -91,8 +91,12 @@ workspace: setup
 
 # JupyterLab on the repository, opened at workspace/ (the chapters in lessons/ open from the notebooks'
 # links). Headless: make notebooks JUPYTER_ARGS="--no-browser --port 8888"
+# The notebooks import torch before kvcourse, so their kernels get kvcourse's OMP_WAIT_POLICY default from
+# here. As root (most containers) Jupyter refuses to start without --allow-root, which is added for you.
+notebooks: export OMP_WAIT_POLICY ?= PASSIVE
 notebooks: setup workspace
-	$(PY) -m jupyter lab --notebook-dir=$(CURDIR) --LabApp.default_url=/lab/tree/workspace $(JUPYTER_ARGS)
+	$(PY) -m jupyter lab --notebook-dir=$(CURDIR) --LabApp.default_url=/lab/tree/workspace \
+	  $(if $(filter 0,$(shell id -u)),--allow-root) $(JUPYTER_ARGS)
 
 # make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook);
 # TIMEOUT= seconds per cell (default 60), SEED= the hidden cases' seed (default: a new one per run)
@@ -108,6 +112,10 @@ exercises: $(STAMP)
 # the L6 chapter) and L6_mesh.diff (its mesh engine against its one-device engine).
 diffs: $(STAMP)
 	$(PY) -m kvcourse.tools.diffs
+
+# The measured tables of the chapters and READMEs, drawn again from bench/results/*.json.
+numbers: $(STAMP)
+	$(PY) -m kvcourse.tools.numbers
 
 bench: setup
 	$(PY) -m bench.run

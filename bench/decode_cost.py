@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
+from bench import OMP_WAIT_POLICY
 from bench.ceilings import copy_bandwidth, median_seconds
-from bench.measure import cpu_name
+from bench.measure import cpu_name, provenance
 from kvcourse.model import causal_attention
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from L1_contiguous.engine import Engine
@@ -102,10 +103,11 @@ def measure(model_dir, positions: tuple[int, ...], rounds: int, no_cache_repeats
         )
     return {
         "command": "python -m bench.decode_cost",
+        **provenance(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "omp_wait_policy": OMP_WAIT_POLICY,
         "num_layers": cfg.num_layers,
         "rounds": rounds,
         "prefill_tokens": last,

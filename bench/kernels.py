@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import ceilings
-from bench.measure import add_device_option, bench_device, cpu_name, package_version
+from bench.measure import add_device_option, bench_device, cpu_name, package_version, provenance
 from kvcourse.harness.kernel_cases import dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 
@@ -588,6 +588,7 @@ def finish(results: dict, out: str | None, default: str, make_table, timed: str,
     results["device_name"] = torch.cuda.get_device_name(device) if cuda else cpu_name()
     results["versions"] = {name: package_version(name) for name in ("torch", "triton")}
     results["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results.update(provenance())
     path = Path(out or REPO_ROOT / "bench" / "results" / default)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")

@@ -297,6 +297,24 @@ def gpu_info(device: torch.device) -> dict:
     }
 
 
+def provenance() -> dict:
+    """What a results file records of where it was measured, for the tables ``make numbers`` draws from
+    it: the commit (``+dirty`` when the working tree differed from it) and the date, e.g.
+    ``{"commit": "c14a18f", "date": "2026-11-26"}``; ``"unknown"`` outside a git checkout."""
+
+    def git(*args):
+        try:
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, check=True, cwd=REPO_ROOT
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    commit = (git("rev-parse", "--short", "HEAD") or "unknown").strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit + ("+dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d")}
+
+
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
     try:

@@ -1,5 +1,10 @@
 """Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L4:graphs,L6] [--workload b|a] [--quick]
-[--device auto|cpu|cuda] [--torch-profiler]``.
+[--device auto|cpu|cuda] [--torch-profiler] [--out FILE]``.
+
+``--out`` also writes the profiles to a JSON file, with the command, commit, machine and load average;
+the chapters' profile tables are drawn from such files (``bench/results/profile-*.json``, by ``make
+numbers``: ``chapter_table``). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
+rounds back to back show how much the machine drifts between them.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
 then once more with timers around the parts of its step. For the torch stages (L3-L5):
@@ -38,17 +43,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import json
 import os
 import sys
 import time
 from collections import defaultdict
 from contextlib import ExitStack
+from pathlib import Path
 from unittest import mock
 
 import torch
 
 from bench.ceilings import synchronizer
-from bench.measure import add_device_option, bench_device, stage_options
+from bench.measure import add_device_option, bench_device, cpu_name, provenance, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.devices import describe
 from kvcourse.harness.stages import STAGES, engine_class
@@ -342,6 +349,27 @@ def table(profiles: dict) -> str:
     return "\n".join(lines)
 
 
+def chapter_table(results: dict) -> str:
+    """Markdown, the chapters' shape: a column per torch stage of a ``--out`` file, ms per decode step
+    for each part it has (a part no stage has is left out), the whole step, and the whole run's seconds.
+    L6's calls, if profiled, follow as ``l6_table``'s."""
+    profiles = results["profiles"]
+    used = [part for part in PARTS if any(p["decode_step_ms"][part] for p in profiles.values())]
+    lines = [
+        "| part of a decode step, ms | " + " | ".join(profiles) + " |",
+        "|---|" + "---|" * len(profiles),
+        *[f"| {part} | " + " | ".join(f"{p['decode_step_ms'][part]:.1f}" for p in profiles.values()) + " |"
+          for part in used],
+        "| **whole decode step** | " + " | ".join(f"**{sum(p['decode_step_ms'].values()):.1f}**"
+                                                for p in profiles.values()) + " |",
+        "| whole run, s | " + " | ".join(f"{p['seconds']:.2f}" for p in profiles.values()) + " |",
+        "| steps (decode only) | " + " | ".join(f"{p['steps']} ({p['decode_steps']})" for p in profiles.values()) + " |",
+    ]  # fmt: skip
+    if results.get("l6"):
+        lines += ["", l6_table(results["l6"])]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -362,6 +390,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (for tests)")
     parser.add_argument("--model", help="model directory (default: the course model)")
+    parser.add_argument("--out", help="also write the profiles to this JSON file (the chapters' tables)")
     args = parser.parse_args(argv)
     try:
         device = bench_device(args.device)
@@ -398,13 +427,16 @@ def main(argv=None) -> int:
             raise SystemExit(f"{name} has no scheduler step to profile; profile L3, L4, L5 or L6")
         options = stage_options(cls, sizes, max_len, device)
         options |= {"cuda_graphs": True} if variant == "graphs" else {"kernel": variant} if variant else {}
+        key = (
+            spec if spec not in profiles else f"{spec} #{sum(k.split(' #')[0] == spec for k in profiles) + 1}"
+        )
         try:
-            profiles[spec] = profile_stage(name, model_dir, prompts, budgets, options)
+            profiles[key] = profile_stage(name, model_dir, prompts, budgets, options)
         except ValueError as e:  # e.g. L4:cpp on a GPU
             print(f"error: {spec}: {e}", file=sys.stderr)
             return 2
         if device.type == "cuda" or args.torch_profiler:
-            kernels[spec] = kernel_profile(name, model_dir, prompts, budgets, options)
+            kernels[key] = kernel_profile(name, model_dir, prompts, budgets, options)
     parts = [table(profiles)] if profiles else []
     if profiles and device.type == "cuda":
         parts.append(
@@ -413,6 +445,14 @@ def main(argv=None) -> int:
     parts += [kernel_table(kernels)] if kernels else []
     parts += [l6_table(l6)] if l6 else []
     print("\n\n".join(parts))
+    if args.out:
+        command = "python -m bench.profile " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:])
+        )
+        results = {"command": command.strip(), **provenance(), "machine": describe(device) if device.type == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores",
+                   "load_average_after": os.getloadavg()[0], "workload": args.workload,
+                   "profiles": profiles, "l6": l6}  # fmt: skip
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
+from bench import OMP_WAIT_POLICY
 from bench.ceilings import median_seconds
-from bench.measure import cpu_name
+from bench.measure import cpu_name, provenance
 from kvcourse.model_store import REPO_ROOT
 from L3_block_tensor.attention import ForwardMeta
 from L3_block_tensor.attention import attention as l3_attention
@@ -88,9 +89,10 @@ def measure(shapes, repeats: int) -> dict:
         rows.append(row)
     return {
         "command": "python -m bench.reference_kernel",
+        **provenance(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "omp_wait_policy": OMP_WAIT_POLICY,
         "repeats": repeats,
         "load_average": os.getloadavg()[0],
         "rows": rows,

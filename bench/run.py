@@ -101,6 +101,7 @@ from bench.measure import (
     gpu_info,
     kv_stats,
     package_version,
+    provenance,
     requests_job,
     requests_row,
     reset_times,
@@ -304,6 +305,7 @@ def main(argv=None) -> int:
         results["f"] = matvec.measure(model.w, sizes["f_repeats"])
     add_ratios(results)
     results["targets"] = targets(results)
+    results.update(provenance())
     (out / "results" / f"{result_name(results)}.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "plots")
     print(summary_table(results))

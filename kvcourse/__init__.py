@@ -11,7 +11,17 @@
 A layer imports only the layers above it in this list (``tests/test_architecture.py`` checks it), and
 only the harness and the tools name a stage.
 
-Importing it changes nothing in the environment: which device runs is the caller's choice
-(``kvcourse.devices``), and the stages' Triton kernels pick compiled or interpreted execution by the
-device of the tensors they are given, not by the machine.
+Importing it sets one thing in the environment, and only where the caller has not:
+``OMP_WAIT_POLICY=PASSIVE``. OpenMP threads that spin while they wait would otherwise steal the cores
+of any other PyTorch process on the machine (a notebook kernel beside a smoke): on a 2-core laptop each
+can slow down tens of times. The setting must be in place before PyTorch loads its OpenMP library, and
+every command of the course (the smokes, ``python -m kvcourse``, the notebooks' first imports, the
+bench) imports ``kvcourse`` before ``torch``, so they all get it; ``OMP_WAIT_POLICY=ACTIVE`` in the
+environment keeps spinning threads (L1 chapter, section 6, measures both). Everything else is the
+caller's choice: which device runs (``kvcourse.devices``), and the stages' Triton kernels pick compiled
+or interpreted execution by the device of the tensors they are given, not by the machine.
 """
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -132,15 +132,25 @@ def test_mixed_workload_is_seeded_and_in_range():
     assert all(3 <= b <= 4 for b in budgets)
 
 
-def test_quick_profile_splits_a_step_into_its_parts(capsys):
+def test_quick_profile_splits_a_step_into_its_parts(tmp_path, capsys):
+    """The printed tables hold every part; ``--out`` writes them with their command and commit, a stage
+    named twice is profiled twice, and ``chapter_table`` draws a column per profile from the file."""
     l4 = "L4:cpp" if PROBLEM is None else "L4:torch"  # the C++ kernel where this machine could build it
-    assert profile.main(["--quick", "--device", "cpu", "--stages", f"L3,{l4},L6"]) == 0
+    out_file = tmp_path / "profile.json"
+    argv = ["--quick", "--device", "cpu", "--stages", f"L3,{l4},L6,L3", "--out", str(out_file)]
+    assert profile.main(argv) == 0
     out = capsys.readouterr().out
     for part in (*profile.PARTS, "prefill", "decode", "host_state", "host Python"):
         assert f"| {part} |" in out
     assert f"{l4} ms/decode step" in out and "decode steps on the device" in out
     assert re.search(r"L6: first run [\d.]+ s \(tracing and compiling included\)", out), out
     assert "torch.profiler" not in out  # only on a GPU or when asked for
+    results = json.loads(out_file.read_text())
+    assert results["command"] == "python -m bench.profile " + " ".join(argv) and results["commit"]
+    assert list(results["profiles"]) == ["L3", l4, "L3 #2"]
+    table = profile.chapter_table(results)
+    assert table.startswith(f"| part of a decode step, ms | L3 | {l4} | L3 #2 |") and "| L6 part |" in table
+    assert "| gather + loop |" in table and "| **whole decode step** |" in table
 
 
 def test_quick_profile_under_torch_profiler_on_the_cpu(capsys):
@@ -453,3 +463,35 @@ def test_quick_reference_kernel_table_checks_every_way_against_l3(tmp_path, monk
     monkeypatch.setattr(reference_kernel, "split_kv_attention", lambda *a, **k: torch.zeros(1))
     with pytest.raises(AssertionError, match="L4 decode tiles"):
         reference_kernel.main(["--quick", "--out", str(tmp_path / "wrong.json")])
+
+
+def test_quick_sharing_counts_what_each_way_of_sharing_saves(tiny_qwen3_dir, tmp_path, capsys):
+    """bench.sharing (the L5 chapter's section 8 tables): the three ways of running each workload give
+    the same tokens, and the counters order as sharing says: nothing shared holds the most blocks and
+    runs the most tokens, the one-after-another run holds one request's blocks at a time."""
+    from bench import sharing
+
+    out = tmp_path / "sharing.json"
+    assert sharing.main(["--quick", "--model", str(tiny_qwen3_dir), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    cloned, cached, unshared = results["sampled"]["rows"].values()
+    assert unshared["blocks_shared"] == unshared["prefix_cache_hits"] == 0
+    assert cloned["tokens_run"] < cached["tokens_run"] < unshared["tokens_run"]
+    assert cloned["blocks_held"] < unshared["blocks_held"]
+    at_once, uncached, one_by_one = results["system_prompt"]["rows"].values()
+    assert (
+        uncached["prefix_cache_hits"] == 0
+        and at_once["prefix_cache_hits"] == one_by_one["prefix_cache_hits"] > 0
+    )
+    assert at_once["tokens_run"] + at_once["prefill_skipped"] == uncached["tokens_run"]
+    assert one_by_one["blocks_held"] < at_once["blocks_held"]
+    assert results["command"] == "python -m bench.sharing" and results["commit"]
+    assert "| run | blocks held at peak |" in capsys.readouterr().out
+
+
+def test_sharing_refuses_runs_whose_tokens_differ():
+    """Sharing must change no token: a run that gives other tokens fails the bench, naming it."""
+    from bench import sharing
+
+    with pytest.raises(AssertionError, match="'unshared' gave other tokens than 'cloned'"):
+        sharing.same({"cloned": [[1, 2]], "unshared": [[1, 3]]}, "sampled clones")
