@@ -19,8 +19,8 @@ a fresh block each in place of its partial last block (whose K/V the caller copi
 ``blocks_needed`` and ``OutOfBlocksError`` are L4's, unchanged.
 
 Left out on purpose: a doubly linked free list (taking a cached block back out of the deque is
-O(num_blocks) here; vLLM keeps an O(1) list), evicting only blocks nobody can hit any more, and cache
-salts that keep tenants apart.
+O(num_blocks) here; vLLM V1's ``FreeKVCacheBlockQueue`` in ``vllm/v1/core/kv_cache_utils.py`` removes
+one in O(1)), evicting only blocks nobody can hit any more, and cache salts that keep tenants apart.
 """
 
 from __future__ import annotations
@@ -177,8 +177,9 @@ class BlockAllocator:
             clone([3, 5, 8], 10, 2) -> ([[3, 5, 0], [3, 5, 1]], [(8, 0), (8, 1)])
             ref counts: 3 -> 3, 5 -> 3, 8 -> 1 (the parent's own), 0 -> 1, 1 -> 1; free list 2
 
-        This is an eager copy at clone time, not copy-on-write (vLLM shares the partial block too and
-        copies it at the first write into it). Copying now is simpler and safe: only full blocks are
+        This is an eager copy at clone time, not copy-on-write (vLLM v0's block manager, removed with
+        the rest of V0 in v0.11.0, shared the partial block too at ``fork`` and copied it at the first
+        write into it; vLLM V1 has no fork). Copying now is simpler and safe: only full blocks are
         ever shared, and a sequence only writes past its last token, i.e. into its partial block or
         a new one, so no write can hit a shared block and nothing checks a refcount per write. The
         price is n block copies now, even for a child that stops at once. Needs n free blocks when

@@ -8,7 +8,7 @@ finishes sooner than its launch. A CUDA graph records the launches of one step o
 one call, and the GPU runs the kernels back to back.
 
 A recording fixes every tensor's address and shape, which decides the design (nano-vllm's, in its
-model runner):
+model runner's ``capture_cudagraph``, commit bb823b3):
 
 - one graph per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``): a decode batch of
   27 sequences replays the graph of 32, rows 27-31 padding;

@@ -1,7 +1,8 @@
 """Turning one row of logits into the next token: greedy, or sampled with temperature, top-k and top-p.
 
 ``SamplingParams`` holds a request's rules; ``sample(logits, params, generator)`` applies them in the
-order Hugging Face and vLLM use: divide by the temperature, keep the top-k logits, keep the smallest
+order Hugging Face and vLLM use (transformers 5.23's ``_get_logits_processor``; vLLM V1's
+``vllm/v1/sample/sampler.py``): divide by the temperature, keep the top-k logits, keep the smallest
 set of tokens whose probability reaches top-p, then draw with ``torch.multinomial`` from the caller's
 ``torch.Generator``. Temperature 0 means greedy (argmax), which is what every stage is compared on.
 
@@ -11,7 +12,8 @@ KV blocks, or the step: that is what lets L5 check that n cloned samples equal n
 Generators live on the CPU whatever device computed the logits, and the draw happens there (one row
 of probabilities comes back, as the token would anyway): a seed then names the same random stream
 on every machine.
-Sample i of a request seeded s uses seed s + i (vLLM's rule for ``n > 1``).
+Sample i of a request seeded s uses seed s + i (vLLM V1's rule for ``n > 1``: ``ParentRequest`` in
+``vllm/v1/engine/parallel_sampling.py``).
 
 Left out on purpose: repetition/frequency penalties, min-p, logit bias, stop strings and logprobs.
 """

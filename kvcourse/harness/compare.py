@@ -1,10 +1,11 @@
 """Token-by-token comparison of an engine's output with a reference, and the per-prompt report.
 
-The bar is exact equality. The one tolerance (the same idea as vLLM's ``check_logprobs_close``): if at
-the first differing position the HF reference's top-2 logit gap is below ``TIE_GAP``, the two runs
-disagree on a numerical tie (fp32 engines that batch differently differ from HF by ~5e-5 per logit).
-That is reported as a tie, with its position and gap, and nothing after it is compared: the two
-continuations are from then on different texts. A tie is never counted silently as a match.
+The bar is exact equality. The one tolerance (the same idea as ``check_logprobs_close`` in vLLM's
+``tests/models/utils.py``, 2025): if at the first differing position the HF reference's top-2 logit
+gap is below ``TIE_GAP``, the two runs disagree on a numerical tie (fp32 engines that batch
+differently differ from HF by ~5e-5 per logit). That is reported as a tie, with its position and gap,
+and nothing after it is compared: the two continuations are from then on different texts. A tie is
+never counted silently as a match.
 
 HF's gaps describe HF's own text. So the rule applies only where the expected tokens still are HF's
 text: always when comparing with HF; when comparing with the previous stage, only if that stage
