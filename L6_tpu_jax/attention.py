@@ -15,9 +15,10 @@ state (m, l, acc) per query row::
 Mixed prefill and decode in one batch is just ragged q lengths: a sequence's new queries are the last
 q_len of its context_len tokens (``context_lens``: KV positions each sequence attends over, its new ones
 included; L4's name, Levanter's ``kv_lens``). Block sizes decide how much work each loop step does.
-Levanter's reference started at 1 query x 2 pages per step and was ~3x slower per round (2.3x end to
-end) than at 16 x 16 (its default since); they change only the summation order, never which keys a
-query sees.
+Levanter's reference (September 2025 to February 2026) ran 1 query x 2 pages per step and was 3.07x
+slower per round (2.29x end to end) than at 16 x 16, its default since (quoted from its refactor notes,
+February 2026, a TPU v5p-16; chapter, section 7); they change only the summation order, never which
+keys a query sees.
 
 ``decode_only_paged_attention`` is the decode fast path: the same result for a batch of one query per
 sequence, with the sequences as a batch axis instead of a loop (decode rounds use it with

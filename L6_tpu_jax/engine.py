@@ -14,10 +14,10 @@
 
 The weights, the state and the pages live on ``device``. ``cleanup`` says when a finished sequence's
 pages go back: ``"incremental"`` in the decode loop, ``"end"`` after each host call, ``"none"`` at the
-next ``generate`` (Levanter's original behaviour). The host admits a prompt only if the pool can hold
-it to its full budget beside what running sequences may still grow into; the device still checks
-every allocation, and a shortage raises ``OutOfPagesError``, never a wrong answer. ``stats()`` is
-counted on the device (``device_stats.py``).
+next ``generate`` (Levanter's behaviour as its February 2026 notes describe it). The host admits a
+prompt only if the pool can hold it to its full budget beside what running sequences may still grow
+into; the device still checks every allocation, and a shortage raises ``OutOfPagesError``, never a
+wrong answer. ``stats()`` is counted on the device (``device_stats.py``).
 
 Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and more
 than one device (``mesh_engine.py`` is this engine over a device mesh, and across hosts).
@@ -127,6 +127,8 @@ class Engine:
         # Committed to the device: every jit'd call runs there, and copies its NumPy inputs there.
         self.params, self.state, self.kv_pages = jax.device_put((params, state, kv_pages), self.device)
         self.traces: Counter[str] = Counter()  # how often each jit'd function was traced (= compiled)
+        # Donated pools (argument 2): XLA writes the new pools into the old buffers, so a call holds one
+        # pool, not two; the old arrays are deleted, hence self.kv_pages = the call's output at once.
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(2,), static_argnums=(3,))
         self._free = jax.jit(ds.free_finished)

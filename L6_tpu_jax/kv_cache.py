@@ -2,7 +2,8 @@
 
 The engine keeps a tuple of L such pools, one per layer, and the model's ``attend`` callback replaces
 layer l's entry with its updated pool. Within a token's row the heads alternate ``k0, v0, k1, v1, ...``
-(Levanter's layout): one page read brings a head's K and V together.
+(Levanter's layout, and that of JAX's ``ragged_paged_attention`` kernel): one page read brings a head's
+K and V together.
 
 Why a tuple and not one (L, P, ...) array: XLA updates a buffer in place only when nothing else still
 reads it. Layer l's attention reads its pool inside a loop; with every layer in one array, layer l+1's
@@ -12,10 +13,17 @@ pages). With one array per layer, each write lands in a buffer nothing else read
 
 The write is one vectorized scatter: every new token's (K, V) row goes to its flat destination
 ``page * page_size + slot`` (``PageBatchInfo.new_token_dests``) in a single ``.at[].set``. Levanter
-first wrote tokens one at a time in a ``fori_loop`` of ``dynamic_update_slice``s; the scatter is the
-same result with one op. INVALID destinations (padding tokens) are dropped.
+(its February 2026 copy in marin-community/marin, ``kv_update_unified_prefix``) wrote tokens one at a
+time in a ``fori_loop`` of ``dynamic_update_slice``s; the scatter is the same result with one op. INVALID destinations (padding tokens) are dropped.
 
-Left out on purpose: quantized KV, and donation/aliasing tricks beyond what ``jit`` does by itself.
+In place only because the engine donates the pools. ``update_kv`` and ``copy_page`` return new arrays;
+inside one jit'd call XLA writes them into the old buffers, but across the call the caller still holds
+the old pools, so without donation every call would get fresh output buffers, copy the pools into
+them, and hold two copies at its peak. ``Engine.__init__`` (and ``MeshEngine``) jit the prefill and
+decode calls with ``donate_argnums=(2,)``, the pools' tuple: the outputs reuse the inputs' buffers,
+and the caller's old arrays are deleted (using one again raises; chapter, section 5).
+
+Left out on purpose: quantized KV.
 """
 
 from __future__ import annotations

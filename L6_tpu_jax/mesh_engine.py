@@ -152,6 +152,8 @@ class MeshEngine:
             # (varying per device or not); its proof would need casts inside the attention loops.
             check_vma=False,
         )
+        # Donated pools (argument 2): XLA writes the new pools into the old buffers, so a call holds one
+        # pool, not two; the old arrays are deleted, hence self.kv_pages = the call's output at once.
         self._prefill = jax.jit(
             per_device(
                 self._prefill_fn,

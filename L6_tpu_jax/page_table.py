@@ -7,8 +7,8 @@ through ``jit``, ``while_loop`` and ``device_get`` like any array):
   and a count above 1 means clones share it.
 - ``SequenceTable``: one row per sequence slot (Levanter's word: a slot is a sequence's row of the
   tables, ``0 .. max_num_seqs - 1``): ``seq_lens``, ``page_indices`` (INVALID = -1 where a sequence
-  has no page yet) and ``used_mask``. ``page_indices`` is the one copy of the mapping (Levanter also
-  kept a ``kv_pages`` mirror of it; two copies of one truth can only drift apart).
+  has no page yet) and ``used_mask``. ``page_indices`` is the one copy of the mapping (Levanter, in
+  February 2026, also kept a ``kv_pages`` mirror of it; two copies of one truth can only drift apart).
 - ``PageBatchInfo``: what a forward call needs to know about its batch (which slots, their pages and
   lengths, query offsets, and ``new_token_dests = page * page_size + row`` for the KV writes, ``row``
   being the position's row within its page; Levanter calls that row a slot too).
@@ -248,7 +248,7 @@ def clone_pages_from(
 
     Full pages never change again, so the child points at the same pages (refcount + 1). The last,
     partly filled page will be written by both, so the child gets a fresh page (``argmin`` of the
-    refcounts, a free one if any, as Levanter picks) and the caller copies the K/V of its filled rows
+    refcounts: the lowest free one if any, the page Levanter's ``argmax(refcounts == 0)`` picks) and the caller copies the K/V of its filled rows
     into it. Returns (seq_table, page_table, src_page, dst_page, ok); src/dst are INVALID when the
     parent's length is a whole number of pages (nothing to copy). ``ok`` is False (tables unchanged)
     if the fresh page was needed and none was free. An INVALID child is a no-op.

@@ -23,8 +23,10 @@ stack, and the CPU matmul library gets a fresh copy of them (all 538 MB per toke
 trace compiles in ~1.5 s. A scanned cache has the same trap: scanning over the cache as an input
 and stacking each layer's result as an output builds a new cache every call.
 
-Every matrix product passes ``precision=HIGHEST``. On a TPU the default precision multiplies fp32 in
-bf16 passes, which is enough to flip greedy tokens; with HIGHEST (and on CPU) the products are fp32.
+Every matrix product passes ``precision=HIGHEST``. The default precision, in jax 0.10.2's words
+(``jax.lax.Precision``), "On TPU: performs float32 computations in bfloat16" and on a GPU "uses
+tensorfloat32 if available (e.g. on A100 and H100 GPUs)", either enough to flip greedy tokens; it "Has
+no impact on CPU backends". With HIGHEST the products are fp32 everywhere.
 
 Left out on purpose: sharding across devices, dtypes other than fp32, and training.
 """
