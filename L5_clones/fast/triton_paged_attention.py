@@ -1,8 +1,8 @@
 """Paged attention as a Triton kernel, a fast path of L4: the algorithm of the reference
 ``../paged_attention.py``, one program per (tile of query tokens, KV head, split).
 
-The grid puts tiles of query rows side by side, as FlashAttention's varlen kernel and vLLM's Triton
-attention do. A program takes ``BLOCK_Q`` consecutive new tokens of one sequence and the G query heads
+The grid puts tiles of query rows side by side, as FlashAttention's varlen kernel (v2.8.3) and vLLM's
+Triton attention (commit 001ceb3e98e7) do. A program takes ``BLOCK_Q`` consecutive new tokens of one sequence and the G query heads
 of one KV head that each token brings: ``BLOCK_M = BLOCK_Q x G`` rows (a decode token is a tile of one
 token). It walks its sequence's positions a tile of ``TILE_N`` at a time, finding each position's
 block through the block table, and keeps the online-softmax state (m, l, acc) of its rows in
@@ -40,7 +40,7 @@ Triton's interpreter runs with NumPy on the CPU. This module decorates each kern
 (``jit``) and ``triton_paged_attention`` launches the compiled kernel for GPU tensors and the
 interpreted one for CPU tensors: in one process, on any machine, whatever it has installed or plugged
 in. The interpreter executes the same source one program at a time, paying Python's price for every
-operation on a tile (tens of microseconds) however many elements the tile holds, so on CPU tensors
+operation on a tile, the same however many elements the tile holds, so on CPU tensors
 ``choose_launch`` takes few, large tiles (up to 512 rows x 512 positions).
 
 That choice shapes the source a little. Triton's library functions written in Triton (``tl.max``,

@@ -98,49 +98,62 @@ SOURCES = {
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=0,
-    ),  # fmt: skip
+    ),
     "bench-first-runs": Source(
         "make bench",
         "bench/results/bench.json",
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=1,
-    ),  # fmt: skip
+    ),
     "bench-targets": Source(
         "make bench",
         "bench/results/bench.json",
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=2,
-    ),  # fmt: skip
+    ),
     "bench-e": Source(
         "make bench",
         "bench/results/bench.json",
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=3,
-    ),  # fmt: skip
+    ),
     "bench-f": Source(
         "make bench",
         "bench/results/bench.json",
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=4,
-    ),  # fmt: skip
+    ),
+    "profile-L4-L5": Source(
+        "python -m bench.profile --stages L4:cpp,L5:cpp,L4:cpp,L5:cpp --device cpu --out bench/results/profile-L4-L5.json",
+        "bench/results/profile-L4-L5.json",
+        "bench.profile:chapter_table",
+        "tests/test_bench.py::test_quick_profile_splits_a_step_into_its_parts",
+    ),
     "l5-sharing-samples": Source(
         "python -m bench.sharing",
         "bench/results/sharing.json",
         "bench.sharing:table",
         "tests/test_bench.py::test_quick_sharing_counts_what_each_way_of_sharing_saves",
         table=0,
-    ),  # fmt: skip
+    ),
     "l5-sharing-prefix": Source(
         "python -m bench.sharing",
         "bench/results/sharing.json",
         "bench.sharing:table",
         "tests/test_bench.py::test_quick_sharing_counts_what_each_way_of_sharing_saves",
         table=1,
-    ),  # fmt: skip
+    ),
+    "l5-sharing-greedy": Source(
+        "python -m bench.sharing",
+        "bench/results/sharing.json",
+        "bench.sharing:table",
+        "tests/test_bench.py::test_quick_sharing_counts_what_each_way_of_sharing_saves",
+        table=2,
+    ),
 }
 
 
