@@ -92,7 +92,7 @@ def workload_ceiling(weights, prompts: list[list[int]], budgets: list[int], flop
 
 
 # (copy MiB, matmul n, repeats) per device type. A GPU copies 2 GiB in about a millisecond and a half
-# (the H100 measured 2,993 GB/s), long enough that a launch and a synchronize are noise; its
+# (arithmetic: 2 GiB read and 2 GiB written at the 2,993 GB/s quoted from the H100), long enough that a launch and a synchronize are noise; its
 # fp32 rate needs a product far larger than a CPU's.
 SIZES = {"cpu": (512, 2048, 5), "cuda": (2048, 8192, 10)}
 QUICK_SIZES = (64, 512, 2)

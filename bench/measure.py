@@ -55,8 +55,8 @@ def timed_together(
     runs each system's r-th timed run (A B C, A B C, A B C). ``tick()`` is called after every run;
     ``sync()`` (``ceilings.synchronizer``) before each clock starts and before it stops.
 
-    This machine is a shared VM whose speed drifts over minutes (its matmul rate was 99 GFLOP/s in one
-    run and 153 in another, the same day). Three runs of one system and then three of the next would
+    This machine is a shared VM whose speed drifts over minutes (its matmul rate was 153 GFLOP/s in the
+    ``make bench`` run committed in a26ba50 and 99 in the one committed in 2efbf97, the same day). Three runs of one system and then three of the next would
     put that drift between them, into their ratio; interleaved, it falls on all of them alike.
     Returns, per system, its row (``seconds``: the median of its runs; ``runs``: every run's seconds;
     ``warmup_seconds``; for an engine, ``compiles`` after the warm-up and after the timed runs: equal
@@ -240,7 +240,7 @@ def decode_latency(system: System, vocab: int, context: int, steps: int, repeats
     Both runs prefill the same prompt, so the difference is the decode steps alone. Each time is the
     fastest of ``repeats`` runs, not the median: the prefill's own noise (seconds, at 2,048 tokens) would
     otherwise swamp a difference of a second or two (two medians of two runs gave L1 a 2,048-token step
-    of 0 ms in the run of 2026-11-23).
+    of 0 ms in the ``make bench`` run committed in a26ba50, 2026-11-23).
     """
     prompt = mixed_workload(vocab, 1, (context, context), (1, 1), seed=context)[0]
     short = min(ceilings.run_seconds(lambda: system.run(prompt, [1]), repeats))
@@ -327,7 +327,8 @@ def cpu_name() -> str:
 
 def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | str = "cpu") -> dict:
     """Pool and batch sizes large enough that (b), (c) and (d) run without preemption in every stage,
-    and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens),
+    and no larger (every block is allocated up front: 3.8 GB per engine if sized for 40 x 2048 tokens,
+    arithmetic at 46,080 B per token),
     and the device (``"cpu"`` or ``"cuda"``: L1-L5 put their tensors there, L6 picks that JAX backend).
 
     Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
@@ -337,7 +338,7 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     GPU ``kernel="auto"``, which is its Triton kernel. A stage with a
     prefix cache (L5) runs without it: every timed run repeats the warm-up's prompts, and the blocks
     the warm-up left in the cache would let it skip their prefill, which new requests never get (L5
-    1.5x L4 on (u) in the run of 2026-11-23 that found this). (c)'s sharing is the clone, which needs
+    1.5x L4 on (u) in the ``make bench`` run committed in a26ba50, 2026-11-23, that found this). (c)'s sharing is the clone, which needs
     no cache.
     """
     params = inspect.signature(engine_cls).parameters

@@ -16,7 +16,7 @@ then once more with timers around the parts of its step. For the torch stages (L
   per-sequence gather (``index_select``) and loop, in L4/L5 the call's own overhead.
 
 Times are whole seconds over the run and milliseconds per decode step (steps whose every row is a
-decode token); the timers add a few microseconds per call. The chapters' profile tables come from this.
+decode token); the timers add two clock reads per call, small next to the parts they time. The chapters' profile tables come from this.
 
 L6 (JAX) is one compiled call per prefill and one per decode loop (up to ``max_rounds`` steps on the
 device), so its parts are the calls themselves, each timed to ``block_until_ready``: prefill, decode

@@ -67,10 +67,11 @@ def fixed_length_model(model_dir, device: str = "cpu"):
 
     Shared, not one copy each, because transformers' continuous batching sizes its cache against the
     memory it thinks is free: on a CPU, its NUMA node's memory minus this process's, times 0.6
-    (transformers 5.23, ``resolve_max_memory_percent``). This
-    VM's one node reports 12.6 of its 25.3 GB, and with every system of a workload built (nine models,
-    five pools) the process held 11.8 GB: ``generate_batch`` then refused (b)'s 0.49 GB cache. Two
-    fewer copies leave it ~1.1 GB.
+    (transformers 5.23, ``resolve_max_memory_percent``). On
+    this VM, with every system of a workload built (nine models, five pools), the process held most of
+    its node's memory and ``generate_batch`` refused (b)'s cache (found in ``make bench`` at commit
+    ebf0f9a; the memory figures were read by hand, not by a committed command). Two fewer copies leave
+    it room.
     """
     model = load_hf_model(model_dir, device, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None

@@ -1,7 +1,8 @@
 """Build and load a stage's C++ kernel once, cached per CPU: ``load_cpp_kernel(source)``.
 
-``torch.utils.cpp_extension.load`` compiles a ``.cpp`` file against PyTorch's headers (gcc and ninja,
-about 40 s on this 2-core machine) into a Python module. The build goes to
+``torch.utils.cpp_extension.load`` compiles a ``.cpp`` file against PyTorch's headers (gcc and ninja;
+19.7 s on the course's 2-core VM in ``make bench``'s fresh clone of commit 92dedf8, its JSON's
+``cpp_kernel_build_seconds``) into a Python module. The build goes to
 ``.cache/kernels/<cpu>-<hash>/<file>_<hash>/`` (``KVCOURSE_CACHE``), with ``-O3 -march=native -fopenmp``: native
 vector instructions are why the build is kept per CPU model, since a binary built for one CPU may not
 run on another. A later call, in this process or the next, loads the built module in a fraction of a
@@ -42,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 @functools.cache
 def cpu_key() -> str:
     """A folder name for this CPU model and these flags, e.g. ``x86_64-3f2a9c1b``. Worked out once per
-    process: reading ``/proc/cpuinfo`` takes tens of microseconds, and a stage looks its kernel up on
+    process: reading ``/proc/cpuinfo`` is a file read and a parse, and a stage looks its kernel up on
     every attention call."""
     try:
         names = [

@@ -3,8 +3,8 @@ with ``cuda_graphs=True``).
 
 On a GPU a decode step of a small model is hundreds of small kernels: per layer two norms, four
 projections, RoPE, the K/V write, the attention kernel, the MLP's three products and its activation.
-Python launches each one, a few microseconds apiece, and a kernel that reads a few hundred kilobytes
-finishes sooner than its launch. A CUDA graph records the launches of one step once; replaying it is
+Python launches each one, and for kernels that read a few hundred kilobytes the launches, not the
+kernels, can set the pace (not measured here: no GPU has run this code yet). A CUDA graph records the launches of one step once; replaying it is
 one call, and the GPU runs the kernels back to back.
 
 A recording fixes every tensor's address and shape, which decides the design (nano-vllm's, in its

@@ -17,10 +17,11 @@ that layer's part changed.
 The layers are a Python loop over a tuple of per-layer weights, unrolled when ``jit`` traces it.
 Levanter by default stacks every layer's weights along a leading axis and scans over them
 (``LlamaConfig.scan_layers = True`` in ``src/levanter/models/llama.py``, commit 9263f81e, September
-2025; XLA compiles one layer, not thirty). Measured here, on XLA's CPU backend, the scan cost 38 ms per batch-1
-forward against 21 ms for the unrolled loop: each iteration slices its layer's weights out of the
-stack, and the CPU matmul library gets a fresh copy of them (all 538 MB per token). The unrolled
-trace compiles in ~1.5 s. A scanned cache has the same trap: scanning over the cache as an input
+2025; XLA compiles one layer, not thirty). This model scanned too, until commit bd43f26 and again
+from 81e8497 to 430207e, and on XLA's CPU backend the scan made warm forwards slower than the
+unrolled loop: each iteration slices its layer's weights out of the stack, and the CPU matmul library
+gets a fresh copy of them (all 538 MB per token). That code is gone, so no command here measures it
+(the L6 chapter tells the experiment). A scanned cache has the same trap: scanning over the cache as an input
 and stacking each layer's result as an output builds a new cache every call.
 
 Every matrix product passes ``precision=HIGHEST``. The default precision, in jax 0.10.2's words

