@@ -1,5 +1,5 @@
 """L6 engine: equal to HF on a tiny Qwen3 in every cleanup/reset mode, clones, the reset at the start of
-every generate(), stats counted on the device, compile counts, errors."""
+every generate(), stats counted on the device, compile counts, buffer donation, errors."""
 
 from __future__ import annotations
 
