@@ -8,8 +8,8 @@ K and V together.
 Why a tuple and not one (L, P, ...) array: XLA updates a buffer in place only when nothing else still
 reads it. Layer l's attention reads its pool inside a loop; with every layer in one array, layer l+1's
 write would land in a buffer that loop had open, so XLA copies the whole stack first, once per layer
-per step (measured here: a 64-token decode slowed from 3 s to 76 s when the pool grew from 16 to 256
-pages). With one array per layer, each write lands in a buffer nothing else reads.
+per step, and a decode step costs more the bigger the pool (commit bd43f26 left that layout for this
+one; chapter, section 5). With one array per layer, each write lands in a buffer nothing else reads.
 
 The write is one vectorized scatter: every new token's (K, V) row goes to its flat destination
 ``page * page_size + slot`` (``PageBatchInfo.new_token_dests``) in a single ``.at[].set``. Levanter

@@ -3,10 +3,10 @@
 Same checkpoint, same arithmetic: embedding, RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP, final
 norm, tied or untied head, Qwen3's per-head q/k norms. The RoPE cos/sin tables are computed once, by
 the torch model's own functions, for every position the model allows (XLA's cos/sin differ from
-torch's in the last bit, and that alone moved logits by ~4e-5). The KV cache is the one thing that
-differs from the torch model, because JAX has no side effects: it is a value. ``forward`` hands the
-whole cache (every layer's) to the ``attend`` callback with the layer's index, and ``attend`` returns
-the attention output *and* the updated cache::
+torch's in the last bit, and the difference reaches the logits through every layer). The KV cache is
+the one thing that differs from the torch model, because JAX has no side effects: it is a value.
+``forward`` hands the whole cache (every layer's) to the ``attend`` callback with the layer's index,
+and ``attend`` returns the attention output *and* the updated cache::
 
     attend(kv, layer, q, k, v) -> (out, kv)   # q: (T, H, D), k/v: (T, H_kv, D) after RoPE; out: (T, H, D)
 
@@ -17,12 +17,12 @@ that layer's part changed.
 The layers are a Python loop over a tuple of per-layer weights, unrolled when ``jit`` traces it.
 Levanter by default stacks every layer's weights along a leading axis and scans over them
 (``LlamaConfig.scan_layers = True`` in ``src/levanter/models/llama.py``, commit 9263f81e, September
-2025; XLA compiles one layer, not thirty). This model scanned too, until commit bd43f26 and again
-from 81e8497 to 430207e, and on XLA's CPU backend the scan made warm forwards slower than the
-unrolled loop: each iteration slices its layer's weights out of the stack, and the CPU matmul library
-gets a fresh copy of them (all 538 MB per token). That code is gone, so no command here measures it
-(the L6 chapter tells the experiment). A scanned cache has the same trap: scanning over the cache as an input
-and stacking each layer's result as an output builds a new cache every call.
+2025; XLA compiles one layer, not thirty). On XLA's CPU backend the scan made every batch-1 forward
+slower than the unrolled loop (this model was a scan from commit 003fa81 until bd43f26, and again in
+81e8497, taken out in 430207e; chapter, sections 5 and 13): each iteration slices its layer's weights
+out of the stack, and the CPU matmul library gets a fresh copy of them (all 538 MB per token). A
+scanned cache has the same trap: scanning over the cache as an input and stacking each layer's result
+as an output builds a new cache every call.
 
 Every matrix product passes ``precision=HIGHEST``. The default precision, in jax 0.10.2's words
 (``jax.lax.Precision``), "On TPU: performs float32 computations in bfloat16" and on a GPU "uses

@@ -1,5 +1,5 @@
 """L6 engine: equal to HF on a tiny Qwen3 in every cleanup/reset mode, clones, the reset at the start of
-every generate(), stats counted on the device, compile counts, errors."""
+every generate(), stats counted on the device, compile counts, buffer donation, errors."""
 
 from __future__ import annotations
 
@@ -60,6 +60,17 @@ def test_equals_hf_without_recompiling(engine, expected):
         "decode": 1,
     }
     assert engine.generate(PROMPTS, BUDGET) == expected  # after a logical reset over stale pages
+
+
+def test_the_pools_are_donated_and_updated_in_place(engine, expected):
+    """The prefill and decode calls donate the pools (``donate_argnums``): after a generate the arrays
+    the engine held before it are deleted, and the new pools live in the same buffers."""
+    before = engine.kv_pages  # a logical reset leaves them as they are, so the first prefill gets these
+    buffers = [pool.unsafe_buffer_pointer() for pool in before]
+    assert engine.generate(PROMPTS, 5) == [e[:5] for e in expected]  # the buckets and width of the test above
+    assert all(pool.is_deleted() for pool in before)
+    assert not any(pool.is_deleted() for pool in engine.kv_pages)
+    assert [pool.unsafe_buffer_pointer() for pool in engine.kv_pages] == buffers
 
 
 def test_waiting_prompts_end_cleanup_physical_reset(small_engine, expected):

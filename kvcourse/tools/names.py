@@ -1,7 +1,7 @@
 """L5's names and L6's, side by side: the map that stands in for the diff a rewrite cannot have.
 
-L6 rewrites L5 in JAX, with Levanter's names, so ``diff L5_clones L6_tpu_jax`` shows nothing a learner can
-use. ``NAMES`` maps every public name of L5's engine modules to L6's name for the same thing, with a
+L6 rewrites L5 in JAX, with Levanter's names (stanford-crfm/levanter at 9263f81, September 2025), so
+``diff L5_clones L6_tpu_jax`` shows nothing a learner can use. ``NAMES`` maps every public name of L5's engine modules to L6's name for the same thing, with a
 one-line note on what differs, or to ``""`` with the reason L6 has none. A name is
 ``"file.py:Qualname"``: a class, a function, a method or property, a dataclass field or enum member, a
 public attribute a class sets in ``__init__``, and the options of ``Engine`` as ``Engine(option=)``.
@@ -37,7 +37,7 @@ OPTIONS_OF = "Engine"  # the class whose constructor parameters are listed, as E
 NAMES: dict[str, tuple[str, str]] = {
     # ---- allocator.py
     "allocator.py:blocks_needed": ("page_table.py:cdiv", "pages of a length: `cdiv(length, page_size)`, inline"),
-    "allocator.py:OutOfBlocksError": ("engine.py:OutOfPagesError", "raised by the host after the device flags a shortage; nothing can raise inside `jit`"),
+    "allocator.py:OutOfBlocksError": ("engine.py:OutOfPagesError", "raised by the host after the device flags a shortage: a Python `raise` cannot test a traced value; Levanter (9263f81) stops the program instead, `eqx.error_if(..., \"Out of free pages during allocation\")`"),
     "allocator.py:OutOfBlocksError.needed": ("decode_state.py:DecodeState.pages_needed, page_table.py:PageBatchInfo.pages_needed", "a value on the device; the message carries it"),
     "allocator.py:OutOfBlocksError.free": ("decode_state.py:DecodeState.pages_free, page_table.py:PageBatchInfo.pages_free", "a value on the device; the message carries it"),
     "allocator.py:Block": ("", "no object per page: a page is an index, its books one entry of `page_ref_counts`"),
@@ -84,9 +84,9 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine(model_dir=)": ("engine.py:Engine(model_dir=)", "the same"),
     "engine.py:Engine(device=)": ("engine.py:Engine(device=)", "a JAX device: `cpu`, `cuda`, `tpu`"),
     "engine.py:Engine(block_size=)": ("engine.py:Engine(page_size=)", "Levanter's name"),
-    "engine.py:Engine(num_blocks=)": ("engine.py:Engine(num_pages=)", "Levanter's name; never grown"),
+    "engine.py:Engine(num_blocks=)": ("engine.py:Engine(num_pages=)", "Levanter's `PageTable.num_pages` (its config's `max_pages`); never grown"),
     "engine.py:Engine(max_num_seqs=)": ("engine.py:Engine(max_num_seqs=)", "the slots of the tables (Levanter's `max_seqs`)"),
-    "engine.py:Engine(max_num_batched_tokens=)": ("engine.py:Engine(max_prefill_tokens=)", "caps a prefill call; a decode round runs one token per sequence"),
+    "engine.py:Engine(max_num_batched_tokens=)": ("engine.py:Engine(max_prefill_tokens=)", "caps a prefill call (Levanter's `max_prefill_size`); a decode round runs one token per sequence"),
     "engine.py:Engine(prefill_chunk_size=)": ("", "no chunked prefill: a prompt is prefilled whole"),
     "engine.py:Engine(max_model_len=)": ("engine.py:Engine(max_model_len=)", "the same; it also fixes the tables' width"),
     "engine.py:Engine(enable_prefix_caching=)": ("", "no prefix cache in L6"),
