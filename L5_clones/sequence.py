@@ -19,7 +19,11 @@ the scheduler clones it into n sequences, itself (``sample_index`` 0) and n - 1 
 same ``request_id``), which share its full blocks. Each sequence samples with its own
 ``SamplingParams`` and ``generator``.
 
-Left out on purpose: beam search (clones that also drop sequences), stop strings, and logprobs.
+A beam-search request (``group``, see ``beam.py``) also runs its prompt once, as one sequence that
+takes num_beams seats; its beams are then sequences of the same request too, cloned and dropped as
+the search goes (``sample_index`` is a beam's slot in its group).
+
+Left out on purpose: stop strings, and logprobs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from kvcourse.sampling import SamplingParams, make_generator
 
 from .allocator import BlockAllocator, blocks_needed
+from .beam import BeamGroup
 from .prefix_cache import register_full_blocks
 
 
@@ -46,6 +51,7 @@ class FinishReason(Enum):
     EOS = "eos"  # generated an end-of-sequence token (kept in the output)
     MAX_TOKENS = "max_tokens"  # generated max_new_tokens tokens
     ABORTED = "aborted"  # cancelled by the caller
+    BEAM_SEARCH_DONE = "beam_search_done"  # a beam still live when its group's search ended
 
 
 @dataclass(eq=False)  # compared by identity: a sequence is itself, whatever its fields hold
@@ -58,15 +64,16 @@ class Sequence:
     max_new_tokens: int
     ignore_eos: bool = False
     priority: int = 0  # higher runs first
-    n: int = 1  # samples wanted; a sequence with n > 1 is cloned when its prefill ends
+    n: int = 1  # samples (or beams) wanted; seats it takes until its prefill ends
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its clones
+    sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its clones (a beam: its slot)
     generator: torch.Generator | None = None  # this sequence's random stream; default: seeded by sampling
     block_table: list[int] = field(default_factory=list)  # block ids, in position order; some shared
     num_computed_tokens: int = 0  # positions 0 .. num_computed_tokens - 1 have their K/V in the pool
     output_ids: list[int] = field(default_factory=list)  # generated tokens; the newest is not cached yet
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    group: BeamGroup | None = None  # the beam search this sequence is a beam of (None: not one)
 
     def __post_init__(self):
         if self.generator is None:
