@@ -120,6 +120,7 @@ class Row:
     vs_prev: Comparison | None
     text: str  # decoded output of the stage under test
     hf_text: str  # decoded HF output, shown when they differ
+    unit: str = "position"  # what a Comparison's first_diff counts: a token position, or a beam search "step"
 
     @property
     def ok(self) -> bool:
@@ -141,7 +142,7 @@ def format_rows(rows: list[Row], prev_name: str | None) -> str:
         for c, who in ((r.vs_hf, "HF"), (r.vs_prev, prev_name)):
             if c is not None and c.tie_gap is not None:
                 lines.append(
-                    f"{'':14}numerical tie vs {who} at position {c.first_diff}: "
+                    f"{'':14}numerical tie vs {who} at {r.unit} {c.first_diff}: "
                     f"HF top-2 gap {c.tie_gap:.1e} < {TIE_GAP:g}; compared no further"
                 )
         if r.vs_hf.first_diff is not None:
