@@ -36,7 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcourse.sampling import BeamParams
+from kvcourse.limits import check_requests
+from kvcourse.sampling import BeamParams, SamplingParams
+
+from .allocator import blocks_needed
 
 
 @dataclass(eq=False)
@@ -94,3 +97,88 @@ class BeamGroup:
     def sequences(self) -> list[list[int]]:
         """The new tokens of the ``num_return_sequences`` best hypotheses, best first."""
         return [tokens for _, tokens in self.finished[: self.params.num_return_sequences]]
+
+
+def beam_blocks(
+    prompt_len: int, max_new_tokens: int, num_beams: int, block_size: int, recompute_shares: bool
+) -> int:
+    """The most blocks a beam search can hold at once: the prompt's full blocks, shared, plus, per
+    beam, every block after them (beams that part right after the prompt share nothing more). Where
+    preempted beams, recomputed, may not find each other's blocks again (``recompute_shares`` False),
+    num_beams whole copies.
+
+    Example, block_size 16, a 40-token prompt, 30 new tokens, 4 beams: 2 + 4 * (5 - 2) = 14 blocks.
+    """
+    total = blocks_needed(prompt_len + max_new_tokens, block_size)
+    if not recompute_shares:
+        return num_beams * total
+    shared = prompt_len // block_size
+    return shared + num_beams * (total - shared)
+
+
+def add_beam_request(
+    engine, prompt: list[int], max_new_tokens: int, beam: BeamParams, label: str = "request"
+):
+    """Submit one beam search to ``engine``: a request whose prompt runs once, taking num_beams seats,
+    and leads its ``group`` (num_beams 1: a plain greedy request, as HF decodes it). Returns it; when
+    it finishes, ``seq.group.sequences()`` holds the result."""
+    if beam.num_beams > 1:
+        check_beam_request(beam, label, len(prompt), max_new_tokens, engine.scheduler)
+    seq = engine.add_request(prompt, max_new_tokens, n=beam.num_beams)  # the seats, until it forks
+    if beam.num_beams > 1:
+        seq.group = BeamGroup(beam, max_new_tokens, engine.model.cfg.eos_token_ids, beams=[seq])
+    return seq
+
+
+def check_beam_request(beam: BeamParams, label: str, prompt_len: int, max_new_tokens: int, scheduler) -> None:
+    """Refuse a beam search (num_beams > 1) that could never run, in one line naming the value: more
+    beams than ``max_num_seqs``, or beams that could outgrow the pool (``beam_blocks``)."""
+    k = beam.num_beams
+    if k > scheduler.max_num_seqs:
+        raise ValueError(f"{label}: num_beams={k} exceeds max_num_seqs={scheduler.max_num_seqs}")
+    allocator = scheduler.allocator
+    need = beam_blocks(prompt_len, max_new_tokens, k, allocator.block_size, scheduler.recompute_shares)
+    if need > allocator.num_blocks:
+        raise ValueError(
+            f"{label}: beam search of width {k} may hold up to {need} blocks (the prompt's full blocks "
+            f"shared, the rest once per beam), but the pool has only {allocator.num_blocks} blocks"
+        )
+
+
+def generate_beams(
+    engine,
+    prompts: list[list[int]],
+    max_new_tokens: int | list[int],
+    *,
+    sampling: SamplingParams | None = None,
+    **beam,
+) -> list[list[list[int]]]:
+    """``Engine.generate_beams``: beam search on every prompt, as HF ``generate(num_beams=...,
+    do_sample=False)``; result[i][j] is the new tokens of hypothesis j of prompt i, best first.
+    ``beam``: ``BeamParams``' fields. Every prompt is one request, all submitted at once. A
+    ``sampling`` that samples is refused (HF's beam sampling is left out)."""
+    params = BeamParams(**beam)
+    if sampling is not None and not sampling.greedy:
+        raise ValueError(
+            f"beam search keeps the best beams, it samples nothing: num_beams={params.num_beams} cannot "
+            f"be combined with temperature={sampling.temperature}"
+        )
+    max_new_tokens = check_requests(
+        prompts, max_new_tokens, engine.model.cfg.vocab_size, engine.max_model_len
+    )
+    for i, (p, b) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+        if params.num_beams > 1:
+            check_beam_request(params, f"prompt {i}", len(p), b, engine.scheduler)
+        engine.check_fits(p, b, f"prompt {i}", n=params.num_beams)
+    if engine.grows_pool and not engine.has_unfinished():  # each beam grows on its own
+        engine.fit_pool(
+            [
+                len(p) + b
+                for p, b in zip(prompts, max_new_tokens, strict=True)
+                for _ in range(params.num_beams)
+            ]
+        )
+    requests = [add_beam_request(engine, p, b, params) for p, b in zip(prompts, max_new_tokens, strict=True)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.group.sequences() if r.group else [r.output_ids] for r in requests]

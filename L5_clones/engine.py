@@ -28,15 +28,12 @@ split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path
 ``enable_prefix_caching=False`` turns the prefix cache off. ``stats()`` shows the sharing: blocks
 held and shared at peak, prefix-cache hits, and live bytes that count a shared block once.
 
-``generate_beams`` runs beam search (``beam.py``), as Hugging Face ``generate(num_beams=k)`` does:
-one request per prompt, prefilled once; its k beams share the blocks of their common history, and
-after every step the survivors' block tables are re-pointed (clones share, dropped beams free).
-
 ``generate_samples`` asks for ``n`` samples of each prompt (``SamplingParams``): one request per
 prompt, prefilled once and cloned (``share=True``), or n independent requests seeded as the clones
 are (``share=False``). ``stats().clones`` counts the requests cloned.
 
-Left out on purpose: streaming outputs to callers, stop strings, beam sampling, and returning logprobs.
+``generate_beams`` (``beam.py``) runs beam search as HF does; left out on purpose: streaming outputs
+to callers, stop strings, beam sampling, and returning logprobs.
 """
 
 from __future__ import annotations
@@ -51,12 +48,12 @@ from kvcourse.devices import resolve_device
 from kvcourse.limits import check_blocks, check_requests, resolve_max_model_len
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.sampling import BeamParams, SamplingParams
+from kvcourse.sampling import SamplingParams
 from kvcourse.stats import EngineStats, UsageMeter
 
 from .allocator import BlockAllocator, blocks_needed
 from .attention import ForwardMeta, attention
-from .beam import BeamGroup
+from .beam import generate_beams
 from .cache import KvPool
 from .fast import FastPath
 from .scheduler import Batch, Scheduler
@@ -64,6 +61,8 @@ from .sequence import Sequence, slots
 
 
 class Engine:
+    generate_beams = generate_beams  # beam search on every prompt, as HF's generate(num_beams=k)
+
     def __init__(
         self,
         model_dir=None,
@@ -136,45 +135,24 @@ class Engine:
             max_num_seqs=self.scheduler.max_num_seqs,
         )
 
-    def fit_pool(self, blocks: list[int], seats: int = 1) -> None:
-        """Grow the pool, if it is smaller, to hold requests needing these numbers of blocks side by
-        side: as many as ``max_num_seqs // seats`` run at once, so the largest of them.
+    def fit_pool(self, lengths: list[int]) -> None:
+        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + max_new_tokens)
+        side by side: as many as ``max_num_seqs`` run at once, so the largest ``max_num_seqs`` of them.
 
         Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
         and 32 of them run at once: a pool of 128 blocks grows to 224.
         """
-        needed = sorted(blocks, reverse=True)
-        missing = sum(needed[: max(1, self.scheduler.max_num_seqs // seats)]) - self.allocator.num_blocks
+        block_size = self.allocator.block_size
+        needed = sorted((blocks_needed(n, block_size) for n in lengths), reverse=True)
+        missing = sum(needed[: self.scheduler.max_num_seqs]) - self.allocator.num_blocks
         if missing > 0:
             self.allocator.grow(missing)
             self.pool.grow(missing)
 
-    def beam_blocks(self, prompt_len: int, max_new_tokens: int, num_beams: int) -> int:
-        """The most blocks a beam search can hold at once: the prompt's full blocks, shared, plus, per
-        beam, every block after them (beams that part right after the prompt share nothing more).
-        Without the prefix cache, or with chunked prefill, a group preempted and recomputed may share
-        nothing: then num_beams whole copies.
-
-        Example, block_size 16, a 40-token prompt, 30 new tokens, 4 beams: 2 + 4 * (5 - 2) = 14 blocks.
-        """
-        block_size = self.allocator.block_size
-        total = blocks_needed(prompt_len + max_new_tokens, block_size)
-        if not self.scheduler.enable_prefix_caching or self.scheduler.prefill_chunk_size is not None:
-            return num_beams * total
-        shared = prompt_len // block_size
-        return shared + num_beams * (total - shared)
-
-    def check_fits(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        label: str = "request",
-        n: int = 1,
-        beam: BeamParams | None = None,
-    ) -> int:
-        """Refuse a request for n samples (or a beam search) that could never run (bad ids, longer than
-        max_model_len, more than the whole pool, more samples or beams than max_num_seqs, clones whose
-        copies cannot fit beside the prompt, beams that could outgrow the pool). Returns its max_new_tokens."""
+    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
+        """Refuse a request for n samples that could never run (bad ids, longer than max_model_len, more
+        than the whole pool, more samples than max_num_seqs, or clones whose copies cannot fit beside
+        the prompt). Returns its max_new_tokens."""
         [max_new_tokens] = check_requests(
             [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
         )
@@ -190,18 +168,6 @@ class Engine:
                 f"{label}: cloning {n} samples needs {clone_blocks} blocks (the prompt's, plus a copy of "
                 f"its last partial block per extra sample), but the pool has only {self.allocator.num_blocks} blocks"
             )
-        if beam is not None and beam.num_beams > 1:
-            k = beam.num_beams
-            if n > 1:
-                raise ValueError(f"{label}: beam search (num_beams={k}) cannot also clone n={n} samples")
-            if k > self.scheduler.max_num_seqs:
-                raise ValueError(f"{label}: num_beams={k} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
-            need = self.beam_blocks(len(prompt), max_new_tokens, k)
-            if need > self.allocator.num_blocks:
-                raise ValueError(
-                    f"{label}: beam search of width {k} may hold up to {need} blocks (the prompt's full "
-                    f"blocks shared, the rest once per beam), but the pool has only {self.allocator.num_blocks} blocks"
-                )
         return max_new_tokens
 
     def add_request(
@@ -213,31 +179,13 @@ class Engine:
         ignore_eos: bool = False,
         n: int = 1,
         sampling: SamplingParams | None = None,
-        beam: BeamParams | None = None,
     ) -> Sequence:
-        """Submit one request for ``n`` samples (greedy by default), or a beam search; it joins the batch
-        at a coming step. Its ``output_ids`` grow as it runs; with n > 1 it is sample 0, and its clones
-        (same request_id) appear in the scheduler's queues when its prefill ends. With
-        ``beam.num_beams`` > 1 it is the prompt of a beam group (``seq.group``), whose ``sequences()``
-        hold the result when it finishes; num_beams 1 is greedy decoding, as in HF."""
-        self.check_fits(prompt_ids, max_new_tokens, n=n, beam=beam)
+        """Submit one request for ``n`` samples (greedy by default); it joins the batch at a coming step.
+        Its ``output_ids`` grow as it runs; with n > 1 it is sample 0, and its clones (same request_id)
+        appear in the scheduler's queues when its prefill ends."""
+        self.check_fits(prompt_ids, max_new_tokens, n=n)
         sampling = sampling or SamplingParams()  # greedy
-        beams = beam is not None and beam.num_beams > 1
-        if beams and not sampling.greedy:
-            raise ValueError(
-                f"beam search keeps the best beams, it samples nothing: num_beams={beam.num_beams} "
-                f"cannot be combined with temperature={sampling.temperature}"
-            )
-        if beams and ignore_eos:
-            raise ValueError(
-                f"beam search stops on eos as HF's does: num_beams={beam.num_beams} with ignore_eos"
-            )
-        width = beam.num_beams if beams else n  # seats it takes until its prefill ends
-        seq = Sequence(
-            next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority, width, sampling
-        )
-        if beams:
-            seq.group = BeamGroup(beam, max_new_tokens, self.model.cfg.eos_token_ids, beams=[seq])
+        seq = Sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority, n, sampling)
         self.scheduler.add(seq)
         return seq
 
@@ -338,13 +286,8 @@ class Engine:
         for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
             self.check_fits(prompt, max_new, f"prompt {i}", n=n if share else 1)
         if self.grows_pool and not self.has_unfinished():  # each of the n samples grows on its own
-            block_size = self.allocator.block_size
             self.fit_pool(
-                [
-                    blocks_needed(len(p) + b, block_size)
-                    for p, b in zip(prompts, max_new_tokens, strict=True)
-                    for _ in range(n)
-                ]
+                [len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True) for _ in range(n)]
             )
         params = [sampling] if share else [replace(sampling, seed=sampling.seed_of(j)) for j in range(n)]
         requests = [  # per prompt: one request cloned into n, or n requests seeded apart
@@ -355,35 +298,3 @@ class Engine:
             self.step()
         done = sorted(self.scheduler.finished, key=Sequence.sort_key)  # each request's samples in order
         return [[d.output_ids for r in rs for d in done if d.request_id == r.request_id] for rs in requests]
-
-    def generate_beams(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int | list[int],
-        *,
-        num_beams: int = 1,
-        num_return_sequences: int = 1,
-        length_penalty: float = 1.0,
-        early_stopping: bool | str = False,
-    ) -> list[list[list[int]]]:
-        """Beam search on every prompt, as HF ``generate(num_beams=..., do_sample=False)``: result[i][j]
-        is the new tokens of the j-th best hypothesis of prompt i (``num_return_sequences`` of them).
-        Every prompt is one request, submitted at once; num_beams 1 is greedy decoding."""
-        beam = BeamParams(num_beams, num_return_sequences, length_penalty, early_stopping)
-        max_new_tokens = check_requests(
-            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
-        )
-        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            self.check_fits(prompt, max_new, f"prompt {i}", beam=beam)
-        if self.grows_pool and not self.has_unfinished():  # the groups' worst cases, side by side
-            self.fit_pool(
-                [
-                    self.beam_blocks(len(p), b, num_beams)
-                    for p, b in zip(prompts, max_new_tokens, strict=True)
-                ],
-                seats=num_beams,
-            )
-        requests = [self.add_request(p, b, beam=beam) for p, b in zip(prompts, max_new_tokens, strict=True)]
-        while self.has_unfinished():
-            self.step()
-        return [r.group.sequences() if r.group else [r.output_ids] for r in requests]

@@ -43,6 +43,7 @@ from kvcourse.harness.reference import hf_beams
 from kvcourse.harness.smoke import SmokeContext, StageRun, blocks_for, compare_run, prepare, run_smoke
 from kvcourse.sampling import BeamParams, SamplingParams
 from L4_paged_kernel.engine import Engine as L4Engine
+from L5_clones.beam import add_beam_request
 from L5_clones.engine import Engine
 
 SAMPLES = 4
@@ -180,7 +181,7 @@ def beam_search(ctx: SmokeContext) -> tuple[int, int, int]:
         params = BeamParams(k, num_return_sequences=2)
         refs = hf_beams(ctx.model_dir, prompts, budget, params, ctx.device)
         eng = engine(ctx)
-        seqs = [eng.add_request(p, b, beam=params) for p, b in zip(prompts, budget, strict=True)]
+        seqs = [add_beam_request(eng, p, b, params) for p, b in zip(prompts, budget, strict=True)]
         while eng.has_unfinished():
             eng.step()
         print(f"  width {k}: {eng.stats()}")

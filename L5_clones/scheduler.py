@@ -36,8 +36,8 @@ every beam of the group has one, then lets the group choose and re-points the bl
 (``_fork``): a beam nobody continues is dropped and frees its blocks at once; a beam continued by m
 survivors is cloned m - 1 times (full blocks shared, the partial last block copied). ``schedule()``
 reserves a group's blocks all at once, preempting others from the back first, and preempts a group
-as one unit: all its beams go back to waiting and recompute their histories, sharing again, through
-the prefix cache, the full blocks they have in common.
+as one unit: all its beams go back to waiting and recompute their histories, sharing again the
+full blocks they have in common (``recompute_shares``).
 
 Left out on purpose: swapping KV to CPU memory instead of recomputing it, keeping a reserve of free
 blocks so that running sequences rarely need preempting, and preempting running sequences to admit
@@ -103,6 +103,13 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def recompute_shares(self) -> bool:
+        """Whether sequences recomputed side by side after a preemption find each other's full blocks
+        again: with the prefix cache on, and each prompt run whole (a chunk registers only the blocks
+        it fills, so a sequence admitted beside it may compute the rest a second time)."""
+        return self.enable_prefix_caching and self.prefill_chunk_size is None
 
     def num_running_seqs(self) -> int:
         """Sequences running, counting a sequence with n samples as n until it is cloned."""
@@ -187,7 +194,7 @@ class Scheduler:
             raise ValueError(f"no unfinished request with id {request_id}")
         for seq in seqs:
             self._finish(seq, FinishReason.ABORTED)
-            if seq.group is not None:
+            if seq.group is not None:  # a beam: its search ends too
                 seq.group.done = True
         return seqs
 
@@ -291,9 +298,8 @@ class Scheduler:
         for j, beam in enumerate(old):
             if not counts[j]:
                 self._drop(beam)
-        bs = self.allocator.block_size
         extra = {j: c - 1 for j, c in counts.items() if c > 1}  # clones each kept beam needs
-        need = sum(c for j, c in extra.items() if old[j].num_computed_tokens % bs)  # partial blocks copied
+        need = sum(self.allocator.clone_needs(old[j].num_computed_tokens, c) for j, c in extra.items())
         while self.allocator.num_free < need and old[survivors[0][0]].status is Status.RUNNING:
             self._preempt(self.running[-1])  # lowest priority, newest; perhaps this very group
         clones = {}

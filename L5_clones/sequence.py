@@ -64,16 +64,15 @@ class Sequence:
     max_new_tokens: int
     ignore_eos: bool = False
     priority: int = 0  # higher runs first
-    n: int = 1  # samples (or beams) wanted; seats it takes until its prefill ends
+    n: int = 1  # samples wanted; a sequence with n > 1 is cloned when its prefill ends
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its clones (a beam: its slot)
+    sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its clones
     generator: torch.Generator | None = None  # this sequence's random stream; default: seeded by sampling
     block_table: list[int] = field(default_factory=list)  # block ids, in position order; some shared
     num_computed_tokens: int = 0  # positions 0 .. num_computed_tokens - 1 have their K/V in the pool
     output_ids: list[int] = field(default_factory=list)  # generated tokens; the newest is not cached yet
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    group: BeamGroup | None = None  # the beam search this sequence is a beam of (None: not one)
 
     def __post_init__(self):
         if self.generator is None:
@@ -96,6 +95,10 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: higher priority first, then first come, first served, then sample order."""
         return (-self.priority, self.request_id, self.sample_index)
+
+    # A beam of a beam search: its group (``beam.py``); the prompt of a search of n beams takes n seats
+    # until it forks, and a beam's sample_index is its slot in the group. None: not a beam.
+    group: BeamGroup | None = None
 
 
 def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:

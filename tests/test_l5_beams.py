@@ -20,7 +20,7 @@ from kvcourse.harness.compare import TIE_GAP, beam_history, compare_beams
 from kvcourse.harness.reference import BeamReference, hf_beams, hf_greedy
 from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
-from L5_clones.beam import BeamGroup
+from L5_clones.beam import BeamGroup, add_beam_request, beam_blocks
 from L5_clones.engine import Engine
 from L5_clones.sequence import Sequence, reserve
 
@@ -46,7 +46,7 @@ def run_checked(engine: Engine, prompts, budgets, ideal: bool = True, **beam) ->
     with ``ideal``, the pool holds exactly the blocks the beams' histories need (shared, not copied,
     and nothing a dropped beam held); at the end every block is free."""
     params = BeamParams(**beam)
-    seqs = [engine.add_request(p, b, beam=params) for p, b in zip(prompts, budgets, strict=True)]
+    seqs = [add_beam_request(engine, p, b, params) for p, b in zip(prompts, budgets, strict=True)]
     while engine.has_unfinished():
         engine.step()
         engine.scheduler.check_invariants()
@@ -146,7 +146,8 @@ def test_a_tight_pool_preempts_whole_groups_and_changes_no_token(eos_dir, chunk)
     if chunk:
         options["max_num_batched_tokens"] = 40
     probe = Engine(eos_dir, **options)
-    smallest = max(probe.beam_blocks(len(p), b, 4) for p, b in zip(prompts, budgets, strict=True))
+    shares = probe.scheduler.recompute_shares
+    smallest = max(beam_blocks(len(p), b, 4, 4, shares) for p, b in zip(prompts, budgets, strict=True))
     engine = Engine(eos_dir, num_blocks=smallest, **options)
     got = run_checked(engine, prompts, budgets, ideal=False, num_beams=4, num_return_sequences=2)
     assert got == [r.sequences for r in hf_beams(eos_dir, prompts, budgets, BeamParams(4, 2))]
@@ -161,7 +162,7 @@ def test_beams_beside_greedy_and_sampled_requests(tiny_qwen3_dir):
     jobs = []
     for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS, strict=True)):
         if i % 3 == 0:
-            jobs.append(("beam", engine.add_request(p, b, beam=params), p, b))
+            jobs.append(("beam", add_beam_request(engine, p, b, params), p, b))
         elif i % 3 == 1:
             jobs.append(("greedy", engine.add_request(p, b), p, b))
         else:
@@ -181,7 +182,7 @@ def test_beams_beside_greedy_and_sampled_requests(tiny_qwen3_dir):
 
 def test_abort_a_beam_group_frees_every_beam(tiny_qwen3_dir):
     engine = Engine(tiny_qwen3_dir, block_size=4, kernel="torch")
-    seq = engine.add_request(PROMPTS[6], 10, beam=BeamParams(4))
+    seq = add_beam_request(engine, PROMPTS[6], 10, BeamParams(4))
     for _ in range(3):
         engine.step()
     assert len(engine.scheduler.running) == 4
@@ -325,14 +326,10 @@ def test_bad_beam_requests_are_named(tiny_llama_dir, kwargs, call, message):
     assert not engine.has_unfinished()
 
 
-def test_beams_with_sampling_clones_or_ignore_eos_are_refused(tiny_llama_dir):
+def test_beams_with_sampling_are_refused(tiny_llama_dir):
     engine = Engine(tiny_llama_dir)
     with pytest.raises(ValueError, match="num_beams=4 cannot be combined with temperature=0.8"):
-        engine.add_request([1, 2], 3, beam=BeamParams(4), sampling=SamplingParams(temperature=0.8))
-    with pytest.raises(ValueError, match=r"beam search \(num_beams=4\) cannot also clone n=2 samples"):
-        engine.add_request([1, 2], 3, beam=BeamParams(4), n=2)
-    with pytest.raises(ValueError, match="num_beams=4 with ignore_eos"):
-        engine.add_request([1, 2], 3, beam=BeamParams(4), ignore_eos=True)
+        engine.generate_beams([[1, 2]], 3, num_beams=4, sampling=SamplingParams(temperature=0.8))
     assert not engine.has_unfinished()
 
 
@@ -367,3 +364,25 @@ def test_cli_bad_num_beams_is_one_error_line(tiny_llama_dir, capsys, extra, mess
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- the memory figure's command
+
+
+def test_quick_beam_memory_saves_blocks_and_copying_changes_no_token(tmp_path, capsys):
+    """``python -m bench.beam_memory --quick``: every workload and width has a row; beam search saves
+    blocks on the course prompts; the copying baseline returned the same tokens (the script asserts
+    it) and held more blocks at its peak."""
+    from bench import beam_memory
+
+    out = tmp_path / "beam-memory.json"
+    assert beam_memory.main(["--quick", "--out", str(out), "--plot", str(tmp_path / "b.png")]) == 0
+    results = json.loads(out.read_text())
+    assert len(results["rows"]) == 3 * 2 * len(beam_memory.WIDTHS)
+    course = [r for r in results["rows"] if r["workload"] == "course" and r["mode"] == "beam search"]
+    assert all(r["saved"] > 0 and r["peak_held"] < r["peak_unshared"] for r in course)
+    t = results["throughput"]
+    assert t["copied"]["peak_held"] > t["shared"]["peak_held"] or t["copied"]["preemptions"] > 0
+    assert (
+        tmp_path / "b.png"
+    ).stat().st_size > 0 and "| paper, Alpaca / ShareGPT |" in capsys.readouterr().out

@@ -60,6 +60,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "allocator.py:BlockAllocator.lookup": ("", "no prefix cache in L6"),
     "allocator.py:BlockAllocator.register": ("", "no prefix cache in L6"),
     "allocator.py:BlockAllocator.clone": ("page_table.py:clone_pages_from, kv_cache.py:copy_page", "one child at a time, inside the prefill call"),
+    "allocator.py:BlockAllocator.clone_needs": ("", "no beam search in L6: only a beam group's fork asks ahead what its clones take"),
     "allocator.py:BlockAllocator.check_invariants": ("decode_state.py:check_invariants", "on a NumPy copy of the whole state"),
     # ---- attention.py
     "attention.py:ForwardMeta": ("page_table.py:PageBatchInfo", "built by `allocate_for_seq` on the device, not by the host"),
@@ -83,6 +84,10 @@ NAMES: dict[str, tuple[str, str]] = {
     "beam.py:BeamGroup.done": ("", "no beam search: L6 serves greedy requests and their clones only"),
     "beam.py:BeamGroup.choose": ("", "no beam search: L6 serves greedy requests and their clones only"),
     "beam.py:BeamGroup.sequences": ("", "no beam search: L6 serves greedy requests and their clones only"),
+    "beam.py:beam_blocks": ("", "no beam search: L6 serves greedy requests and their clones only"),
+    "beam.py:add_beam_request": ("", "no beam search: L6 serves greedy requests and their clones only"),
+    "beam.py:check_beam_request": ("", "no beam search: L6 serves greedy requests and their clones only"),
+    "beam.py:generate_beams": ("", "no beam search: L6 serves greedy requests and their clones only"),
     # ---- cache.py
     "cache.py:KvPool": ("kv_cache.py:init_kv_pages", "no class: a tuple of L arrays `[P, page_size, 2 * H_kv, D]`"),
     "cache.py:KvPool.block_size": ("page_table.py:SequenceTable.page_size", "static, in the tables"),
@@ -129,7 +134,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine.forward": ("kvcourse/jax_model.py:forward, attention.py:paged_attend", "inside the jit'd step"),
     "engine.py:Engine.generate": ("engine.py:Engine.generate", "the same"),
     "engine.py:Engine.generate_samples": ("engine.py:Engine.generate_samples", "greedy only, so the clones agree"),
-    "engine.py:Engine.beam_blocks": ("", "no beam search: L6 serves greedy requests and their clones only"),
     "engine.py:Engine.generate_beams": ("", "no beam search: L6 serves greedy requests and their clones only"),
     # ---- paged_attention.py
     "paged_attention.py:online_softmax_update": ("attention.py:online_softmax_update", "the same update, in JAX"),
@@ -156,6 +160,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "scheduler.py:Scheduler.num_cached_blocks": ("", "no prefix cache in L6"),
     "scheduler.py:Scheduler.add": ("", "`generate` takes every prompt at once"),
     "scheduler.py:Scheduler.has_unfinished": ("", "the loop in `generate_samples` runs until nothing waits or runs"),
+    "scheduler.py:Scheduler.recompute_shares": ("", "no prefix cache and no preemption in L6"),
     "scheduler.py:Scheduler.num_running_seqs": ("decode_state.py:occupancy", "its `active_slots`"),
     "scheduler.py:Scheduler.schedule": ("decode_state.py:pack_next, engine.py:Engine.decode_width", "the device packs each round's batch; the host picks its width"),
     "scheduler.py:Scheduler.update": ("decode_state.py:update_tokens", "append, the stopping rule, queue the next token; on the device"),
