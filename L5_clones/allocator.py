@@ -13,8 +13,9 @@ once (a prefix two requests have in common), so:
 - ``lookup`` / ``register``: the prefix-cache index, key -> block (``prefix_cache.py`` makes the keys);
 - ``grow``: more blocks, when the engine grows the pool (L3's, with a ``Block`` for each new id).
 
-``clone``: block tables for n sampled sequences that continue one sequence, its full blocks shared and
-a fresh block each in place of its partial last block (whose K/V the caller copies).
+``clone``: block tables for n sampled sequences (or beams) that continue one sequence, its full blocks
+shared and a fresh block each in place of its partial last block (whose K/V the caller copies);
+``clone_needs`` says how many free blocks that takes.
 
 ``blocks_needed`` and ``OutOfBlocksError`` are L4's, unchanged.
 
@@ -200,6 +201,12 @@ class BlockAllocator:
             copies += zip(partial, fresh, strict=True)
             tables.append(block_table[:full] + fresh)
         return tables, copies
+
+    def clone_needs(self, num_tokens: int, n: int) -> int:
+        """Free blocks ``clone`` takes for n children of a sequence holding ``num_tokens`` positions: a
+        copy of the partial last block each, none on a block boundary. Example, block_size 4:
+        ``clone_needs(10, 2) -> 2``, ``clone_needs(8, 2) -> 0``."""
+        return n * (num_tokens % self.block_size > 0)
 
     def check_invariants(self, owners: Iterable[Iterable[int]] | None = None) -> None:
         """Raise AssertionError unless the books balance.

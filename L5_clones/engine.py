@@ -32,8 +32,8 @@ held and shared at peak, prefix-cache hits, and live bytes that count a shared b
 prompt, prefilled once and cloned (``share=True``), or n independent requests seeded as the clones
 are (``share=False``). ``stats().clones`` counts the requests cloned.
 
-Left out on purpose: streaming outputs to callers, stop strings, beam search (clones that also drop
-sequences), and returning logprobs.
+``generate_beams`` (``beam.py``) runs beam search as HF does; left out on purpose: streaming outputs
+to callers, stop strings, beam sampling, and returning logprobs.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from kvcourse.stats import EngineStats, UsageMeter
 
 from .allocator import BlockAllocator, blocks_needed
 from .attention import ForwardMeta, attention
+from .beam import generate_beams
 from .cache import KvPool
 from .fast import FastPath
 from .scheduler import Batch, Scheduler
@@ -60,6 +61,8 @@ from .sequence import Sequence, slots
 
 
 class Engine:
+    generate_beams = generate_beams  # beam search on every prompt, as HF's generate(num_beams=k)
+
     def __init__(
         self,
         model_dir=None,

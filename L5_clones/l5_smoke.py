@@ -27,16 +27,23 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
     itself, cloned against unshared;
 (f) the prefix-cache prompt file (``kvcourse/harness/prompts_prefix.jsonl``, its own budgets): the same
     16-token blocks after different prefixes, one request at a time and then all at once, against HF.
-    A cache key that forgot the blocks before its block would hit there and change the tokens.
+    A cache key that forgot the blocks before its block would hit there and change the tokens;
+(g) beam search of widths BEAM_WIDTHS on the BEAM_PROMPTS shortest prompts, BEAM_TOKENS tokens, all
+    prompts of a width at once, against HF ``generate(num_beams=k, num_return_sequences=2)``: both
+    hypotheses, token for token. A row is a width and a prompt; where the beams part from HF's on a
+    numerical tie (HF's candidate scores closer than the tie rule's 1e-3 at that step) the row says
+    ``tie@step`` and compares no further, and the summary line counts it with the other ties.
 """
 
 from __future__ import annotations
 
-from kvcourse.harness.compare import Row, compare, first_difference, format_rows
+from kvcourse.harness.compare import Row, compare, compare_beams, first_difference, format_rows
 from kvcourse.harness.prompts import PREFIX_PROMPTS, read_prompts
+from kvcourse.harness.reference import hf_beams
 from kvcourse.harness.smoke import SmokeContext, StageRun, blocks_for, compare_run, prepare, run_smoke
-from kvcourse.sampling import SamplingParams
+from kvcourse.sampling import BeamParams, SamplingParams
 from L4_paged_kernel.engine import Engine as L4Engine
+from L5_clones.beam import add_beam_request
 from L5_clones.engine import Engine
 
 SAMPLES = 4
@@ -44,6 +51,9 @@ CLONE_TOKENS = 24
 SAMPLED_PROMPTS = 3
 PREFIX_TOKENS = 16  # the budget of a line of the prefix-cache file that sets none (the course's set them all)
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+BEAM_WIDTHS = (2, 4, 6)  # width 1 is greedy decoding, in HF as here: the rows above
+BEAM_PROMPTS = 2
+BEAM_TOKENS = 24
 
 
 def one_at_a_time(engine, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
@@ -157,10 +167,38 @@ def prefix_prompts(ctx: SmokeContext) -> tuple[int, int]:
     return passed, total
 
 
-def extra(ctx: SmokeContext) -> tuple[int, int]:
-    """(d), (e) and (f), counted in the summary line."""
+def beam_search(ctx: SmokeContext) -> tuple[int, int, int]:
+    """(g): beam search against HF, a row per width and prompt; (passed, total, ties)."""
+    chosen = ctx.shortest(BEAM_PROMPTS)
+    prompts = [ctx.ids[i] for i in chosen]
+    budget = [min(ctx.budgets[i], BEAM_TOKENS) for i in chosen]
+    rows = []
+    print(
+        f"-- L5 beam search, widths {', '.join(map(str, BEAM_WIDTHS))}, 2 hypotheses each, of the "
+        f"{len(prompts)} shortest prompts, up to {BEAM_TOKENS} tokens (vs HF generate(num_beams=k))"
+    )
+    for k in BEAM_WIDTHS:
+        params = BeamParams(k, num_return_sequences=2)
+        refs = hf_beams(ctx.model_dir, prompts, budget, params, ctx.device)
+        eng = engine(ctx)
+        seqs = [add_beam_request(eng, p, b, params) for p, b in zip(prompts, budget, strict=True)]
+        while eng.has_unfinished():
+            eng.step()
+        print(f"  width {k}: {eng.stats()}")
+        for i, seq, ref in zip(chosen, seqs, refs, strict=True):
+            got = seq.group.sequences()
+            check = compare_beams(got, seq.group.steps, ref)
+            text, hf_text = ctx.tokenizer.decode(got[0]), ctx.tokenizer.decode(ref.sequences[0])
+            rows.append(Row(f"k={k} {ctx.prompts[i].label}", check, None, text, hf_text, unit="step"))
+    print(format_rows(rows, None))
+    return sum(r.ok for r in rows), len(rows), sum(r.tie for r in rows)
+
+
+def extra(ctx: SmokeContext) -> tuple[int, int, int]:
+    """(d), (e), (f) and (g), counted in the summary line, with (g)'s numerical ties."""
     results = [greedy_clones(ctx), sampled_clones(ctx), prefix_prompts(ctx)]
-    return sum(p for p, _ in results), sum(t for _, t in results)
+    passed, total, ties = beam_search(ctx)
+    return passed + sum(p for p, _ in results), total + sum(t for _, t in results), ties
 
 
 if __name__ == "__main__":

@@ -30,14 +30,24 @@ token from the one row of logits its prefill produced, and then decode as separa
 that finds no free block preempts too, in ``update()``, after the step's forward has run: it also
 takes back computed blocks only.
 
+Beam search (``beam.py``): a request with num_beams = k prefills once, taking k seats, and its
+group then chooses k survivors after every step. ``update()`` keeps each beam's row of logits until
+every beam of the group has one, then lets the group choose and re-points the block tables
+(``_fork``): a beam nobody continues is dropped and frees its blocks at once; a beam continued by m
+survivors is cloned m - 1 times (full blocks shared, the partial last block copied). ``schedule()``
+reserves a group's blocks all at once, preempting others from the back first, and preempts a group
+as one unit: all its beams go back to waiting and recompute their histories, sharing again the
+full blocks they have in common (``recompute_shares``).
+
 Left out on purpose: swapping KV to CPU memory instead of recomputing it, keeping a reserve of free
-blocks so that running sequences rarely need preempting, preempting running sequences to admit a
-higher-priority arrival, and beam search (clones that also drop sequences).
+blocks so that running sequences rarely need preempting, and preempting running sequences to admit
+a higher-priority arrival.
 """
 
 from __future__ import annotations
 
 from bisect import insort
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -94,6 +104,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def recompute_shares(self) -> bool:
+        """Whether sequences recomputed side by side after a preemption find each other's full blocks
+        again: with the prefix cache on, and each prompt run whole (a chunk registers only the blocks
+        it fills, so a sequence admitted beside it may compute the rest a second time)."""
+        return self.enable_prefix_caching and self.prefill_chunk_size is None
+
     def num_running_seqs(self) -> int:
         """Sequences running, counting a sequence with n samples as n until it is cloned."""
         return sum(r.num_seqs for r in self.running)
@@ -106,6 +123,13 @@ class Scheduler:
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
+            if seq.group is not None:  # a beam: its whole group at once, or none of it
+                planned = self._schedule_group(seq.group, token_budget)
+                if planned is not None:
+                    batch += planned
+                    token_budget -= sum(n for _, n in planned)
+                    i += sum(b.status is Status.RUNNING for b in seq.group.beams)
+                continue
             n = self._num_new_tokens(seq, token_budget, seq.num_computed_tokens)
             if self._reserve_or_preempt(seq, seq.num_computed_tokens + n):
                 batch.append((seq, n))
@@ -150,6 +174,9 @@ class Scheduler:
         for first, row in ended:
             if first.status is not Status.RUNNING:
                 continue  # preempted by a clone earlier in this loop: it recomputes later
+            if first.group is not None:
+                done += self._beam_step(first, row)
+                continue
             for seq in self._clone(first) if first.num_seqs > 1 else [first]:
                 token = sample(row, seq.sampling, seq.generator)
                 seq.output_ids.append(token)
@@ -167,6 +194,8 @@ class Scheduler:
             raise ValueError(f"no unfinished request with id {request_id}")
         for seq in seqs:
             self._finish(seq, FinishReason.ABORTED)
+            if seq.group is not None:  # a beam: its search ends too
+                seq.group.done = True
         return seqs
 
     def check_invariants(self) -> None:
@@ -189,6 +218,18 @@ class Scheduler:
         assert self.num_running_seqs() <= self.max_num_seqs
         ids = [(r.request_id, r.sample_index) for r in self.waiting + self.running + self.finished]
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
+        for g in {id(r.group): r.group for r in self.waiting + self.running if r.group}.values():
+            k = g.params.num_beams
+            assert not g.done and len(g.beams) == (k if g.steps else 1), (
+                f"a live group has {len(g.beams)} beams"
+            )
+            assert all(b.status is not Status.FINISHED for b in g.beams), (
+                "a live group's beam left the queues"
+            )
+            assert [b.sample_index for b in g.beams] == list(range(len(g.beams))), "beams out of slot order"
+            assert sum(b.num_seqs for b in g.beams) == k, "a beam group does not take num_beams seats"
+            assert all(b.status is Status.RUNNING and b.num_computed_tokens == b.num_tokens for b in g.rows)
+        assert all(r in r.group.beams for r in self.waiting + self.running if r.group), "a lost beam"
         self.allocator.check_invariants(r.block_table for r in self.running)
 
     def _num_new_tokens(self, seq: Sequence, token_budget: int, computed: int) -> int:
@@ -198,6 +239,98 @@ class Scheduler:
         if self.prefill_chunk_size is None:
             return n if n <= token_budget else 0
         return min(n, self.prefill_chunk_size, token_budget)
+
+    def _schedule_group(self, group, token_budget: int) -> Batch | None:
+        """The running beams of a group that have tokens to run, each with its count, their blocks
+        reserved. The blocks are counted first and, if they are not free, others are preempted from
+        the back of ``running`` (never a beam already in the batch: the group is served whole). None
+        if the group itself had to go. A beam that has run its last token and waits for the others
+        (its row is kept in ``group.rows``) runs nothing."""
+        plan: Batch = []
+        for beam in group.beams:
+            n = self._num_new_tokens(beam, token_budget, beam.num_computed_tokens)
+            if beam.status is Status.RUNNING and n > 0:
+                plan.append((beam, n))
+                token_budget -= n
+        bs = self.allocator.block_size
+        need = sum(max(0, blocks_needed(b.num_computed_tokens + n, bs) - len(b.block_table)) for b, n in plan)
+        while self.allocator.num_free < need:
+            victim = self.running[-1]  # lowest priority, newest
+            self._preempt(victim)
+            if victim.group is group:
+                return None
+        for beam, n in plan:
+            reserve(beam, self.allocator, beam.num_computed_tokens + n)
+        return plan
+
+    def _beam_step(self, beam: Sequence, row: torch.Tensor) -> list[Sequence]:
+        """Keep ``beam``'s row of logits; once every beam of its group has one, the group chooses its
+        survivors and the block tables follow (``_fork``). Returns the beams finished, if the search ended."""
+        group = beam.group
+        group.rows[beam] = row
+        if len(group.rows) < len(group.beams):
+            return []  # the other beams have not run their last token yet
+        logits = torch.stack([group.rows.pop(b) for b in group.beams])  # (B, vocab), slot order
+        survivors = group.choose(logits, [b.output_ids for b in group.beams])
+        if group.done:
+            for b in group.beams:
+                self._finish(b, FinishReason.BEAM_SEARCH_DONE)
+            return list(group.beams)
+        self._fork(group, survivors)
+        return []
+
+    def _fork(self, group, survivors: list[tuple[int, int]]) -> None:
+        """Re-point the block tables after a step: survivor i continues beam ``parent`` with ``token``.
+
+        A beam no survivor continues is dropped: its blocks go back at once (a block another beam
+        shares only loses a reference). A beam m survivors continue becomes the first of them itself
+        and is cloned for the others: its full blocks shared, its partial last block copied. Example,
+        block_size 4, beams 0 and 1 with 10 computed positions each in [3, 5, 8] and [3, 5, 9] (ref
+        counts 2, 2, 1, 1), survivors [(0, t), (0, u)]: beam 1 is dropped and frees 9 (3 and 5 go
+        down to 1); beam 0 is survivor 0 and keeps [3, 5, 8]; survivor 1 is a clone holding [3, 5, x],
+        8's rows copied into a fresh x (3 and 5 back up to 2). Each then appends its token.
+
+        If the copies find no free blocks, others are preempted from the back; if that reaches this
+        group, its survivors go back to waiting as they are (no blocks), and recompute.
+        """
+        old = group.beams
+        counts = Counter(parent for parent, _ in survivors)
+        for j, beam in enumerate(old):
+            if not counts[j]:
+                self._drop(beam)
+        extra = {j: c - 1 for j, c in counts.items() if c > 1}  # clones each kept beam needs
+        need = sum(self.allocator.clone_needs(old[j].num_computed_tokens, c) for j, c in extra.items())
+        while self.allocator.num_free < need and old[survivors[0][0]].status is Status.RUNNING:
+            self._preempt(self.running[-1])  # lowest priority, newest; perhaps this very group
+        clones = {}
+        for j, c in extra.items():
+            parent = old[j]
+            tables = [[] for _ in range(c)]  # the group was preempted: its beams will recompute
+            if parent.status is Status.RUNNING:
+                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)
+                for src, dst in copies:
+                    self.pool.copy_block(src, dst)
+            clones[j] = [
+                replace(parent, n=1, generator=None, block_table=t, output_ids=list(parent.output_ids))
+                for t in tables
+            ]
+            for child in clones[j]:
+                (self.running if child.status is Status.RUNNING else self.waiting).append(child)
+        group.beams = []
+        for slot, (j, token) in enumerate(survivors):
+            beam = old[j] if not any(b is old[j] for b in group.beams) else clones[j].pop()
+            beam.output_ids.append(token)
+            beam.sample_index = slot
+            group.beams.append(beam)
+        self.running.sort(key=Sequence.sort_key)  # the beams' slots changed
+        self.waiting.sort(key=Sequence.sort_key)
+
+    def _drop(self, beam: Sequence) -> None:
+        """A beam no survivor continues: out of the running set, its blocks freed at once."""
+        self.running.remove(beam)
+        self.allocator.free(beam.block_table)
+        beam.block_table = []
+        beam.status = Status.FINISHED
 
     def _reserve_or_preempt(self, seq: Sequence, target_len: int) -> bool:
         """Reserve blocks for ``seq``, preempting from the back of ``running`` until they fit.
@@ -243,12 +376,18 @@ class Scheduler:
         return [parent, *children]
 
     def _preempt(self, seq: Sequence) -> None:
-        """Send a running sequence back to waiting: free its blocks and forget what it computed."""
-        self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        self.add(seq)
+        """Send a running sequence back to waiting: free its blocks and forget what it computed. A
+        beam goes back with every running beam of its group, as one unit, and the rows of logits the
+        group kept are forgotten (the recompute produces them again)."""
+        for s in seq.group.beams if seq.group is not None else [seq]:
+            if s.status is Status.RUNNING:
+                self.running.remove(s)
+                self.allocator.free(s.block_table)
+                s.block_table = []
+                s.num_computed_tokens = 0
+                self.add(s)
+        if seq.group is not None:
+            seq.group.rows.clear()
         self.num_preemptions += 1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -15,6 +15,9 @@ on every machine.
 Sample i of a request seeded s uses seed s + i (vLLM V1's rule for ``n > 1``: ``ParentRequest`` in
 ``vllm/v1/engine/parallel_sampling.py``).
 
+``BeamParams`` holds the rules of beam search (L5), which picks no token at random: it keeps the
+num_beams best continuations by their summed log-probabilities.
+
 Left out on purpose: repetition/frequency penalties, min-p, logit bias, stop strings and logprobs.
 """
 
@@ -108,3 +111,32 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if generator is not None:
         probs = probs.to(generator.device)  # the draw runs where the generator lives (the CPU)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """Beam search as Hugging Face ``generate(num_beams=..., do_sample=False)`` runs it.
+
+    num_beams: beams kept per step (1 = greedy, as in HF). num_return_sequences: how many of the
+    finished hypotheses come back, best first (at most num_beams). length_penalty: a finished
+    hypothesis scores sum(log-probs) / length ** length_penalty. early_stopping: False (HF's default:
+    stop once no running beam can beat the worst kept hypothesis, judged at the current length), True
+    (stop as soon as num_beams hypotheses are finished) or "never" (judged at the longest length when
+    length_penalty > 0).
+    """
+
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        if not isinstance(self.num_beams, int) or isinstance(self.num_beams, bool) or self.num_beams < 1:
+            raise ValueError(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
+        r = self.num_return_sequences
+        if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= self.num_beams:
+            raise ValueError(f"num_return_sequences must be in [1, num_beams={self.num_beams}], got {r!r}")
+        if not (isinstance(self.length_penalty, int | float) and math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")

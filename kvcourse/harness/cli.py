@@ -5,12 +5,15 @@
     python -m kvcourse generate --stage L1 "What is a KV cache?"
     python -m kvcourse generate --stage L1 --prompts kvcourse/harness/prompts.jsonl --max-new-tokens 32
     python -m kvcourse generate --stage L4 --device cuda "What is a KV cache?"
+    python -m kvcourse generate --stage L5 --num-beams 4 "What is a KV cache?"
 
 ``generate`` prints each prompt's generated text, then the tokens/s, how the engine was set up (device,
 kernel, pool and batch sizes) and its statistics (KV memory reserved against the memory that held live
 tokens, blocks, steps). ``--device`` defaults to ``$KVCOURSE_DEVICE``, else the CPU. Bad input (a
 malformed prompt file, a missing model folder, a prompt longer than the model's context, a device this
-machine does not have) is one ``error: ...`` line and exit status 2.
+machine does not have, ``--num-beams`` below 1 or on a stage without beam search, a width the pool
+cannot hold) is one ``error: ...`` line and exit status 2. ``--num-beams K`` prints each prompt's best
+hypothesis of a beam search of width K, as HF ``generate(num_beams=K)`` finds it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     gen.add_argument(
+        "--num-beams", type=int, default=1, help="beam search of this width (L5; default 1: greedy)"
+    )
+    gen.add_argument(
         "--model", help=f"local HF Llama/Qwen3 directory (default: ${MODEL_ENV} or the course model)"
     )
     add_device_argument(gen)
@@ -59,6 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_beams < 1:
+        raise ValueError(f"--num-beams must be >= 1, got {args.num_beams}")
+    if args.num_beams > 1 and args.ignore_eos:
+        raise ValueError(
+            f"--num-beams {args.num_beams} stops on eos as HF's beam search does: drop --ignore-eos"
+        )
     device = device_argument(args.device)
     prompts = read_prompts(args.prompts) if args.prompts else []
     for text in args.prompt:
@@ -73,8 +85,13 @@ def generate(args: argparse.Namespace) -> None:
     engine = engine_class(args.stage)(
         model_dir, device or "cpu", max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest)
     )
+    if args.num_beams > 1 and not hasattr(engine, "generate_beams"):
+        raise ValueError(f"--num-beams {args.num_beams}: stage {args.stage} has no beam search (L5 has)")
     t0 = time.perf_counter()
-    outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)
+    if args.num_beams > 1:
+        outputs = [best for [best] in engine.generate_beams(ids, budget, num_beams=args.num_beams)]
+    else:
+        outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)
     seconds = time.perf_counter() - t0
     for prompt, out in zip(prompts, outputs, strict=True):
         print(f"> {prompt.label}")

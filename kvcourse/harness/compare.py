@@ -12,13 +12,20 @@ HF's gaps describe HF's own text. So the rule applies only where the expected to
 text: always when comparing with HF; when comparing with the previous stage, only if that stage
 agreed with HF up to the differing position. Once the previous stage has tied away from HF, its
 continuation is another text whose gaps nobody measured, and any later difference is a mismatch.
+
+Beam search (``compare_beams``) is compared step by step: the beams the engine extended at each step
+against HF's (as sets of token lists, recorded by ``hf_beams``). Where they first part, the choice
+made the step before differed; if there HF's smallest gap between neighbouring ranked candidate scores
+was below ``TIE_GAP``, that is a numerical tie at that step, reported, and nothing after it is
+compared. A difference in the returned hypotheses with the same beams at every step (a finished
+hypothesis kept or not, a search that stops at another step) is a mismatch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcourse.harness.reference import Reference
+from kvcourse.harness.reference import BeamReference, Reference
 
 TIE_GAP = 1e-3
 
@@ -71,6 +78,36 @@ def compare(expected: list[int], got: list[int], hf: Reference) -> Comparison:
     return Comparison(pos)
 
 
+def beam_history(steps: list[list[tuple[int, int]]]) -> list[list[list[int]]]:
+    """The new tokens of the beams extended at each step, from each step's survivors (parent, token).
+
+    Example: ``[[(0, 5), (0, 7)], [(1, 2), (0, 4)]]`` (two steps of width 2) ->
+    ``[[[]], [[5], [7]]]``: step 0 extended the prompt alone, step 1 the beams [5] and [7]; the last
+    step's survivors [7, 2] and [5, 4] were never extended.
+    """
+    beams = [[[]]]
+    for survivors in steps[:-1]:
+        beams.append([[*beams[-1][parent], token] for parent, token in survivors])
+    return beams
+
+
+def compare_beams(got: list[list[int]], steps: list[list[tuple[int, int]]], hf: BeamReference) -> Comparison:
+    """Compare an engine's beam search (its hypotheses and its survivors per step) with HF's.
+
+    ``first_diff`` is a step here. Example, HF's beams [[[]], [[5], [7]], ...] with gaps [0.3, 2e-4, ...]
+    and an engine whose step 1 extended [[5], [9]]: the choice at step 0 differed, HF's gap there is
+    0.3: ``DIFF@0``; had it extended those at step 2 instead, ``tie@1``.
+    """
+    if got == hf.sequences:
+        return Comparison(None)
+    mine = beam_history(steps)
+    for s in range(min(len(mine), len(hf.beams))):
+        if sorted(mine[s]) != sorted(hf.beams[s]):
+            step = max(s - 1, 0)
+            return Comparison(step, hf.gaps[step] if s and hf.gaps[step] < TIE_GAP else None)
+    return Comparison(min(len(mine), len(hf.beams)))
+
+
 def _one_line(text: str, width: int = 70) -> str:
     flat = text.replace("\n", "\\n")
     return flat if len(flat) <= width else flat[: width - 3] + "..."
@@ -85,6 +122,7 @@ class Row:
     vs_prev: Comparison | None
     text: str  # decoded output of the stage under test
     hf_text: str  # decoded HF output, shown when they differ
+    unit: str = "position"  # what a Comparison's first_diff counts: a token position, or a beam search "step"
 
     @property
     def ok(self) -> bool:
@@ -106,7 +144,7 @@ def format_rows(rows: list[Row], prev_name: str | None) -> str:
         for c, who in ((r.vs_hf, "HF"), (r.vs_prev, prev_name)):
             if c is not None and c.tie_gap is not None:
                 lines.append(
-                    f"{'':14}numerical tie vs {who} at position {c.first_diff}: "
+                    f"{'':14}numerical tie vs {who} at {r.unit} {c.first_diff}: "
                     f"HF top-2 gap {c.tie_gap:.1e} < {TIE_GAP:g}; compared no further"
                 )
         if r.vs_hf.first_diff is not None:

@@ -11,6 +11,11 @@ files (a sha256 of each file, itself cached by path, size and modification time,
 hashed once), the ``torch`` and ``transformers`` versions, the prompt ids and the budget. The cache
 only ever holds what HF itself produced, so it stays an independent reference.
 
+``hf_beams`` does the same for beam search (``generate(num_beams=k, do_sample=False)``): the returned
+sequences, and HF's own beams at every step (recorded by a logits processor, which sees the running
+sequences and their log-probabilities) with, per step, the smallest gap between neighbouring scores
+among the candidates its selection ranks: the beam search tie rule's measure.
+
 Left out on purpose: sampling (the course compares greedy outputs) and batching (batched HF with left
 padding is a benchmark system, not a reference: padding changes the numerics).
 """
@@ -26,12 +31,20 @@ from pathlib import Path
 from kvcourse.config import ModelConfig
 from kvcourse.devices import resolve_device
 from kvcourse.model_store import cache_root
+from kvcourse.sampling import BeamParams
 
 
 @dataclass(frozen=True)
 class Reference:
     tokens: list[int]  # the new tokens, eos included when HF stopped on it
     gaps: list[float]  # top-1 minus top-2 logit at each generated position
+
+
+@dataclass(frozen=True)
+class BeamReference:
+    sequences: list[list[int]]  # the new tokens of each returned hypothesis, best first (eos included)
+    beams: list[list[list[int]]]  # per step: the new tokens of each running beam HF extended there
+    gaps: list[float]  # per step: the smallest gap between neighbouring candidate scores HF ranked
 
 
 FINGERPRINTED = ("*.safetensors", "*.json", "*.jinja", "tokenizer.model")
@@ -163,3 +176,85 @@ def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int], devic
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
         refs.append(Reference(new, gaps))
     return refs
+
+
+def hf_beams(
+    model_dir: str | Path, prompts: list[list[int]], budgets: list[int], params: BeamParams, device="cpu"
+) -> list[BeamReference]:
+    """HF beam search for each prompt, one at a time, on ``device`` (cached like ``hf_greedy``, keyed by
+    ``params`` too). ``params.num_beams == 1`` is HF's greedy search, as in ``generate``."""
+    model_dir = Path(model_dir)
+    device = resolve_device(device)
+    setup = f"{_setup_key(model_dir, device)}|beams {params}"
+    out = []
+    model = None
+    for ids, budget in zip(prompts, budgets, strict=True):
+        f = _cache_file(setup, ids, budget)
+        if not f.exists():
+            model = model or load_hf_model(model_dir, device)
+            ref = _run_hf_beams(model, ModelConfig.from_dir(model_dir), ids, budget, params, device)
+            write_atomically(f, json.dumps(ref.__dict__))
+        out.append(BeamReference(**json.loads(f.read_text())))
+    return out
+
+
+def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], budget: int, params: BeamParams, device):
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    eos = list(cfg.eos_token_ids)
+    k = params.num_beams
+    ranked = max(2, 1 + len(eos)) * k  # candidates HF's selection keeps per step (its beams_to_keep)
+    beams, gaps = [], []
+
+    class Record(LogitsProcessor):
+        """Sees, at every step, HF's running sequences (k, length) and their log-probabilities (k, vocab)
+        before its selection adds the beams' scores; changes nothing."""
+
+        def __init__(self):
+            self.prev = None  # (new tokens per row, scores (k,), log-probs (k, vocab)) of the step before
+
+        def __call__(self, input_ids, scores):
+            rows = [r[len(ids) :] for r in input_ids.tolist()]
+            logp = torch.log_softmax(scores.float(), dim=-1).cpu()  # (k, vocab); greedy passes logits
+            if (
+                self.prev is None
+            ):  # the prompt, k times over: only the first copy counts (HF: -1e9 on the others)
+                score = torch.tensor([0.0] + [-1e9] * (len(rows) - 1))  # (k,)
+            else:
+                prev_rows, prev_score, prev_logp = self.prev
+                index = {tuple(r): i for i, r in reversed(list(enumerate(prev_rows)))}  # first copy wins
+                parents = [index[tuple(r[:-1])] for r in rows]
+                score = (
+                    prev_score[parents] + prev_logp[parents, [r[-1] for r in rows]]
+                )  # (k,) fp32, as HF adds
+            beams.append(rows[:1] if self.prev is None else rows)
+            top = torch.topk((logp + score[:, None]).flatten(), min(ranked + 1, logp.numel())).values
+            gaps.append(float((top[:-1] - top[1:]).min()))
+            self.prev = (rows, score, logp)
+            return scores
+
+    inp = torch.tensor([ids], device=device)  # (1, P)
+    with torch.inference_mode():
+        res = model.generate(
+            inp,
+            attention_mask=torch.ones_like(inp),
+            max_new_tokens=budget,
+            do_sample=False,
+            num_beams=k,
+            num_return_sequences=params.num_return_sequences,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+            logits_processor=LogitsProcessorList([Record()]),
+            return_dict_in_generate=True,
+        )
+    new = res.sequences[:, len(ids) :].tolist()  # (r, longest): shorter hypotheses padded
+    if k > 1:  # a hypothesis's length: the steps its beam_indices fill
+        lengths = (res.beam_indices >= 0).sum(dim=1).tolist()
+    else:
+        lengths = [len(new[0])]
+    return BeamReference([s[:n] for s, n in zip(new, lengths, strict=True)], beams, gaps)

@@ -233,8 +233,9 @@ def smoke_main(
     """Run the smoke check; return the exit status (0 all agree, 1 a disagreement, 2 bad input).
 
     ``runs(ctx)`` lists this stage's configurations and ``previous(ctx)`` the previous stage's
-    engine; ``extra(ctx) -> (passed, total)`` lets a stage add checks of its own (for example
-    sampled clones), printed by itself and counted in the summary line.
+    engine; ``extra(ctx) -> (passed, total)`` or ``(passed, total, ties)`` lets a stage add checks of
+    its own (for example sampled clones, beam search), printed by itself and counted in the summary
+    line, its numerical ties with the others.
     """
     args = parse_args(stage, argv)
     with tempfile.TemporaryDirectory(prefix="kvcourse-tiny-qwen3-") as tiny_dir:
@@ -271,8 +272,8 @@ def run_contexts(
             p, t, tie, n = compare_run(ctx, run, prev, prev_name)
             passed, total, ties, new_tokens = passed + p, total + t, ties + tie, new_tokens + n
         if extra:
-            p, t = extra(ctx)
-            passed, total = passed + p, total + t
+            p, t, *tie = extra(ctx)
+            passed, total, ties = passed + p, total + t, ties + sum(tie)
     versus = f"{prev_name} and HF" if previous else "HF"
     tie_note = f"; {ties} numerical tie(s), reported above" if ties else ""
     tie_note += f"; {skipped} run(s) skipped on this machine, said above" if skipped else ""

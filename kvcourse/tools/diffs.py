@@ -25,7 +25,7 @@ table, also written into the L6 chapter). Within L6, ``mesh_engine.py`` is a cop
 changed for a device mesh: ``L6_mesh.diff`` is that change, then the files only the mesh uses, whole
 (``MESH``).
 
-A stage that teaches two ideas (``STEPS``: L5, clones and the prefix cache) gets its diff in two
+A stage that teaches two ideas (``STEPS``: L5, clones (with beam search) and the prefix cache) gets its diff in two
 marked parts, each a diff of its own: the first from the previous stage to the text after step 1, the
 second from there to the stage. The text after step 1 is made by a declared rule (``split_steps``):
 every change of the whole diff is cut into paragraphs (runs of changed lines up to a blank line followed
@@ -77,11 +77,11 @@ STEPS = {
             "blocks shared by reference count: full blocks keyed by a chained hash of their tokens, "
             "found again by later requests",
             "n samples of a prompt cloned from one prefill: its full blocks shared, its partial last "
-            "block copied at the clone",
+            "block copied at the clone; beam search, whose beams are cloned and dropped every step",
         ),
         words=(
             r"prefix|hash|cached|lookup|regist",
-            r"clon|sampl|copy_block|(?<!max_)num_seqs|num_running_seqs|generator",
+            r"clon|sampl|copy_block|(?<!max_)num_seqs|num_running_seqs|generator|beam",
         ),
     ),
 }

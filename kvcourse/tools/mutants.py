@@ -68,6 +68,7 @@ class Mutation:
 
 
 P = "tests/test_pressure.py::"
+B = "tests/test_l5_beams.py::"
 S = "tests/test_shortages.py::"
 # (old, new) of L2's and L3's alloc_blocks (the same code in both): hand out what is free, then raise
 PARTIAL_GRANT = (
@@ -181,8 +182,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L5 preemption forgets to reset what the victim computed",
         "L5_clones/scheduler.py",
-        "        seq.num_computed_tokens = 0\n        self.add(seq)",
-        "        self.add(seq)",
+        "                s.num_computed_tokens = 0\n                self.add(s)",
+        "                self.add(s)",
         (P + "test_the_smallest_pool_preempts_and_changes_no_token[L5]",),
     ),
     Mutation(
@@ -246,9 +247,34 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L5 clone skips the copy of the partial block's K/V",
         "L5_clones/scheduler.py",
-        "            self.pool.copy_block(src, dst)",
-        "            pass",
+        "            self.pool.copy_block(src, dst)\n        children",
+        "            pass\n        children",
         ("tests/test_l5.py::test_greedy_and_greedy_clones_equal_l4_and_hf[default]",),
+    ),
+    # ---- beam search: forks and drops of block tables
+    Mutation(
+        "L5 a dropped beam keeps its blocks",
+        "L5_clones/scheduler.py",
+        "        self.running.remove(beam)\n        self.allocator.free(beam.block_table)\n",
+        "        self.running.remove(beam)\n",
+        (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
+    ),
+    Mutation(
+        "L5 a surviving beam copies its parent's blocks instead of sharing them",
+        "L5_clones/scheduler.py",
+        "                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)\n",
+        "                tables = [self.allocator.alloc_blocks(len(parent.block_table)) for _ in range(c)]\n"
+        "                copies = [(s, d) for t in tables for s, d in zip(parent.block_table, t, strict=True)]\n",
+        (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
+    ),
+    Mutation(
+        "L5 a surviving beam shares its parent's partial block, which both then write",
+        "L5_clones/scheduler.py",
+        "                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)\n",
+        "                tables, copies = [list(parent.block_table) for _ in range(c)], []\n"
+        "                for b in parent.block_table:\n"
+        "                    self.allocator.blocks[b].ref_count += c\n",
+        (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
     ),
     Mutation(
         "L5 block copy copies K only",
