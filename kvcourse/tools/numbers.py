@@ -127,12 +127,6 @@ SOURCES = {
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=4,
     ),
-    "profile-L4-L5": Source(
-        "python -m bench.profile --stages L4:cpp,L5:cpp,L4:cpp,L5:cpp --device cpu --out bench/results/profile-L4-L5.json",
-        "bench/results/profile-L4-L5.json",
-        "bench.profile:chapter_table",
-        "tests/test_bench.py::test_quick_profile_splits_a_step_into_its_parts",
-    ),
     "l5-sharing-samples": Source(
         "python -m bench.sharing",
         "bench/results/sharing.json",
