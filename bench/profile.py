@@ -1,9 +1,8 @@
 """Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L4:graphs,L6] [--workload b|a] [--quick]
 [--device auto|cpu|cuda] [--torch-profiler] [--out FILE]``.
 
-``--out`` also writes the profiles to a JSON file, with the command, commit, machine and load average;
-the chapters' profile tables are drawn from such files (``bench/results/profile-*.json``, by ``make
-numbers``: ``chapter_table``). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
+``--out`` also writes the profiles to a JSON file, with the command, commit, machine and load average
+(``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
 rounds back to back show how much the machine drifts between them.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
@@ -346,27 +345,6 @@ def table(profiles: dict) -> str:
     lines.append("| **whole run / step** | " + " | ".join(cells) + " |")
     steps = [f"{p['steps']} steps | {p['decode_steps']} decode" for p in profiles.values()]
     lines.append("| steps | " + " | ".join(steps) + " |")
-    return "\n".join(lines)
-
-
-def chapter_table(results: dict) -> str:
-    """Markdown, the chapters' shape: a column per torch stage of a ``--out`` file, ms per decode step
-    for each part it has (a part no stage has is left out), the whole step, and the whole run's seconds.
-    L6's calls, if profiled, follow as ``l6_table``'s."""
-    profiles = results["profiles"]
-    used = [part for part in PARTS if any(p["decode_step_ms"][part] for p in profiles.values())]
-    lines = [
-        "| part of a decode step, ms | " + " | ".join(profiles) + " |",
-        "|---|" + "---|" * len(profiles),
-        *[f"| {part} | " + " | ".join(f"{p['decode_step_ms'][part]:.1f}" for p in profiles.values()) + " |"
-          for part in used],
-        "| **whole decode step** | " + " | ".join(f"**{sum(p['decode_step_ms'].values()):.1f}**"
-                                                for p in profiles.values()) + " |",
-        "| whole run, s | " + " | ".join(f"{p['seconds']:.2f}" for p in profiles.values()) + " |",
-        "| steps (decode only) | " + " | ".join(f"{p['steps']} ({p['decode_steps']})" for p in profiles.values()) + " |",
-    ]  # fmt: skip
-    if results.get("l6"):
-        lines += ["", l6_table(results["l6"])]
     return "\n".join(lines)
 
 
