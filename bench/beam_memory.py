@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import cpu_name
+from bench.measure import cpu_name, provenance
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
@@ -118,6 +118,7 @@ def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
         "steps": steps,
         "seconds": seconds,
         "preemptions": engine.stats().preemptions,
+        "new_tokens": sum(len(s) for out in outputs for s in out),
         "outputs": outputs,
     }
 
@@ -163,6 +164,7 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
     tokens = sum(len(s) for out in side["shared"]["outputs"] for s in out)
     return {
         "command": "python -m bench.beam_memory",
+        **provenance(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "model": str(model_dir),
         "max_new_tokens": MAX_NEW_TOKENS,
@@ -171,6 +173,14 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
             for k, v in MIXES.items()
         },
         "paper": PAPER,
+        "workloads": {
+            name: {
+                "requests": len(prompts),
+                "prompt_mean": sum(map(len, prompts)) / len(prompts),
+                "output_budget_mean": sum(budgets) / len(budgets),
+            }
+            for name, (prompts, budgets) in workloads.items()
+        },
         "rows": rows,
         "throughput": {
             "width": throughput_width,
@@ -182,26 +192,43 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | parallel sampling n = 2 / 4 / 6 | beam search k = 2 / 4 / 6 |", "|---|---|---|"]
+    """Two Markdown tables: the blocks saved per workload and width (the workloads' mean prompt length
+    and mean output budget beside them), then beam search with and without sharing at one budget."""
+    lines = [
+        "| workload | requests | mean prompt / output budget (tokens) "
+        "| parallel sampling n = 2 / 4 / 6 | beam search k = 2 / 4 / 6 |",
+        "|---|---|---|---|---|",
+    ]
     for name in dict.fromkeys(r["workload"] for r in results["rows"]):
         cells = []
         for mode in ("parallel sampling", "beam search"):
             rows = [r for r in results["rows"] if r["workload"] == name and r["mode"] == mode]
             cells.append(" / ".join(f"{100 * r['saved']:.1f}%" for r in rows))
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
-    p = results["paper"]
-    lines.append(
-        f"| paper, Alpaca / ShareGPT | {p['parallel sampling']['alpaca']} / {p['parallel sampling']['sharegpt']} "
-        f"| {p['beam search']['alpaca']} / {p['beam search']['sharegpt']} |"
-    )
+        w = results["workloads"][name]
+        label = name if name == "course" else f"{name} (synthetic)"
+        lines.append(
+            f"| {label} | {w['requests']} | {w['prompt_mean']:.0f} / {w['output_budget_mean']:.0f} "
+            f"| {cells[0]} | {cells[1]} |"
+        )
     t = results["throughput"]
-    s, c = t["shared"], t["copied"]
     lines += [
         "",
-        f"Beam search k = {t['width']} on the course prompts in {t['num_blocks']} blocks: shared "
-        f"{s['seconds']:.1f} s ({s['steps']} steps, {s['preemptions']} preemptions), copied "
-        f"{c['seconds']:.1f} s ({c['steps']} steps, {c['preemptions']} preemptions): "
-        f"{c['seconds'] / s['seconds']:.2f}x the time without sharing, {t['tokens']} tokens either way.",
+        f"| beam search k = {t['width']}, course prompts, {t['num_blocks']} blocks | seconds | steps "
+        "| preemptions | peak blocks held | tokens returned | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, way in (("shared", "blocks shared by refcount"), ("copied", "every fork copies its blocks")):
+        r = t[label]
+        lines.append(
+            f"| {way} | {r['seconds']:.1f} | {r['steps']} | {r['preemptions']} | {r['peak_held']} "
+            f"| {t['tokens']} | {t['tokens'] / r['seconds']:.1f} |"
+        )
+    p = results["paper"]
+    lines += [
+        "",
+        f"Paper (Kwon et al., SOSP 2023, Fig. 15), Alpaca / ShareGPT: parallel sampling "
+        f"{p['parallel sampling']['alpaca']} / {p['parallel sampling']['sharegpt']}, beam search "
+        f"{p['beam search']['alpaca']} / {p['beam search']['sharegpt']}.",
         f"{results['machine']}; `{results['command']}`.",
     ]
     return "\n".join(lines)

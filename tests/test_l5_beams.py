@@ -385,4 +385,4 @@ def test_quick_beam_memory_saves_blocks_and_copying_changes_no_token(tmp_path, c
     assert t["copied"]["peak_held"] > t["shared"]["peak_held"] or t["copied"]["preemptions"] > 0
     assert (
         tmp_path / "b.png"
-    ).stat().st_size > 0 and "| paper, Alpaca / ShareGPT |" in capsys.readouterr().out
+    ).stat().st_size > 0 and "Paper (Kwon et al., SOSP 2023, Fig. 15)" in capsys.readouterr().out
