@@ -27,6 +27,11 @@ side by side from one run.
 It prints a Markdown table and writes ``bench/results/beam-memory.json`` and
 ``bench/plots/beam_memory.png``. ``--quick`` runs a tiny random Qwen3 on two short prompts (for tests).
 
+``--trace`` measures nothing: it runs one beam search of width TRACE_WIDTH on the first course prompt
+with blocks of TRACE_BLOCK_SIZE tokens and prints, after each of its first TRACE_STEPS steps, which beam
+each survivor continued and every beam's block table with each block's reference count (the chapter's
+section 13 shows its output).
+
 Left out on purpose: arrival times (every request is submitted at once), GPUs, and other stages.
 """
 
@@ -48,6 +53,7 @@ from L5_clones.beam import add_beam_request, beam_blocks
 from L5_clones.engine import Engine
 
 WIDTHS = (2, 4, 6)
+TRACE_WIDTH, TRACE_BLOCK_SIZE, TRACE_STEPS = 3, 4, 8
 MAX_NEW_TOKENS = 48
 THROUGHPUT_WIDTH = 4
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, seed=0)
@@ -124,6 +130,7 @@ def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
 
 
 def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
+    where = provenance()  # the commit measured: read before the runs, which take minutes
     rows = []
     for name, (prompts, budgets) in workloads.items():
         for mode in ("parallel sampling", "beam search"):
@@ -164,7 +171,7 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
     tokens = sum(len(s) for out in side["shared"]["outputs"] for s in out)
     return {
         "command": "python -m bench.beam_memory",
-        **provenance(),
+        **where,
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "model": str(model_dir),
         "max_new_tokens": MAX_NEW_TOKENS,
@@ -234,6 +241,26 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def trace(engine: Engine, prompt: list[int], steps: int, width: int, decode=str) -> list[str]:
+    """One beam search of ``width`` on ``prompt``, stepped ``steps`` times (or to its end): per step,
+    the survivors as ``parent->token`` and each beam's block table, every block with its reference
+    count (``3x2``: block 3, held by 2 tables). ``decode`` turns a token id into text."""
+    seq = add_beam_request(engine, prompt, steps, BeamParams(width))
+    group, lines = seq.group, [f"prompt: {len(prompt)} tokens, block_size {engine.allocator.block_size}"]
+    for step in range(1, steps + 1):
+        engine.step()
+        if group.done:
+            lines.append(f"step {step}: the search ended")
+            break
+        survivors = ", ".join(f"{parent}->{decode(token)!r}" for parent, token in group.steps[-1])
+        lines.append(f"step {step}: survivors (parent->token) {survivors}")
+        for slot, beam in enumerate(group.beams):
+            blocks = " ".join(f"{b}x{engine.allocator.blocks[b].ref_count}" for b in beam.block_table)
+            lines.append(f"  beam {slot}: [{blocks}]  {decode(beam.output_ids)!r}")
+        engine.allocator.check_invariants(s.block_table for s in engine.scheduler.running)
+    return lines
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -267,6 +294,11 @@ def main(argv=None) -> int:
         "--out", help="JSON file (default: bench/results/beam-memory.json; none with --quick)"
     )
     parser.add_argument("--plot", help="PNG file (default: bench/plots/beam_memory.png; none with --quick)")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print one beam search's block tables step by step, measure nothing",
+    )
     args = parser.parse_args(argv)
     from kvcourse.config import ModelConfig
     from kvcourse.harness.prompts import encode, load_tokenizer, read_prompts
@@ -281,6 +313,11 @@ def main(argv=None) -> int:
     cap = 6 if args.quick else MAX_NEW_TOKENS
     tok = load_tokenizer(model_dir)
     course = [encode(tok, p) for p in read_prompts(None)]
+    if args.trace:
+        engine = Engine(model_dir, block_size=TRACE_BLOCK_SIZE, enable_prefix_caching=False)
+        decode = lambda ids: tok.decode(ids if isinstance(ids, list) else [ids])  # noqa: E731
+        print("\n".join(trace(engine, course[0], TRACE_STEPS, TRACE_WIDTH, decode)))
+        return 0
     workloads = {"course": (course[:2] if args.quick else course, [cap] * (2 if args.quick else len(course)))}
     for name, (n, prompt_median, output_median, sigma) in MIXES.items():
         n = 2 if args.quick else n
