@@ -270,7 +270,8 @@ def plot(results: dict, path: Path) -> None:
         for i, name in enumerate(names):
             rows = [r for r in results["rows"] if r["workload"] == name and r["mode"] == mode]
             xs = [j + (i - 1) * 0.25 for j in range(len(rows))]
-            ax.bar(xs, [100 * r["saved"] for r in rows], width=0.25, label=name)
+            label = name if name == "course" else f"{name} (synthetic)"
+            ax.bar(xs, [100 * r["saved"] for r in rows], width=0.25, label=label)
         ax.set_xticks(
             range(len(rows)), [f"{'n' if mode.startswith('p') else 'k'} = {r['width']}" for r in rows]
         )
