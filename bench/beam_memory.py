@@ -27,6 +27,11 @@ side by side from one run.
 It prints a Markdown table and writes ``bench/results/beam-memory.json`` and
 ``bench/plots/beam_memory.png``. ``--quick`` runs a tiny random Qwen3 on two short prompts (for tests).
 
+``--trace`` measures nothing: it runs one beam search of width TRACE_WIDTH on the first course prompt
+with blocks of TRACE_BLOCK_SIZE tokens and prints, after each of its first TRACE_STEPS steps, which beam
+each survivor continued and every beam's block table with each block's reference count (the chapter's
+section 13 shows its output).
+
 Left out on purpose: arrival times (every request is submitted at once), GPUs, and other stages.
 """
 
@@ -40,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import cpu_name
+from bench.measure import cpu_name, provenance
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
@@ -48,6 +53,7 @@ from L5_clones.beam import add_beam_request, beam_blocks
 from L5_clones.engine import Engine
 
 WIDTHS = (2, 4, 6)
+TRACE_WIDTH, TRACE_BLOCK_SIZE, TRACE_STEPS = 3, 4, 8
 MAX_NEW_TOKENS = 48
 THROUGHPUT_WIDTH = 4
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, seed=0)
@@ -118,11 +124,13 @@ def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
         "steps": steps,
         "seconds": seconds,
         "preemptions": engine.stats().preemptions,
+        "new_tokens": sum(len(s) for out in outputs for s in out),
         "outputs": outputs,
     }
 
 
 def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
+    where = provenance()  # the commit measured: read before the runs, which take minutes
     rows = []
     for name, (prompts, budgets) in workloads.items():
         for mode in ("parallel sampling", "beam search"):
@@ -163,6 +171,7 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
     tokens = sum(len(s) for out in side["shared"]["outputs"] for s in out)
     return {
         "command": "python -m bench.beam_memory",
+        **where,
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "model": str(model_dir),
         "max_new_tokens": MAX_NEW_TOKENS,
@@ -171,6 +180,14 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
             for k, v in MIXES.items()
         },
         "paper": PAPER,
+        "workloads": {
+            name: {
+                "requests": len(prompts),
+                "prompt_mean": sum(map(len, prompts)) / len(prompts),
+                "output_budget_mean": sum(budgets) / len(budgets),
+            }
+            for name, (prompts, budgets) in workloads.items()
+        },
         "rows": rows,
         "throughput": {
             "width": throughput_width,
@@ -182,29 +199,66 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | parallel sampling n = 2 / 4 / 6 | beam search k = 2 / 4 / 6 |", "|---|---|---|"]
+    """Two Markdown tables: the blocks saved per workload and width (the workloads' mean prompt length
+    and mean output budget beside them), then beam search with and without sharing at one budget."""
+    lines = [
+        "| workload | requests | mean prompt / output budget (tokens) "
+        "| parallel sampling n = 2 / 4 / 6 | beam search k = 2 / 4 / 6 |",
+        "|---|---|---|---|---|",
+    ]
     for name in dict.fromkeys(r["workload"] for r in results["rows"]):
         cells = []
         for mode in ("parallel sampling", "beam search"):
             rows = [r for r in results["rows"] if r["workload"] == name and r["mode"] == mode]
             cells.append(" / ".join(f"{100 * r['saved']:.1f}%" for r in rows))
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
-    p = results["paper"]
-    lines.append(
-        f"| paper, Alpaca / ShareGPT | {p['parallel sampling']['alpaca']} / {p['parallel sampling']['sharegpt']} "
-        f"| {p['beam search']['alpaca']} / {p['beam search']['sharegpt']} |"
-    )
+        w = results["workloads"][name]
+        label = name if name == "course" else f"{name} (synthetic)"
+        lines.append(
+            f"| {label} | {w['requests']} | {w['prompt_mean']:.0f} / {w['output_budget_mean']:.0f} "
+            f"| {cells[0]} | {cells[1]} |"
+        )
     t = results["throughput"]
-    s, c = t["shared"], t["copied"]
     lines += [
         "",
-        f"Beam search k = {t['width']} on the course prompts in {t['num_blocks']} blocks: shared "
-        f"{s['seconds']:.1f} s ({s['steps']} steps, {s['preemptions']} preemptions), copied "
-        f"{c['seconds']:.1f} s ({c['steps']} steps, {c['preemptions']} preemptions): "
-        f"{c['seconds'] / s['seconds']:.2f}x the time without sharing, {t['tokens']} tokens either way.",
+        f"| beam search k = {t['width']}, course prompts, {t['num_blocks']} blocks | seconds | steps "
+        "| preemptions | peak blocks held | tokens returned | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, way in (("shared", "blocks shared by refcount"), ("copied", "every fork copies its blocks")):
+        r = t[label]
+        lines.append(
+            f"| {way} | {r['seconds']:.1f} | {r['steps']} | {r['preemptions']} | {r['peak_held']} "
+            f"| {t['tokens']} | {t['tokens'] / r['seconds']:.1f} |"
+        )
+    p = results["paper"]
+    lines += [
+        "",
+        f"Paper (Kwon et al., SOSP 2023, Fig. 15), Alpaca / ShareGPT: parallel sampling "
+        f"{p['parallel sampling']['alpaca']} / {p['parallel sampling']['sharegpt']}, beam search "
+        f"{p['beam search']['alpaca']} / {p['beam search']['sharegpt']}.",
         f"{results['machine']}; `{results['command']}`.",
     ]
     return "\n".join(lines)
+
+
+def trace(engine: Engine, prompt: list[int], steps: int, width: int, decode=str) -> list[str]:
+    """One beam search of ``width`` on ``prompt``, stepped ``steps`` times (or to its end): per step,
+    the survivors as ``parent->token`` and each beam's block table, every block with its reference
+    count (``3x2``: block 3, held by 2 tables). ``decode`` turns a token id into text."""
+    seq = add_beam_request(engine, prompt, steps, BeamParams(width))
+    group, lines = seq.group, [f"prompt: {len(prompt)} tokens, block_size {engine.allocator.block_size}"]
+    for step in range(1, steps + 1):
+        engine.step()
+        if group.done:
+            lines.append(f"step {step}: the search ended")
+            break
+        survivors = ", ".join(f"{parent}->{decode(token)!r}" for parent, token in group.steps[-1])
+        lines.append(f"step {step}: survivors (parent->token) {survivors}")
+        for slot, beam in enumerate(group.beams):
+            blocks = " ".join(f"{b}x{engine.allocator.blocks[b].ref_count}" for b in beam.block_table)
+            lines.append(f"  beam {slot}: [{blocks}]  {decode(beam.output_ids)!r}")
+        engine.allocator.check_invariants(s.block_table for s in engine.scheduler.running)
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:
@@ -216,7 +270,8 @@ def plot(results: dict, path: Path) -> None:
         for i, name in enumerate(names):
             rows = [r for r in results["rows"] if r["workload"] == name and r["mode"] == mode]
             xs = [j + (i - 1) * 0.25 for j in range(len(rows))]
-            ax.bar(xs, [100 * r["saved"] for r in rows], width=0.25, label=name)
+            label = name if name == "course" else f"{name} (synthetic)"
+            ax.bar(xs, [100 * r["saved"] for r in rows], width=0.25, label=label)
         ax.set_xticks(
             range(len(rows)), [f"{'n' if mode.startswith('p') else 'k'} = {r['width']}" for r in rows]
         )
@@ -240,6 +295,11 @@ def main(argv=None) -> int:
         "--out", help="JSON file (default: bench/results/beam-memory.json; none with --quick)"
     )
     parser.add_argument("--plot", help="PNG file (default: bench/plots/beam_memory.png; none with --quick)")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print one beam search's block tables step by step, measure nothing",
+    )
     args = parser.parse_args(argv)
     from kvcourse.config import ModelConfig
     from kvcourse.harness.prompts import encode, load_tokenizer, read_prompts
@@ -254,6 +314,11 @@ def main(argv=None) -> int:
     cap = 6 if args.quick else MAX_NEW_TOKENS
     tok = load_tokenizer(model_dir)
     course = [encode(tok, p) for p in read_prompts(None)]
+    if args.trace:
+        engine = Engine(model_dir, block_size=TRACE_BLOCK_SIZE, enable_prefix_caching=False)
+        decode = lambda ids: tok.decode(ids if isinstance(ids, list) else [ids])  # noqa: E731
+        print("\n".join(trace(engine, course[0], TRACE_STEPS, TRACE_WIDTH, decode)))
+        return 0
     workloads = {"course": (course[:2] if args.quick else course, [cap] * (2 if args.quick else len(course)))}
     for name, (n, prompt_median, output_median, sigma) in MIXES.items():
         n = 2 if args.quick else n

@@ -1,11 +1,13 @@
 """The L5 exercise checkers and hidden cases fail wrong answers and pass independent ones.
 
 Every exercise of ``notebooks/L5_clones.ipynb`` (L5.1 clone, L5.2 refcounted free, L5.3 block keys,
-L5.4 match_prefix) gets plausible wrong solutions: the partial block shared by a clone, a count raised
+L5.4 match_prefix, L5.5 beams' block tables after a step) gets plausible wrong solutions: the partial block shared by a clone, a count raised
 by 1 instead of n, a shared block freed at once, a missing decrement, a table freed head first or
 into the front of the free list, a freed block that forgets its key, keys that do not chain, a key
 for the partial tail, the block of the prompt's last token matched, a match that goes on past a miss,
-a hash hit taken without comparing tokens, a match that takes references. Each runs in process on its
+a hash hit taken without comparing tokens, a match that takes references, a dropped beam that keeps
+its blocks or frees shared ones outright, a survivor that copies every block or shares the partial
+one, every survivor cloned (the beam's own table leaked). Each runs in process on its
 checker, with the printed lines captured: the summary must not read ``n/n passed``, and the case that
 should catch the mistake must say ``WRONG`` or ``raised``. Example::
 
@@ -278,6 +280,111 @@ def test_match_prefix_passes_the_independent_answer(capsys):
     assert_passes(graded_lines(capsys))
 
 
+# ---- L5.5: fork_beams(tables, num_tokens, block_size, survivors, ref_counts, alloc) ----
+
+
+def _fork_with(tables, num_tokens, block_size, survivors, ref_counts, alloc, drop, later, first_clones=False):
+    """A re-pointing whose dropped beams go through ``drop(table)`` and whose later survivors (and, with
+    ``first_clones``, the first ones too) get ``later(table)``."""
+    for j, table in enumerate(tables):
+        if j not in survivors:
+            drop(table)
+    out = []
+    for i, j in enumerate(survivors):
+        first = j not in survivors[:i]
+        out.append(list(tables[j]) if first and not first_clones else later(tables[j]))
+    return out
+
+
+def fork_keeps_dropped(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """Never gives a dropped beam's blocks back: they leak."""
+
+    def later(t):
+        full = num_tokens // block_size
+        for b in t[:full]:
+            ref_counts[b] += 1
+        return t[:full] + [alloc() for _ in t[full:]]
+
+    return _fork_with(tables, num_tokens, block_size, survivors, ref_counts, alloc, lambda t: None, later)
+
+
+def fork_frees_outright(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """Frees every block of a dropped beam, shared or not: its siblings' prefix goes on the free list."""
+
+    def drop(t):
+        for b in t:
+            ref_counts.pop(b, None)
+
+    def later(t):
+        full = num_tokens // block_size
+        for b in t[:full]:
+            ref_counts[b] += 1
+        return t[:full] + [alloc() for _ in t[full:]]
+
+    return _fork_with(tables, num_tokens, block_size, survivors, ref_counts, alloc, drop, later)
+
+
+def _drop(ref_counts):
+    def drop(t):
+        for b in t:
+            ref_counts[b] -= 1
+
+    return drop
+
+
+def fork_copies_everything(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """A later survivor copies every block of its parent, full ones too: nothing is shared."""
+    later = lambda t: [alloc() for _ in t]  # noqa: E731
+    return _fork_with(tables, num_tokens, block_size, survivors, ref_counts, alloc, _drop(ref_counts), later)
+
+
+def fork_shares_partial(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """A later survivor shares the partial last block too: two beams would write into one block."""
+
+    def later(t):
+        for b in t:
+            ref_counts[b] += 1
+        return list(t)
+
+    return _fork_with(tables, num_tokens, block_size, survivors, ref_counts, alloc, _drop(ref_counts), later)
+
+
+def fork_clones_every_survivor(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """Clones for the first survivor of a beam too, and keeps the beam's own table: it leaks."""
+
+    def later(t):
+        full = num_tokens // block_size
+        for b in t[:full]:
+            ref_counts[b] += 1
+        return t[:full] + [alloc() for _ in t[full:]]
+
+    return _fork_with(
+        tables, num_tokens, block_size, survivors, ref_counts, alloc, _drop(ref_counts), later, True
+    )
+
+
+@pytest.mark.parametrize(
+    "wrong, case_name",
+    [
+        (fork_keeps_dropped, "a dropped beam gives back its own block"),
+        (fork_frees_outright, "every survivor continues one beam"),
+        (fork_copies_everything, "one beam forks into three"),
+        (fork_shares_partial, "one beam forks into three"),
+        (fork_clones_every_survivor, "nothing copied"),
+    ],
+    ids=lambda x: getattr(x, "__name__", "case"),
+)
+def test_fork_beams_fails_wrong_answers(capsys, wrong, case_name):
+    checks.check_fork_beams(wrong)
+    assert_fails(graded_lines(capsys), case_name)
+    assert hidden_problems("L5_clones", "L5.5", wrong)
+
+
+def test_fork_beams_passes_the_independent_answer(capsys):
+    checks.check_fork_beams(answers.fork_beams)
+    assert_passes(graded_lines(capsys))
+
+
 # ---- the reference notebook's own solutions ----
 
 
@@ -297,8 +404,9 @@ def notebook_solutions() -> dict:
         (checks.check_free, "free"),
         (checks.check_block_hashes, "block_hashes"),
         (checks.check_match_prefix, "match_prefix"),
+        (checks.check_fork_beams, "fork_beams"),
     ],
-    ids=["L5.1", "L5.2", "L5.3", "L5.4"],
+    ids=["L5.1", "L5.2", "L5.3", "L5.4", "L5.5"],
 )
 def test_notebook_solutions_pass(capsys, checker, name):
     checker(notebook_solutions()[name])

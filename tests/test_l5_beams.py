@@ -10,6 +10,7 @@ import json
 import math
 import random
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -385,4 +386,24 @@ def test_quick_beam_memory_saves_blocks_and_copying_changes_no_token(tmp_path, c
     assert t["copied"]["peak_held"] > t["shared"]["peak_held"] or t["copied"]["preemptions"] > 0
     assert (
         tmp_path / "b.png"
-    ).stat().st_size > 0 and "| paper, Alpaca / ShareGPT |" in capsys.readouterr().out
+    ).stat().st_size > 0 and "Paper (Kwon et al., SOSP 2023, Fig. 15)" in capsys.readouterr().out
+
+
+def test_trace_prints_each_beams_table_with_the_refcounts_its_siblings_imply(tiny_qwen3_dir):
+    """``python -m bench.beam_memory --trace`` (here on the tiny Qwen3): after every step, each beam's
+    table; a block's printed count equals the number of the step's tables that list it (one request
+    runs, so nothing else holds it), and the beams share the prompt's full blocks."""
+    from bench import beam_memory
+
+    engine = Engine(tiny_qwen3_dir, block_size=4, enable_prefix_caching=False)
+    lines = beam_memory.trace(engine, list(range(3, 14)), 5, 3)  # 11 tokens: 2 full blocks
+    steps = [i for i, line in enumerate(lines) if line.startswith("step") and "survivors" in line]
+    assert steps and lines[0] == "prompt: 11 tokens, block_size 4"
+    for i in steps:
+        tables = [line.split("[")[1].split("]")[0].split() for line in lines[i + 1 : i + 4]]
+        assert len(tables) == 3 and all(
+            line.startswith(f"  beam {j}:") for j, line in enumerate(lines[i + 1 : i + 4])
+        )
+        held = Counter(cell.split("x")[0] for t in tables for cell in t)
+        assert all(int(cell.split("x")[1]) == held[cell.split("x")[0]] for t in tables for cell in t)
+        assert [t[:2] for t in tables] == [tables[0][:2]] * 3 and held[tables[0][0].split("x")[0]] == 3

@@ -2,7 +2,8 @@
 
 Each function has the signature the notebook asks for and is written apart from the stage's own
 code (``allocator.py``, ``prefix_cache.py``), so a bug in the stage cannot make a wrong answer pass:
-the clone walks each child's table block by block, ``free`` first counts every reference down and
+the clone walks each child's table block by block (and so does a later survivor of a beam in
+``fork_beams``), ``free`` first counts every reference down and
 then queues the blocks that reached zero, the keys are sha256 of the documented text computed here
 (not by ``block_hash``), and ``match_prefix`` computes every key first and reads the index itself.
 Tests check that the stage and these answers agree on many drawn cases.
@@ -77,6 +78,30 @@ def match_prefix(token_ids, allocator):
     return hits
 
 
+def fork_beams(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """First every beam nobody continues gives back one reference per block; then each survivor's
+    table: the first survivor of a beam takes the beam's table, a later one copies its full blocks'
+    ids (one more holder each) and takes a fresh block for every block the beam has not filled."""
+    for j, table in enumerate(tables):
+        if j not in survivors:
+            for block in table:
+                ref_counts[block] -= 1
+    out = []
+    for i, j in enumerate(survivors):
+        if j not in survivors[:i]:
+            out.append(list(tables[j]))
+            continue
+        table = []
+        for n, block in enumerate(tables[j]):
+            if (n + 1) * block_size <= num_tokens:
+                ref_counts[block] += 1
+                table.append(block)
+            else:
+                table.append(alloc())
+        out.append(table)
+    return out
+
+
 def stage_clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
     """L5.1 by ``BlockAllocator.clone``: an allocator holding the same counts, whose fresh blocks come
     from ``alloc()``; the counts of the parent's blocks are copied back into ``ref_counts``."""
@@ -100,6 +125,36 @@ def stage_block_hashes(token_ids, block_size):
     return [allocator.blocks[b].hash for b in table]
 
 
-ANSWERS = {"L5.1": clone_table, "L5.2": free, "L5.3": block_hashes, "L5.4": match_prefix}
+def stage_fork_beams(tables, num_tokens, block_size, survivors, ref_counts, alloc):
+    """L5.5 by ``BlockAllocator.free`` and ``clone``, as ``Scheduler._fork`` calls them: an allocator
+    holding the same counts, whose fresh blocks come from ``alloc()``; the counts copied back."""
+    before = list(ref_counts)
+    allocator = BlockAllocator(max(before) + 1, block_size)
+    for block, count in ref_counts.items():
+        allocator.blocks[block].ref_count = count
+    allocator.free_blocks = deque()
+    allocator._take_free = alloc
+    for j, table in enumerate(tables):
+        if j not in survivors:
+            allocator.free(list(table))
+    new = []
+    for i, j in enumerate(survivors):
+        if j in survivors[:i]:
+            allocator.free_blocks = deque([0])  # clone only reads its length: the block comes from alloc()
+            new.append(allocator.clone(list(tables[j]), num_tokens, 1)[0][0])
+        else:
+            new.append(list(tables[j]))
+    for block in before:  # the fresh blocks' counts are alloc()'s
+        ref_counts[block] = allocator.blocks[block].ref_count
+    return new
+
+
+ANSWERS = {
+    "L5.1": clone_table,
+    "L5.2": free,
+    "L5.3": block_hashes,
+    "L5.4": match_prefix,
+    "L5.5": fork_beams,
+}
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
-STAGE_ADAPTERS = {"L5.1": stage_clone_table, "L5.3": stage_block_hashes}
+STAGE_ADAPTERS = {"L5.1": stage_clone_table, "L5.3": stage_block_hashes, "L5.5": stage_fork_beams}

@@ -7,7 +7,11 @@
 - ``check_block_hashes``: the chained keys of a token list's full blocks, against the keys ``reserve``
   (``sequence.py``, through ``prefix_cache.register_full_blocks``) registers in a ``BlockAllocator``;
 - ``check_match_prefix``: the cached blocks a new prompt may share, against ``prefix_cache.match_prefix``
-  on allocators that earlier requests have filled, freed and partly handed out again.
+  on allocators that earlier requests have filled, freed and partly handed out again;
+- ``check_fork_beams``: a beam search's block tables re-pointed after a step (dropped beams give their
+  blocks back, survivors share or clone their parent's), step after step, against what
+  ``Scheduler._fork`` does with the allocator: ``BlockAllocator.free`` for each dropped beam, then
+  ``BlockAllocator.clone`` for each further survivor of a beam.
 
 The allocator states are built with this stage's own calls (``alloc_blocks``, ``free``, ``clone``,
 ``reserve`` after ``match_prefix``), the way the scheduler makes them.
@@ -421,6 +425,106 @@ def check_match_prefix(match_prefix: Callable) -> None:
     )
 
 
+def _stage_fork(allocator: BlockAllocator, tables: list[list[int]], num_tokens: int, survivors) -> list:
+    """The stage's re-pointing (``Scheduler._fork``'s bookkeeping) on ``allocator``: every beam no
+    survivor continues is freed, then, in survivor order, a beam's first survivor keeps its table and
+    each further one gets a ``clone``."""
+    for j, table in enumerate(tables):
+        if j not in survivors:
+            allocator.free(list(table))
+    new, kept = [], set()
+    for j in survivors:
+        if j in kept:
+            new.append(allocator.clone(list(tables[j]), num_tokens, 1)[0][0])
+        else:
+            kept.add(j)
+            new.append(list(tables[j]))
+    return new
+
+
+def check_fork_beams(fork_beams: Callable) -> None:
+    """Grade ``fork_beams(tables, num_tokens, block_size, survivors, ref_counts, alloc) -> new tables``
+    against the stage's re-pointing, step after step of a beam search.
+
+    ``tables[j]`` is live beam j's block table, holding ``num_tokens`` positions (every beam of a group
+    holds as many); survivor i of the step continues beam ``survivors[i]``; ``ref_counts`` is a dict
+    {block id: ref_count} of every block in use, to update in place; ``alloc()`` hands out one fresh
+    block id and sets its count to 1. A beam no survivor continues is dropped: each of its blocks loses
+    a reference (a block nobody holds any more is free: count 0, or removed from the dict). The first
+    survivor of a beam takes that beam's table as it is; each further survivor of it gets a clone (its
+    full blocks shared, its partial last block a fresh block). Drops first, then the survivors in order.
+    Between steps the checker runs each beam's new token: a table that needs one more block gets it.
+    """
+
+    def case(
+        block_size: int, prompt: int, steps: list[list[int]], shared_first: bool = False
+    ) -> Callable[[], str | None]:
+        def run() -> str | None:
+            ref = BlockAllocator(64, block_size)
+            ref.alloc_blocks(3)  # [0, 1, 2]: another request
+            ref.free([1])  # free list 3, 4, ..., 63, 1
+            tables, num_tokens = [ref.alloc_blocks(blocks_needed(prompt, block_size))], prompt
+            if shared_first:  # a prefix-cache hit: another request holds the first block too
+                ref.alloc_blocks(0, cached=tables[0][:1])
+            for number, survivors in enumerate(steps, 1):
+                counts = {b.block_id: b.ref_count for b in ref.blocks if b.ref_count}
+                fresh = list(ref.free_blocks)  # the front of the free list, as the stage takes it
+
+                def alloc(counts=counts, fresh=fresh) -> int:
+                    counts[fresh[0]] = 1
+                    return fresh.pop(0)
+
+                call = f"step {number}: fork_beams({tables}, {num_tokens}, {block_size}, {survivors})"
+                got = fork_beams(
+                    [list(t) for t in tables], num_tokens, block_size, list(survivors), counts, alloc
+                )
+                tables = _stage_fork(ref, tables, num_tokens, survivors)
+                if not isinstance(got, list | tuple) or not all(isinstance(t, list | tuple) for t in got):
+                    return f"{call} returned {got!r}, expected a list of {len(survivors)} block table(s)"
+                if [[int(b) for b in t] for t in got] != tables:
+                    return f"{call} returned {[list(t) for t in got]}, expected {tables}"
+                want = {b.block_id: b.ref_count for b in ref.blocks if b.ref_count}
+                counts = {b: c for b, c in counts.items() if c}
+                if counts != want:
+                    wrong = ", ".join(
+                        f"block {b}: {counts.get(b, 0)} (expected {want.get(b, 0)})"
+                        for b in sorted(set(counts) | set(want))
+                        if counts.get(b, 0) != want.get(b, 0)
+                    )
+                    return f"{call}: ref counts wrong: {wrong}"
+                num_tokens += 1  # each beam runs its new token
+                for t in tables:
+                    t += ref.alloc_blocks(blocks_needed(num_tokens, block_size) - len(t))
+            return None
+
+        return run
+
+    run_cases(
+        [
+            Case(
+                "block_size 4, 10-token prompt, width 3: one beam forks into three", case(4, 10, [[0, 0, 0]])
+            ),
+            Case("prompt ends on a block boundary: nothing copied", case(4, 8, [[0, 0]])),
+            Case("a dropped beam gives back its own block", case(4, 10, [[0, 0, 0], [0, 0, 2]])),
+            Case("the first survivor of a beam keeps its table", case(4, 10, [[0, 0, 0], [1, 0, 1]])),
+            Case("every survivor continues one beam", case(4, 6, [[0, 0, 0], [2, 2, 2], [1, 0, 2]])),
+            Case("block_size 1: every block is full", case(1, 5, [[0, 0], [1, 1], [0, 1]])),
+            Case(
+                "a prefix-cache hit: the first block is held by another request",
+                case(4, 9, [[0, 0, 0], [0, 2, 2], [1, 1, 0]], True),
+            ),
+            Case(
+                "eight steps of width 3 across block boundaries",
+                case(
+                    4,
+                    9,
+                    [[0, 0, 0], [0, 1, 2], [0, 0, 1], [2, 1, 2], [1, 1, 1], [0, 2, 0], [1, 0, 2], [2, 2, 1]],
+                ),
+            ),
+        ]
+    )
+
+
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
 # judged in the grader's process against the independent answers of answers.py.
 
@@ -739,6 +843,69 @@ def observe_match_prefix(fn, case) -> list[dict]:
     return steps
 
 
+def draw_fork(rng) -> list[dict]:
+    """Beam searches of width 2 .. 5 over 2 .. 6 steps on every block size, from one beam (the
+    prompt's) forking at step 1, then random parents (beams dropped, some continued by several, one
+    step where all continue one beam); prompts ending mid-block or on a boundary, a first block
+    already shared with another request, other blocks in use, fresh ids from a shuffled list."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), 4]:
+        width, num_steps = rng.randint(2, 5), rng.randint(2, 6)
+        prompt = rng.randint(1, 5) * block_size + rng.choice([0, rng.randint(0, block_size - 1)])
+        prompt = max(prompt, 1)
+        ids = rng.sample(range(128), 128)
+        parent = ids[: blocks_needed(prompt, block_size)]
+        others = ids[len(parent) : len(parent) + rng.randint(0, 3)]
+        counts = [[b, 1] for b in parent] + [[b, rng.randint(1, 3)] for b in others]
+        if prompt >= block_size and rng.random() < 0.5:
+            counts[0][1] = 2  # the first block is a prefix-cache hit, held by another request too
+        steps = [[0] * width]
+        for _ in range(num_steps - 1):
+            one = rng.random() < 0.2
+            steps.append(
+                [rng.randrange(width)] * width if one else [rng.randrange(width) for _ in range(width)]
+            )
+        cases.append(
+            {"block_size": block_size, "num_tokens": prompt, "parent": parent, "ref_counts": counts,
+             "steps": steps, "fresh": ids[len(parent) + len(others) :]}
+        )  # fmt: skip
+    return cases
+
+
+def observe_fork(fn, case) -> list[dict]:
+    """``fn`` re-points the tables at every step of the case; after each, what it returned and every
+    block's count (blocks at 0 left out). Between steps each beam runs its new token: a table that
+    needs one more block gets the next fresh id, as ``alloc()`` hands them out."""
+    counts = {b: c for b, c in case["ref_counts"]}
+    fresh, bs = list(case["fresh"]), case["block_size"]
+
+    def alloc() -> int:
+        if not fresh:
+            raise RuntimeError(f"alloc() called more than {len(case['fresh'])} times")
+        counts[fresh[0]] = 1
+        return fresh.pop(0)
+
+    tables, num_tokens, steps = [list(case["parent"])], case["num_tokens"], []
+    for survivors in case["steps"]:
+        call = f"fork_beams({tables}, num_tokens={num_tokens}, block_size={bs}, survivors={survivors})"
+        got = fn([list(t) for t in tables], num_tokens, bs, list(survivors), counts, alloc)
+        steps.append(
+            {"call": call, "returned": got, "ref_counts": sorted([b, c] for b, c in counts.items() if c)}
+        )
+        tables, num_tokens = [list(t) for t in got], num_tokens + 1
+        for t in tables:
+            while len(t) < blocks_needed(num_tokens, bs):
+                t.append(alloc())
+    return steps
+
+
+def describe_fork(case: dict) -> str:
+    return (
+        f"block_size {case['block_size']}, a {case['num_tokens']}-token prompt in {case['parent']}, "
+        f"ref counts {dict(case['ref_counts'])}, survivors' parents per step {case['steps']}"
+    )
+
+
 HIDDEN = {
     "L5.1": Hidden(
         draw_clone, observe_clone, describe_clone, answers=("L5_clones.allocator:BlockAllocator.clone",)
@@ -757,5 +924,15 @@ HIDDEN = {
         observe_match_prefix,
         describe_ops,
         answers=("L5_clones.prefix_cache:match_prefix",),
+    ),
+    "L5.5": Hidden(
+        draw_fork,
+        observe_fork,
+        describe_fork,
+        answers=(
+            "L5_clones.scheduler:Scheduler._fork",
+            "L5_clones.allocator:BlockAllocator.clone",
+            "L5_clones.allocator:BlockAllocator.free",
+        ),
     ),
 }

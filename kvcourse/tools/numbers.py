@@ -148,6 +148,20 @@ SOURCES = {
         "tests/test_bench.py::test_quick_sharing_counts_what_each_way_of_sharing_saves",
         table=2,
     ),
+    "l5-beam-memory": Source(
+        "python -m bench.beam_memory",
+        "bench/results/beam-memory.json",
+        "bench.beam_memory:table",
+        "tests/test_l5_beams.py::test_quick_beam_memory_saves_blocks_and_copying_changes_no_token",
+        table=0,
+    ),
+    "l5-beam-throughput": Source(
+        "python -m bench.beam_memory",
+        "bench/results/beam-memory.json",
+        "bench.beam_memory:table",
+        "tests/test_l5_beams.py::test_quick_beam_memory_saves_blocks_and_copying_changes_no_token",
+        table=1,
+    ),
 }
 
 
