@@ -18,6 +18,11 @@ computed: the victims come from the back of ``running``, behind the sequence bei
 are not in the batch yet, and nothing is admitted after a preemption. So a block registered in the
 prefix cache this step is always filled by this step, whoever else shares it.
 
+``reservation`` picks what admission holds (``sequence.reservation_len``): ``"paged"`` takes blocks as
+positions are computed; ``"oracle"``, ``"pow2"`` and ``"max"`` (the vLLM paper's baselines) hold a
+request's whole reservation from admission to finish, so a running sequence never needs a block and
+nothing is preempted: a request waits until its reservation fits.
+
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
 whole step. ``update()`` takes the step's logits, samples each sequence's next token with its own
@@ -48,7 +53,7 @@ from kvcourse.sampling import sample
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .cache import KvPool
 from .prefix_cache import match_prefix
-from .sequence import FinishReason, Sequence, Status, reserve
+from .sequence import RESERVATIONS, FinishReason, Sequence, Status, reservation_len, reserve
 
 Batch = list[tuple[Sequence, int]]  # the sequences of one step, each with the number of tokens it runs
 
@@ -64,6 +69,8 @@ class Scheduler:
         prefill_chunk_size: int | None = None,
         eos_ids: tuple[int, ...] = (),
         enable_prefix_caching: bool = True,
+        reservation: str = "paged",
+        max_model_len: int | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -73,6 +80,10 @@ class Scheduler:
             raise ValueError(
                 f"prefill_chunk_size must be >= 1 or None (no chunking), got {prefill_chunk_size}"
             )
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {reservation!r}")
+        if reservation == "max" and max_model_len is None:
+            raise ValueError("reservation 'max' needs max_model_len")
         self.allocator = allocator
         self.pool = pool  # clones copy a partial block's K/V in it
         self.max_num_seqs = max_num_seqs
@@ -80,6 +91,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.eos_ids = eos_ids
         self.enable_prefix_caching = enable_prefix_caching
+        self.reservation, self.max_model_len = reservation, max_model_len
         self.waiting: list[Sequence] = []  # in Sequence.sort_key order
         self.running: list[Sequence] = []  # in Sequence.sort_key order: the last one is preempted first
         self.finished: list[Sequence] = []
@@ -122,7 +134,7 @@ class Scheduler:
             if n == 0:
                 break  # the step's token budget is spent
             try:
-                reserve(seq, self.allocator, start + n, cached)
+                reserve(seq, self.allocator, start + n, cached, self.hold_len(seq))
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
             seq.num_computed_tokens = start  # its prefill skips the prefix-cache hits
@@ -174,8 +186,9 @@ class Scheduler:
 
         Every sequence is in the queue its status names, each queue in scheduling order; waiting and
         finished sequences hold no blocks; a running sequence holds exactly the blocks of its computed
-        positions; at most ``max_num_seqs`` sequences run; and the block allocator's books balance, with
-        every block's reference count equal to the number of running sequences holding it.
+        positions, or of its reservation if that is longer; at most ``max_num_seqs`` sequences run; and
+        the block allocator's books balance, with every block's reference count equal to the number of
+        running sequences holding it.
         """
         for queue, status in ((self.waiting, Status.WAITING), (self.running, Status.RUNNING)):
             assert all(r.status is status for r in queue), f"a sequence in {status.value} has another status"
@@ -183,13 +196,18 @@ class Scheduler:
         assert all(r.status is Status.FINISHED and not r.block_table for r in self.finished)
         assert all(not r.block_table and r.num_computed_tokens == 0 for r in self.waiting)
         for r in self.running:
-            assert len(r.block_table) == blocks_needed(r.num_computed_tokens, self.allocator.block_size), (
+            held = max(r.num_computed_tokens, self.hold_len(r))
+            assert len(r.block_table) == blocks_needed(held, self.allocator.block_size), (
                 f"sequence {r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} tokens"
             )
         assert self.num_running_seqs() <= self.max_num_seqs
         ids = [(r.request_id, r.sample_index) for r in self.waiting + self.running + self.finished]
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         self.allocator.check_invariants(r.block_table for r in self.running)
+
+    def hold_len(self, seq: Sequence) -> int:
+        """Positions ``seq`` holds blocks for from admission, under this scheduler's reservation policy."""
+        return reservation_len(self.reservation, len(seq.prompt_ids) + seq.max_new_tokens, self.max_model_len)
 
     def _num_new_tokens(self, seq: Sequence, token_budget: int, computed: int) -> int:
         """Tokens ``seq`` runs this step when ``computed`` of its positions are in the pool: all the

@@ -19,6 +19,10 @@ the scheduler clones it into n sequences, itself (``sample_index`` 0) and n - 1 
 same ``request_id``), which share its full blocks. Each sequence samples with its own
 ``SamplingParams`` and ``generator``.
 
+``reservation_len`` is what a reservation policy holds per request at admission: ``paged`` nothing
+ahead (blocks on demand), or the vLLM paper's baselines, which hold a request's whole length (Oracle),
+its next power of two (Pow2) or the longest a request may be (Max) from its first step to its last.
+
 Left out on purpose: beam search (clones that also drop sequences), stop strings, and logprobs.
 """
 
@@ -91,9 +95,35 @@ class Sequence:
         return (-self.priority, self.request_id, self.sample_index)
 
 
-def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:
-    """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks, and give every block
-    that positions up to target_len fill its prefix-cache key.
+RESERVATIONS = ("paged", "oracle", "pow2", "max")
+
+
+def reservation_len(policy: str, length: int, max_model_len: int) -> int:
+    """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
+    admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
+
+    - ``paged``: none ahead; a block comes when a position falls past the last one (this course's way);
+    - ``oracle``: exactly its length, known in advance (Orca (Oracle));
+    - ``pow2``: the next power of two of its length, at most max_model_len (Orca (Pow2));
+    - ``max``: max_model_len, whatever its length (Orca (Max)).
+
+    Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
+    """
+    if policy == "paged":
+        return 0
+    if policy == "oracle":
+        return length
+    if policy == "pow2":
+        return min(1 << (length - 1).bit_length(), max_model_len)
+    return max_model_len
+
+
+def reserve(
+    seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = (), hold_len: int = 0
+) -> None:
+    """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks, and 0 .. hold_len - 1
+    too (what a reservation policy holds ahead, ``reservation_len``), and give every block that
+    positions up to target_len fill its prefix-cache key.
 
     ``cached``: for a sequence that holds no blocks yet, the blocks ``match_prefix`` found; they are
     shared (ref_count + 1) instead of allocated. With block_size 4, a sequence ``a`` holding [0],
@@ -102,12 +132,15 @@ def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: I
         reserve(a, allocator, 4) -> a.block_table [0]      (nothing allocated; block 0 is now full:
                                                             registered under block_hash(None, a's 4 tokens))
         reserve(a, allocator, 6) -> a.block_table [0, 2]
+        reserve(a, allocator, 6, hold_len=16) -> a.block_table [0, 2, 3, 4]
 
     The step that computes those positions runs right after, and in every layer it writes all new
     K/V before attention reads any, so a sequence that shares a block registered in the same step
     reads it filled. If the free list is too short, ``OutOfBlocksError`` is raised and nothing changes.
     """
-    missing = blocks_needed(target_len, allocator.block_size) - len(seq.block_table) - len(cached)
+    missing = (
+        blocks_needed(max(target_len, hold_len), allocator.block_size) - len(seq.block_table) - len(cached)
+    )
     if missing > 0 or cached:
         seq.block_table.extend(allocator.alloc_blocks(max(missing, 0), cached))
     register_full_blocks(allocator, seq.block_table, seq.all_ids, seq.num_computed_tokens, target_len)
