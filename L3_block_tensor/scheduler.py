@@ -101,9 +101,11 @@ class Scheduler:
             if n == 0:
                 break  # the step's token budget is spent
             try:
-                reserve(seq, self.allocator, seq.num_computed_tokens + n, self.hold_len(seq))
+                reserve(seq, self.allocator, seq.num_computed_tokens + n)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
+            ahead = self._held_blocks(seq) - len(seq.block_table)  # a reservation policy's; checked to fit
+            seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
@@ -150,7 +152,7 @@ class Scheduler:
         assert all(r.status is Status.FINISHED and not r.block_table for r in self.finished)
         assert all(not r.block_table and r.num_computed_tokens == 0 for r in self.waiting)
         for r in self.running:
-            held = max(r.num_computed_tokens, self.hold_len(r))
+            held = max(r.num_computed_tokens, self.hold_len(len(r.prompt_ids) + r.max_new_tokens))
             assert len(r.block_table) == blocks_needed(held, self.allocator.block_size), (
                 f"sequence {r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} tokens"
             )
@@ -159,13 +161,23 @@ class Scheduler:
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         self.allocator.check_invariants(r.block_table for r in self.running)
 
-    def hold_len(self, seq: Sequence) -> int:
-        """Positions ``seq`` holds blocks for from admission, under this scheduler's reservation policy."""
-        return reservation_len(self.reservation, len(seq.prompt_ids) + seq.max_new_tokens, self.max_model_len)
+    def _held_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` holds from admission under the reservation policy (0 for paged)."""
+        return blocks_needed(
+            self.hold_len(len(seq.prompt_ids) + seq.max_new_tokens), self.allocator.block_size
+        )
+
+    def hold_len(self, length: int) -> int:
+        """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
+        under this scheduler's reservation policy (0 for paged)."""
+        return reservation_len(self.reservation, length, self.max_model_len)
 
     def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens ``seq`` runs this step: all it has not computed yet, cut to the prefill chunk and the
-        step's token budget; without chunking, all of them or nothing (0)."""
+        step's token budget; without chunking, all of them or nothing (0). Also 0 while a reservation
+        policy's blocks for it do not fit the free list."""
+        if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
+            return 0  # its whole reservation must fit first (paged holds none ahead)
         n = seq.num_tokens - seq.num_computed_tokens
         if self.prefill_chunk_size is None:
             return n if n <= token_budget else 0

@@ -14,12 +14,9 @@ steps until all are done; ``add_request`` + ``step`` let a caller feed requests 
 
 Sizes: a pool left to its default starts with L1's bytes (one ``max_model_len`` sequence), and
 ``generate`` grows it first, if need be, so that its requests run side by side (as many as
-``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is.
-A KV budget is a serving engine's way: ``kv_cache_bytes`` (or, on a GPU, ``gpu_memory_utilization``,
-the share of the device left after the weights and a profiled step) is sized into blocks once, at
-2 x H_kv x D x layers x 4 bytes a token (the set-up line, ``stats().describe()``, shows the sum), and
-never grown: under pressure the scheduler preempts. ``reservation`` picks what admission holds per
-request (``scheduler.py``): paged, or the vLLM paper's Oracle, Pow2 and Max baselines.
+``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is;
+a ``kv_cache_bytes`` budget (or ``gpu_memory_utilization``) is sized into blocks once and never grown
+(``kvcourse.limits.kv_budget``). ``reservation`` picks what admission holds (``scheduler.py``).
 
 ``device`` ("cpu", "cuda", ...) is where the weights and the pool live; ``prepare`` makes the step's
 tensors there. A step's one trip back to the host is its greedy tokens, which the scheduler needs.
@@ -39,14 +36,8 @@ import itertools
 
 import torch
 
-from kvcourse.devices import kv_bytes_for_fraction, profile_forward, resolve_device
-from kvcourse.limits import (
-    budget_blocks,
-    check_blocks,
-    check_requests,
-    describe_budget,
-    resolve_max_model_len,
-)
+from kvcourse.devices import resolve_device
+from kvcourse.limits import check_blocks, check_requests, kv_budget, resolve_max_model_len
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats, UsageMeter
@@ -56,7 +47,7 @@ from .attention import ForwardMeta, attention
 from .cache import KvPool
 from .fast import FastPath
 from .scheduler import Batch, Scheduler
-from .sequence import Sequence, reservation_len, slots
+from .sequence import Sequence, slots
 
 
 class Engine:
@@ -66,13 +57,13 @@ class Engine:
         device="cpu",
         block_size: int = 16,
         num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        reservation: str = "paged",
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
         prefill_chunk_size: int | None = None,
         max_model_len: int | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float | None = None,
-        reservation: str = "paged",
         kernel: str = "auto",
         num_splits: int = 1,
         cuda_graphs: bool = False,
@@ -89,12 +80,9 @@ class Engine:
                 f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
                 f"{max_num_batched_tokens} < max_model_len={self.max_model_len}"
             )
-        if gpu_memory_utilization is not None:  # vLLM's way: what the device has left after a profiled step
-            profile = functools.partial(profile_forward, self.model, max_num_batched_tokens)
-            kv_cache_bytes = kv_bytes_for_fraction(self.device, gpu_memory_utilization, profile)
-        self.kv_cache_bytes = kv_cache_bytes
-        if kv_cache_bytes is not None:  # a budget: sized into blocks once, never grown
-            num_blocks = budget_blocks(kv_cache_bytes, block_size, cfg, num_blocks)
+        num_blocks, self.budget = kv_budget(  # a budget in bytes: sized into blocks once, never grown
+            num_blocks, kv_cache_bytes, gpu_memory_utilization, block_size, self.model, max_num_batched_tokens
+        )
         self.grows_pool = num_blocks is None  # generate() grows it to fit its requests
         if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
@@ -135,15 +123,9 @@ class Engine:
             device=str(self.device),
             kernel=self.fast.name,
             max_num_seqs=self.scheduler.max_num_seqs,
-            kv_budget=self.budget_line(),
+            kv_budget=self.budget.line if self.budget else "",
             reservation=self.scheduler.reservation,
         )
-
-    def budget_line(self) -> str:
-        """How the KV budget was sized into blocks, or "" without one."""
-        if self.kv_cache_bytes is None:
-            return ""
-        return describe_budget(self.kv_cache_bytes, self.allocator.block_size, self.model.cfg)
 
     def fit_pool(self, lengths: list[int]) -> None:
         """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + max_new_tokens)
@@ -152,13 +134,8 @@ class Engine:
         Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
         and 32 of them run at once: a pool of 128 blocks grows to 224.
         """
-        block_size, policy, max_len = (
-            self.allocator.block_size,
-            self.scheduler.reservation,
-            self.max_model_len,
-        )
-        held = [max(n, reservation_len(policy, n, max_len)) for n in lengths]  # what admission holds
-        needed = sorted((blocks_needed(n, block_size) for n in held), reverse=True)
+        block_size = self.allocator.block_size
+        needed = sorted((blocks_needed(n, block_size) for n in lengths), reverse=True)
         missing = sum(needed[: self.scheduler.max_num_seqs]) - self.allocator.num_blocks
         if missing > 0:
             self.allocator.grow(missing)
@@ -171,17 +148,9 @@ class Engine:
             [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
         )
         total, block_size = len(prompt) + max_new_tokens, self.allocator.block_size
-        held = max(total, reservation_len(self.scheduler.reservation, total, self.max_model_len))
-        block_bytes = block_size * self.model.cfg.kv_bytes_per_token()
-        check_blocks(
-            label,
-            held,
-            blocks_needed(held, block_size),
-            block_size,
-            self.allocator.num_blocks,
-            self.kv_cache_bytes,
-            block_bytes,
-        )
+        total = max(total, self.scheduler.hold_len(total))  # what admission holds under a reservation policy
+        needed = blocks_needed(total, block_size)
+        check_blocks(label, total, needed, block_size, self.allocator.num_blocks, self.budget)
         return max_new_tokens
 
     def add_request(

@@ -92,20 +92,18 @@ def reservation_len(policy: str, length: int, max_model_len: int) -> int:
     return max_model_len
 
 
-def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, hold_len: int = 0) -> None:
-    """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks, and 0 .. hold_len - 1
-    too (what a reservation policy holds ahead, ``reservation_len``).
+def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int) -> None:
+    """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks.
 
     A block is allocated only when a position falls past the last one. With block_size 4, a sequence
     ``a`` holding blocks [0], another holding [1], and the free list 2, 3, ...:
 
         reserve(a, allocator, 4) -> a.block_table [0]      (4 positions fit in one block; nothing allocated)
         reserve(a, allocator, 6) -> a.block_table [0, 2]
-        reserve(a, allocator, 6, hold_len=16) -> a.block_table [0, 2, 3, 4]
 
     If the free list is too short, ``OutOfBlocksError`` is raised and ``seq`` is left as it was.
     """
-    missing = blocks_needed(max(target_len, hold_len), allocator.block_size) - len(seq.block_table)
+    missing = blocks_needed(target_len, allocator.block_size) - len(seq.block_table)
     if missing > 0:
         seq.block_table.extend(allocator.alloc_blocks(missing))
 

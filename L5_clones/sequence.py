@@ -118,12 +118,9 @@ def reservation_len(policy: str, length: int, max_model_len: int) -> int:
     return max_model_len
 
 
-def reserve(
-    seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = (), hold_len: int = 0
-) -> None:
-    """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks, and 0 .. hold_len - 1
-    too (what a reservation policy holds ahead, ``reservation_len``), and give every block that
-    positions up to target_len fill its prefix-cache key.
+def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:
+    """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks, and give every block
+    that positions up to target_len fill its prefix-cache key.
 
     ``cached``: for a sequence that holds no blocks yet, the blocks ``match_prefix`` found; they are
     shared (ref_count + 1) instead of allocated. With block_size 4, a sequence ``a`` holding [0],
@@ -132,15 +129,12 @@ def reserve(
         reserve(a, allocator, 4) -> a.block_table [0]      (nothing allocated; block 0 is now full:
                                                             registered under block_hash(None, a's 4 tokens))
         reserve(a, allocator, 6) -> a.block_table [0, 2]
-        reserve(a, allocator, 6, hold_len=16) -> a.block_table [0, 2, 3, 4]
 
     The step that computes those positions runs right after, and in every layer it writes all new
     K/V before attention reads any, so a sequence that shares a block registered in the same step
     reads it filled. If the free list is too short, ``OutOfBlocksError`` is raised and nothing changes.
     """
-    missing = (
-        blocks_needed(max(target_len, hold_len), allocator.block_size) - len(seq.block_table) - len(cached)
-    )
+    missing = blocks_needed(target_len, allocator.block_size) - len(seq.block_table) - len(cached)
     if missing > 0 or cached:
         seq.block_table.extend(allocator.alloc_blocks(max(missing, 0), cached))
     register_full_blocks(allocator, seq.block_table, seq.all_ids, seq.num_computed_tokens, target_len)

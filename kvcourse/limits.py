@@ -10,6 +10,8 @@ generation stops; otherwise stop at the budget. Every message names the value an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvcourse.config import ModelConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -82,29 +84,56 @@ def check_context(ids: list[list[int]], budgets: list[int], cfg: ModelConfig) ->
 
 
 def check_blocks(
-    label: str,
-    num_tokens: int,
-    needed: int,
-    block_size: int,
-    num_blocks: int,
-    budget: int | None = None,
-    block_bytes: int = 0,
+    label: str, num_tokens: int, needed: int, block_size: int, num_blocks: int, budget: KvBudget | None = None
 ) -> None:
-    """Refuse a request whose ``num_tokens`` need more blocks than the whole pool has. ``budget``: the
-    engine's KV budget in bytes, if it has one, and ``block_bytes`` a block's; the message then names
-    the bytes needed and given.
+    """Refuse a request whose ``num_tokens`` need more blocks than the whole pool has; with a KV budget
+    (``kv_budget``), the message also names the bytes needed and given.
 
     Example: ``check_blocks("prompt 5", 272, 17, 16, 16)`` raises
-    ``prompt 5: 272 tokens need 17 blocks of 16, but the pool has only 16 blocks``; with
-    ``budget=12_000_000, block_bytes=737_280`` (SmolLM2-135M fp32, 16 tokens) the message goes on
+    ``prompt 5: 272 tokens need 17 blocks of 16, but the pool has only 16 blocks``; with a budget of
+    12,000,000 bytes for SmolLM2-135M fp32 (737,280 bytes a block of 16) the message goes on
     ``: 12,533,760 bytes of KV needed, kv_cache_bytes=12,000,000 given``.
     """
     if needed > num_blocks:
-        message = (
+        note = budget_note(needed, budget.block_bytes, budget.kv_cache_bytes) if budget else ""
+        raise ValueError(
             f"{label}: {num_tokens} tokens need {needed} blocks of {block_size}, "
-            f"but the pool has only {num_blocks} blocks"
+            f"but the pool has only {num_blocks} blocks{note}"
         )
-        raise ValueError(message + budget_note(needed, block_bytes, budget))
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """A KV budget in bytes, a block's bytes, and the set-up line that shows how it was sized."""
+
+    kv_cache_bytes: int
+    block_bytes: int
+    line: str
+
+
+def kv_budget(
+    num_blocks: int | None,
+    kv_cache_bytes: int | None,
+    gpu_memory_utilization: float | None,
+    block_size: int,
+    model,
+    max_step_tokens: int,
+) -> tuple[int | None, KvBudget | None]:
+    """An engine's pool size: ``num_blocks`` as given when it has no budget; else the blocks its budget
+    holds (``budget_blocks``), with the budget. ``gpu_memory_utilization`` makes the budget that share of
+    a CUDA device, after the weights and a profiled step of ``max_step_tokens`` tokens
+    (``kvcourse.devices.kv_bytes_for_fraction``)."""
+    if gpu_memory_utilization is not None:
+        from kvcourse.devices import kv_bytes_for_fraction, profile_forward
+
+        profile = lambda: profile_forward(model, max_step_tokens)  # noqa: E731
+        kv_cache_bytes = kv_bytes_for_fraction(model.device, gpu_memory_utilization, profile)
+    if kv_cache_bytes is None:
+        return num_blocks, None
+    cfg = model.cfg
+    blocks = budget_blocks(kv_cache_bytes, block_size, cfg, num_blocks)
+    line = describe_budget(kv_cache_bytes, block_size, cfg)
+    return blocks, KvBudget(kv_cache_bytes, block_size * cfg.kv_bytes_per_token(), line)
 
 
 def budget_note(needed: int, block_bytes: int, budget: int | None) -> str:

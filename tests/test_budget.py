@@ -193,7 +193,7 @@ def test_l5_refuses_clones_under_a_reserving_policy(tiny_qwen3_dir):
     engine = L5Engine(
         tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=BUDGET, max_model_len=MAX_LEN, reservation="oracle"
     )
-    with pytest.raises(ValueError, match="request: n=2 samples need reservation='paged', got 'oracle'"):
+    with pytest.raises(ValueError, match="n=2 samples need reservation='paged', got 'oracle'"):
         engine.add_request([5, 6], 3, n=2)
 
 

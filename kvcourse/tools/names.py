@@ -79,7 +79,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "cache.py:KvPool.grow": ("", "the pool never grows: its shape is compiled in"),
     "cache.py:KvPool.copy_block": ("kv_cache.py:copy_page", "the clone's partial last page, every layer"),
     "cache.py:KvPool.nbytes": ("engine.py:Engine.stats", "`kv_bytes_reserved` sums the pools' `nbytes`"),
-    "engine.py:Engine.budget_line": ("engine.py:Engine.budget_line", "the same, in pages"),
     # ---- engine.py
     "engine.py:Engine": ("engine.py:Engine", "the same contract; `mesh_engine.MeshEngine` runs it over a device mesh"),
     "engine.py:Engine(model_dir=)": ("engine.py:Engine(model_dir=)", "the same"),
@@ -102,7 +101,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine.model_dir": ("engine.py:Engine.model_dir", "the same"),
     "engine.py:Engine.model": ("engine.py:Engine.params, engine.py:Engine.cfg", "weights as a pytree; the model is `kvcourse.jax_model.forward`"),
     "engine.py:Engine.max_model_len": ("engine.py:Engine.max_model_len", "the same"),
-    "engine.py:Engine.kv_cache_bytes": ("engine.py:Engine.kv_cache_bytes", "the same"),
+    "engine.py:Engine.budget": ("engine.py:Engine.kv_cache_bytes, engine.py:Engine.budget_line", "the bytes, and the sizing line"),
     "engine.py:Engine.grows_pool": ("", "the pool never grows"),
     "engine.py:Engine.allocator": ("decode_state.py:DecodeState.page_table", "on the device, in the state"),
     "engine.py:Engine.pool": ("engine.py:Engine.kv_pages", "a tuple of L arrays"),
