@@ -93,6 +93,8 @@ def test_timeline_stamps_first_and_last_token():
     t.tokens(0, [7], 0.3)  # no new token: nothing changes
     t.tokens(0, [7, 8], 0.4)
     assert (t.first_token, t.last_token, t.outputs) == ([0.2], [0.4], [[7, 8]])
+    t.tokens(0, [7, 8, 9, 10], 0.7)
+    assert t.gaps(0) == pytest.approx([0.2, 0.3, 0.0])
 
 
 class FakeClock:
@@ -125,3 +127,31 @@ def test_serve_feeds_requests_as_they_arrive_and_changes_no_token(tiny_qwen3_dir
     assert all(s["reserved"] <= s["budget"] == 64 and s["live"] <= s["reserved"] for s in timeline.steps)
     rows = request_metrics(timeline)
     assert [r["output_tokens"] for r in rows] == [r.max_new_tokens for r in reqs]
+
+
+def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir, tmp_path):
+    """``python -m bench.serving --plan tiny`` on a tiny checkpoint: every policy, peer and chunk size
+    serves the stream to the end, and every output equals HF greedy one request at a time."""
+    from bench import serving as bench_serving
+
+    assert (
+        bench_serving.main(
+            ["--plan", "tiny", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "results")]
+        )
+        == 0
+    )
+    results = json.loads((tmp_path / "results" / "serving_tiny.json").read_text())
+    n = results["plan"]["n"]
+    rows = [row for by_rate in results["policies"].values() for row in by_rate.values()]
+    rows += [row for name, row in results["peers"].items() if name != "rate"]
+    assert len(rows) == 4 * 2 + 5 and all("error" not in row for row in rows), results["peers"]
+    assert all(row["agreement"]["match"] + len(row["agreement"]["ties"]) == n for row in rows)
+    assert all(not row["agreement"]["mismatches"] for row in rows)
+    chunks = results["chunked_prefill"]["by_chunk"]
+    assert set(chunks) == {"None", "16"} and all(not c["agreement"]["mismatches"] for c in chunks.values())
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "serving_chunked_prefill_tiny.png",
+        "serving_policies_tiny.png",
+    ]
+    max_rows = results["policies"]["max"].values()
+    assert all(r["summary"]["kv_live_share"] < 1 for r in max_rows)  # Max holds blocks nobody fills

@@ -39,6 +39,7 @@ class Timeline:
     last_token: list[float | None]  # when its last one did
     outputs: list[list[int]]  # its output tokens
     steps: list[dict] = field(default_factory=list)  # per step: t, reserved, live, budget (positions)
+    token_times: dict[int, list[float]] = field(default_factory=dict)  # request -> when each token came
     preemptions: int = 0
     end: float = 0.0  # when the last request finished
 
@@ -53,7 +54,13 @@ class Timeline:
             if self.first_token[i] is None:
                 self.first_token[i] = now
             self.last_token[i] = now
+            self.token_times.setdefault(i, []).extend([now] * (len(tokens) - len(self.outputs[i])))
             self.outputs[i] = list(tokens)
+
+    def gaps(self, i: int) -> list[float]:
+        """Request i's inter-token gaps: the time between each output token and the one before."""
+        times = self.token_times.get(i, [])
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
 def serve(engine, requests: list[Request], clock=time.perf_counter, sleep=time.sleep) -> Timeline:
