@@ -54,11 +54,11 @@ ROOT = Path(__file__).resolve().parent
 BLOCK = 16
 PLANS = {  # sizes: what --quick runs, and what the full run does (under 30 minutes here)
     "quick": {"n": 6, "scale": 0.25, "rates": [1.0, 4.0], "max_len": 128, "blocks": 24, "peer_rate": 1.0,
-              "chunks": [None, 32], "short": 3, "long": 2, "long_prompt": 384},
+              "chunks": [None, 32], "short": 3, "short_new": 32, "long": 2, "long_prompt": 256},
     "tiny": {"n": 4, "scale": 0.1, "rates": [2.0, 8.0], "max_len": 64, "blocks": 12, "peer_rate": 2.0,
-             "chunks": [None, 16], "short": 2, "long": 1, "long_prompt": 40},  # tests only
+             "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1, "long_prompt": 40},  # tests only
     "full": {"n": 16, "scale": 1.0, "rates": [0.25, 0.5, 1.0, 2.0], "max_len": 256, "blocks": 48,
-             "peer_rate": 0.5, "chunks": [None, 32, 64, 128], "short": 4, "long": 3, "long_prompt": 768},
+             "peer_rate": 0.5, "chunks": [None, 32, 64, 128], "short": 4, "short_new": 96, "long": 3, "long_prompt": 768},
 }  # fmt: skip
 SEED = 35
 
@@ -187,7 +187,10 @@ def chunk_stream(plan, vocab: int) -> list[Request]:
     import random
 
     rng = random.Random(SEED)
-    reqs = [Request(0.0, [rng.randrange(3, vocab) for _ in range(16)], 96) for _ in range(plan["short"])]
+    reqs = [
+        Request(0.0, [rng.randrange(3, vocab) for _ in range(16)], plan["short_new"])
+        for _ in range(plan["short"])
+    ]
     for k in range(plan["long"]):
         reqs.append(Request(2.0 + 3.0 * k, [rng.randrange(3, vocab) for _ in range(plan["long_prompt"])], 8))
     return reqs
