@@ -13,7 +13,9 @@ steps until all are done; ``add_request`` + ``step`` let a caller feed requests 
 
 Sizes: a pool left to its default starts with L1's bytes (one ``max_model_len`` sequence), and
 ``generate`` grows it first, if need be, so that its requests run side by side (as many as
-``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is.
+``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is;
+a ``kv_cache_bytes`` budget (or ``gpu_memory_utilization``) is sized into blocks once and never grown
+(``kvcourse.limits.kv_budget``). ``reservation`` picks what admission holds (``scheduler.py``).
 
 ``device`` ("cpu", "cuda", ...) is where the weights and the pool live; ``prepare`` makes the step's
 tensors there. A step's one trip back to the host is its greedy tokens, which the scheduler needs.
@@ -30,7 +32,7 @@ import itertools
 import torch
 
 from kvcourse.devices import resolve_device
-from kvcourse.limits import check_blocks, check_requests, resolve_max_model_len
+from kvcourse.limits import check_blocks, check_requests, kv_budget, resolve_max_model_len
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats, UsageMeter
@@ -49,6 +51,9 @@ class Engine:
         device="cpu",
         block_size: int = 16,
         num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        reservation: str = "paged",
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
         prefill_chunk_size: int | None = None,
@@ -66,6 +71,9 @@ class Engine:
                 f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
                 f"{max_num_batched_tokens} < max_model_len={self.max_model_len}"
             )
+        num_blocks, self.budget = kv_budget(  # a budget in bytes: sized into blocks once, never grown
+            num_blocks, kv_cache_bytes, gpu_memory_utilization, block_size, self.model, max_num_batched_tokens
+        )
         self.grows_pool = num_blocks is None  # generate() grows it to fit its requests
         if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
             num_blocks = blocks_needed(self.max_model_len, block_size)
@@ -79,6 +87,8 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk_size=prefill_chunk_size,
             eos_ids=cfg.eos_token_ids,
+            reservation=reservation,
+            max_model_len=self.max_model_len,
         )
         self.meter = UsageMeter()  # live vs held positions, step by step
         self.num_steps = self.num_tokens_run = 0
@@ -99,6 +109,8 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             device=str(self.device),
             max_num_seqs=self.scheduler.max_num_seqs,
+            kv_budget=self.budget.line if self.budget else "",
+            reservation=self.scheduler.reservation,
         )
 
     def fit_pool(self, lengths: list[int]) -> None:
@@ -117,12 +129,14 @@ class Engine:
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> int:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
-        whole pool). Returns its max_new_tokens."""
+        whole pool, its reservation included). Returns its max_new_tokens."""
         [max_new_tokens] = check_requests(
             [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
         )
         total, block_size = len(prompt) + max_new_tokens, self.allocator.block_size
-        check_blocks(label, total, blocks_needed(total, block_size), block_size, self.allocator.num_blocks)
+        total = max(total, self.scheduler.hold_len(total))  # what admission holds under a reservation policy
+        needed = blocks_needed(total, block_size)
+        check_blocks(label, total, needed, block_size, self.allocator.num_blocks, self.budget)
         return max_new_tokens
 
     def add_request(

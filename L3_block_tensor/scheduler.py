@@ -11,6 +11,11 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
    arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
+``reservation`` picks what admission holds (``sequence.reservation_len``): ``"paged"`` takes blocks as
+positions are computed; ``"oracle"``, ``"pow2"`` and ``"max"`` (the vLLM paper's baselines) hold a
+request's whole reservation from admission to finish, so a running sequence never needs a block and
+nothing is preempted: a request waits until its reservation fits.
+
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
 whole step. ``update()`` takes the model's next tokens and finishes the sequences that are done (eos,
@@ -28,7 +33,7 @@ from bisect import insort
 from kvcourse.limits import finished
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
-from .sequence import FinishReason, Sequence, Status, reserve
+from .sequence import RESERVATIONS, FinishReason, Sequence, Status, reservation_len, reserve
 
 Batch = list[tuple[Sequence, int]]  # the sequences of one step, each with the number of tokens it runs
 
@@ -42,6 +47,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_chunk_size: int | None = None,
         eos_ids: tuple[int, ...] = (),
+        reservation: str = "paged",
+        max_model_len: int | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -51,11 +58,16 @@ class Scheduler:
             raise ValueError(
                 f"prefill_chunk_size must be >= 1 or None (no chunking), got {prefill_chunk_size}"
             )
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {reservation!r}")
+        if reservation == "max" and max_model_len is None:
+            raise ValueError("reservation 'max' needs max_model_len")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self.eos_ids = eos_ids
+        self.reservation, self.max_model_len = reservation, max_model_len
         self.waiting: list[Sequence] = []  # in Sequence.sort_key order
         self.running: list[Sequence] = []  # in Sequence.sort_key order: the last one is preempted first
         self.finished: list[Sequence] = []
@@ -92,6 +104,8 @@ class Scheduler:
                 reserve(seq, self.allocator, seq.num_computed_tokens + n)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
+            ahead = self._held_blocks(seq) - len(seq.block_table)  # a reservation policy's; checked to fit
+            seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
@@ -129,8 +143,8 @@ class Scheduler:
 
         Every sequence is in the queue its status names, each queue in scheduling order; waiting and
         finished sequences hold no blocks; a running sequence holds exactly the blocks of its computed
-        positions; at most ``max_num_seqs`` run; and the allocator's books balance, with the running
-        sequences owning exactly the blocks handed out.
+        positions, or of its reservation if that is longer; at most ``max_num_seqs`` run; and the
+        allocator's books balance, with the running sequences owning exactly the blocks handed out.
         """
         for queue, status in ((self.waiting, Status.WAITING), (self.running, Status.RUNNING)):
             assert all(r.status is status for r in queue), f"a sequence in {status.value} has another status"
@@ -138,7 +152,8 @@ class Scheduler:
         assert all(r.status is Status.FINISHED and not r.block_table for r in self.finished)
         assert all(not r.block_table and r.num_computed_tokens == 0 for r in self.waiting)
         for r in self.running:
-            assert len(r.block_table) == blocks_needed(r.num_computed_tokens, self.allocator.block_size), (
+            held = max(r.num_computed_tokens, self.hold_len(len(r.prompt_ids) + r.max_new_tokens))
+            assert len(r.block_table) == blocks_needed(held, self.allocator.block_size), (
                 f"sequence {r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} tokens"
             )
         assert len(self.running) <= self.max_num_seqs
@@ -146,9 +161,23 @@ class Scheduler:
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         self.allocator.check_invariants(r.block_table for r in self.running)
 
+    def _held_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` holds from admission under the reservation policy (0 for paged)."""
+        return blocks_needed(
+            self.hold_len(len(seq.prompt_ids) + seq.max_new_tokens), self.allocator.block_size
+        )
+
+    def hold_len(self, length: int) -> int:
+        """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
+        under this scheduler's reservation policy (0 for paged)."""
+        return reservation_len(self.reservation, length, self.max_model_len)
+
     def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens ``seq`` runs this step: all it has not computed yet, cut to the prefill chunk and the
-        step's token budget; without chunking, all of them or nothing (0)."""
+        step's token budget; without chunking, all of them or nothing (0). Also 0 while a reservation
+        policy's blocks for it do not fit the free list."""
+        if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
+            return 0  # its whole reservation must fit first (paged holds none ahead)
         n = seq.num_tokens - seq.num_computed_tokens
         if self.prefill_chunk_size is None:
             return n if n <= token_budget else 0

@@ -23,6 +23,10 @@ A beam-search request (``group``, see ``beam.py``) also runs its prompt once, as
 takes num_beams seats; its beams are then sequences of the same request too, cloned and dropped as
 the search goes (``sample_index`` is a beam's slot in its group).
 
+``reservation_len`` is what a reservation policy holds per request at admission: ``paged`` nothing
+ahead (blocks on demand), or the vLLM paper's baselines, which hold a request's whole length (Oracle),
+its next power of two (Pow2) or the longest a request may be (Max) from its first step to its last.
+
 Left out on purpose: stop strings, and logprobs.
 """
 
@@ -99,6 +103,29 @@ class Sequence:
     # A beam of a beam search: its group (``beam.py``); the prompt of a search of n beams takes n seats
     # until it forks, and a beam's sample_index is its slot in the group. None: not a beam.
     group: BeamGroup | None = None
+
+
+RESERVATIONS = ("paged", "oracle", "pow2", "max")
+
+
+def reservation_len(policy: str, length: int, max_model_len: int) -> int:
+    """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
+    admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
+
+    - ``paged``: none ahead; a block comes when a position falls past the last one (this course's way);
+    - ``oracle``: exactly its length, known in advance (Orca (Oracle));
+    - ``pow2``: the next power of two of its length, at most max_model_len (Orca (Pow2));
+    - ``max``: max_model_len, whatever its length (Orca (Max)).
+
+    Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
+    """
+    if policy == "paged":
+        return 0
+    if policy == "oracle":
+        return length
+    if policy == "pow2":
+        return min(1 << (length - 1).bit_length(), max_model_len)
+    return max_model_len
 
 
 def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:

@@ -32,9 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcourse.devices import describe_jax_device, jax_device
+from kvcourse.devices import describe_jax_device, jax_device, jax_kv_bytes_for_fraction
 from kvcourse.jax_model import forward, load_params
-from kvcourse.limits import check_requests, resolve_max_model_len
+from kvcourse.limits import (
+    budget_blocks,
+    budget_note,
+    check_requests,
+    describe_budget,
+    resolve_max_model_len,
+)
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats
 
@@ -69,6 +75,8 @@ class Engine:
         device: str = "cpu",
         page_size: int = 16,
         num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 16,
         max_rounds: int = 32,
         max_model_len: int | None = None,
@@ -100,6 +108,11 @@ class Engine:
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         self.page_size, self.max_num_seqs, self.max_rounds = page_size, max_num_seqs, max_rounds
         self.pages_per_seq = cdiv(self.max_model_len, page_size)
+        if gpu_memory_utilization is not None:  # vLLM's way, from JAX's allocator (kvcourse/devices.py)
+            kv_cache_bytes = jax_kv_bytes_for_fraction(self.device, gpu_memory_utilization)
+        self.kv_cache_bytes = kv_cache_bytes
+        if kv_cache_bytes is not None:  # a budget: sized into pages once, never grown
+            num_pages = budget_blocks(kv_cache_bytes, page_size, cfg, num_pages)
         self.num_pages = self.pages_per_seq if num_pages is None else num_pages
         if self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
@@ -232,7 +245,14 @@ class Engine:
             device=f"{self.platform}:{self.device.id}",
             kernel=self.attention,
             max_num_seqs=self.max_num_seqs,
+            kv_budget=self.budget_line(),
         )
+
+    def budget_line(self) -> str:
+        """How the KV budget was sized into pages, or "" without one."""
+        if self.kv_cache_bytes is None:
+            return ""
+        return describe_budget(self.kv_cache_bytes, self.page_size, self.cfg)
 
     def describe(self) -> str:
         """Where and how this engine runs, in one line.
@@ -264,8 +284,13 @@ class Engine:
         if need > self.num_pages:
             raise ValueError(
                 f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only {self.num_pages}"
+                + self.budget_note(need)
             )
         return budget
+
+    def budget_note(self, pages: int) -> str:
+        """The bytes ``pages`` pages take and the KV budget gives, for a refusal ("" without a budget)."""
+        return budget_note(pages, self.page_size * self.cfg.kv_bytes_per_token(), self.kv_cache_bytes)
 
     def raise_if_short(self, host: ds.DecodeState) -> None:
         """Raise OutOfPagesError if the device recorded a failed allocation."""

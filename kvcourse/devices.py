@@ -18,6 +18,14 @@ therefore calls ``exact_fp32()``, which turns TF32 off for the whole process (ma
 convolutions) and asks for "highest" float32 matmul precision; every process that compares (smoke,
 tests, CLI, GPU check, the HF reference) resolves its device through here first.
 
+A KV budget as a share of a GPU (``gpu_memory_utilization=``, as vLLM's option of that name):
+``kv_bytes_for_fraction`` (torch) gives the KV cache ``fraction`` x the device's total memory, less the
+memory in use once the weights are loaded and the peak a profiled forward of a full step adds; vLLM v1
+does the same (``available_kv_cache_memory_bytes = requested_memory - non_kv_cache_memory`` in
+``vllm/v1/worker/gpu_worker.py``, ``determine_available_memory``). ``jax_kv_bytes_for_fraction`` does it
+from JAX's allocator statistics, without an activation profile. Both need a GPU: the course's
+2-core CI machine has none, so they are implemented but not verified there.
+
 Left out on purpose: several GPUs per engine, other accelerator backends in torch (MPS, XPU; the
 course checks cpu and cuda only), and mixed precision.
 """
@@ -76,6 +84,68 @@ def describe(device: torch.device) -> str:
         return str(device)
     index = torch.cuda.current_device() if device.index is None else device.index
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def check_fraction(fraction: float) -> None:
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+
+
+def profile_forward(model, num_tokens: int) -> None:
+    """One forward of ``num_tokens`` tokens in one sequence, attention with no cache (causal SDPA):
+    the activation peak of the largest step an engine runs, for ``kv_bytes_for_fraction``."""
+    cfg, device = model.cfg, model.device
+    group = cfg.num_heads // cfg.num_kv_heads
+
+    def attend(layer, q, k, v):  # q: (T, H, D); k, v: (T, H_kv, D)
+        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # (H, T, D)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)
+        return out.transpose(0, 1)  # (T, H, D)
+
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)  # (T,)
+    model.forward(ids, torch.arange(num_tokens, device=device), attend, logits_at=ids[-1:])
+
+
+def kv_bytes_for_fraction(device: torch.device, fraction: float, profile) -> int:
+    """KV bytes for ``gpu_memory_utilization=fraction`` on a CUDA device: fraction x total memory, less
+    what is in use now (weights, CUDA context, other processes) and the peak ``profile()`` adds.
+
+    Example on an 80 GiB card with 0.6 GiB in use and a 1.4 GiB activation peak: 0.9 -> 70 GiB.
+    Elsewhere: ``ValueError: gpu_memory_utilization needs a CUDA device, got cpu``.
+    """
+    check_fraction(fraction)
+    if device.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization needs a CUDA device, got {device}")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    profile()
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    budget = int(fraction * total) - (total - free) - activations
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={fraction} leaves no KV memory: {fraction} x {total:,} bytes, less "
+            f"{total - free:,} in use and {activations:,} of activations, is {budget:,} bytes"
+        )
+    return budget
+
+
+def jax_kv_bytes_for_fraction(device, fraction: float) -> int:
+    """KV bytes for ``gpu_memory_utilization=fraction`` on a JAX GPU: fraction x the allocator's limit
+    (``memory_stats()["bytes_limit"]``), less its peak use so far (the weights; activations are not
+    profiled, as JAX allocates them inside compiled calls)."""
+    check_fraction(fraction)
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    if not stats:
+        raise ValueError(f"gpu_memory_utilization needs a GPU, got {device.platform}")
+    budget = int(fraction * stats["bytes_limit"]) - stats["peak_bytes_in_use"]
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={fraction} leaves no KV memory ({budget:,} bytes)")
+    return budget
 
 
 def jax_device(device: str = "cpu"):

@@ -3,11 +3,14 @@
 ``resolve_max_model_len`` picks an engine's length limit; ``check_requests`` validates what a caller
 hands ``Engine.generate`` (prompts, budgets, the length limit); ``check_context`` what a script reads
 from a prompt file (the model's context limit); ``check_blocks`` refuses a request a
-pool could never hold; ``finished`` is HF's stopping rule: the eos token is kept in the output, then
+pool could never hold (naming bytes needed and given when the pool is a KV budget); ``budget_blocks``
+sizes a KV budget in bytes into blocks, and ``describe_budget`` shows that arithmetic; ``finished`` is HF's stopping rule: the eos token is kept in the output, then
 generation stops; otherwise stop at the budget. Every message names the value and the limit.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvcourse.config import ModelConfig
 
@@ -80,17 +83,115 @@ def check_context(ids: list[list[int]], budgets: list[int], cfg: ModelConfig) ->
     return max(len(p) + b for p, b in zip(ids, budgets, strict=True))
 
 
-def check_blocks(label: str, num_tokens: int, needed: int, block_size: int, num_blocks: int) -> None:
-    """Refuse a request whose ``num_tokens`` need more blocks than the whole pool has.
+def check_blocks(
+    label: str, num_tokens: int, needed: int, block_size: int, num_blocks: int, budget: KvBudget | None = None
+) -> None:
+    """Refuse a request whose ``num_tokens`` need more blocks than the whole pool has; with a KV budget
+    (``kv_budget``), the message also names the bytes needed and given.
 
     Example: ``check_blocks("prompt 5", 272, 17, 16, 16)`` raises
-    ``prompt 5: 272 tokens need 17 blocks of 16, but the pool has only 16 blocks``.
+    ``prompt 5: 272 tokens need 17 blocks of 16, but the pool has only 16 blocks``; with a budget of
+    12,000,000 bytes for SmolLM2-135M fp32 (737,280 bytes a block of 16) the message goes on
+    ``: 12,533,760 bytes of KV needed, kv_cache_bytes=12,000,000 given``.
     """
     if needed > num_blocks:
+        note = budget_note(needed, budget.block_bytes, budget.kv_cache_bytes) if budget else ""
         raise ValueError(
             f"{label}: {num_tokens} tokens need {needed} blocks of {block_size}, "
-            f"but the pool has only {num_blocks} blocks"
+            f"but the pool has only {num_blocks} blocks{note}"
         )
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """A KV budget in bytes, a block's bytes, and the set-up line that shows how it was sized."""
+
+    kv_cache_bytes: int
+    block_bytes: int
+    line: str
+
+
+def kv_budget(
+    num_blocks: int | None,
+    kv_cache_bytes: int | None,
+    gpu_memory_utilization: float | None,
+    block_size: int,
+    model,
+    max_step_tokens: int,
+) -> tuple[int | None, KvBudget | None]:
+    """An engine's pool size: ``num_blocks`` as given when it has no budget; else the blocks its budget
+    holds (``budget_blocks``), with the budget. ``gpu_memory_utilization`` makes the budget that share of
+    a CUDA device, after the weights and a profiled step of ``max_step_tokens`` tokens
+    (``kvcourse.devices.kv_bytes_for_fraction``)."""
+    if gpu_memory_utilization is not None:
+        from kvcourse.devices import kv_bytes_for_fraction, profile_forward
+
+        profile = lambda: profile_forward(model, max_step_tokens)  # noqa: E731
+        kv_cache_bytes = kv_bytes_for_fraction(model.device, gpu_memory_utilization, profile)
+    if kv_cache_bytes is None:
+        return num_blocks, None
+    cfg = model.cfg
+    blocks = budget_blocks(kv_cache_bytes, block_size, cfg, num_blocks)
+    line = describe_budget(kv_cache_bytes, block_size, cfg)
+    return blocks, KvBudget(kv_cache_bytes, block_size * cfg.kv_bytes_per_token(), line)
+
+
+def budget_note(needed: int, block_bytes: int, budget: int | None) -> str:
+    """What a refusal adds when the pool is a KV budget: the bytes needed and given ("" without one).
+
+    Example: ``budget_note(17, 737_280, 12_000_000) -> ': 12,533,760 bytes of KV needed,
+    kv_cache_bytes=12,000,000 given'``.
+    """
+    if budget is None:
+        return ""
+    return f": {needed * block_bytes:,} bytes of KV needed, kv_cache_bytes={budget:,} given"
+
+
+def budget_blocks(
+    kv_cache_bytes: int,
+    block_size: int,
+    cfg: ModelConfig,
+    num_blocks: int | None = None,
+    dtype_bytes: int = 4,
+) -> int:
+    """The blocks a KV budget of ``kv_cache_bytes`` holds: bytes // (block_size x bytes per token), where
+    a token's K and V take 2 x H_kv x D x layers x dtype bytes (``ModelConfig.kv_bytes_per_token``).
+
+    Example, SmolLM2-135M in fp32 (2 x 3 x 64 x 30 x 4 = 46,080 bytes a token), block_size 16 (737,280
+    bytes a block): ``64 MiB -> 91 blocks``; ``500_000`` raises ``kv_cache_bytes=500,000 holds no block:
+    one block of 16 tokens takes 737,280 bytes``. A ``num_blocks`` given as well is refused: the pool
+    has one size.
+    """
+    if num_blocks is not None:
+        raise ValueError(
+            f"give num_blocks or kv_cache_bytes, not both (got {num_blocks} and {kv_cache_bytes})"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    block_bytes = block_size * cfg.kv_bytes_per_token(dtype_bytes)
+    if not isinstance(kv_cache_bytes, int):
+        raise ValueError(f"kv_cache_bytes must be a whole number of bytes, got {kv_cache_bytes!r}")
+    if kv_cache_bytes < block_bytes:
+        raise ValueError(
+            f"kv_cache_bytes={kv_cache_bytes:,} holds no block: one block of {block_size} tokens takes "
+            f"{block_bytes:,} bytes"
+        )
+    return kv_cache_bytes // block_bytes
+
+
+def describe_budget(kv_cache_bytes: int, block_size: int, cfg: ModelConfig, dtype_bytes: int = 4) -> str:
+    """The sizing of a KV budget, for an engine's set-up line.
+
+    Example, SmolLM2-135M fp32, 64 MiB, block_size 16: ``KV budget 67,108,864 bytes / (2 x 3 KV heads x
+    64 dims x 30 layers x 4 bytes = 46,080 bytes a token, x 16 a block) = 91 blocks``.
+    """
+    per_token = cfg.kv_bytes_per_token(dtype_bytes)
+    blocks = budget_blocks(kv_cache_bytes, block_size, cfg, dtype_bytes=dtype_bytes)
+    return (
+        f"KV budget {kv_cache_bytes:,} bytes / (2 x {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims x "
+        f"{cfg.num_layers} layers x {dtype_bytes} bytes = {per_token:,} bytes a token, x {block_size} a block)"
+        f" = {blocks} blocks"
+    )
 
 
 def finished(token: int, num_generated: int, budget: int, eos_ids: tuple[int, ...], ignore_eos: bool) -> bool:

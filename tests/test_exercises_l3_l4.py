@@ -1,6 +1,6 @@
 """The L3 and L4 exercise checkers can fail and can pass, in process, without running a notebook.
 
-For every exercise (L3.1 slots, L3.2 plan_step, L3.3 preempt, L4.1 merge, L4.2 attend_blocks, L4.3
+For every exercise (L3.1 slots, L3.2 plan_step, L3.3 preempt, L3.4 admitted, L4.1 merge, L4.2 attend_blocks, L4.3
 kv_splits):
 
 - plausible wrong answers (an off-by-one, the wrong victim, a missing reset, a forgotten rescale, the
@@ -289,8 +289,57 @@ def splits_logical_ids(block_table, context_len, block_size, num_splits):
     return splits  # wrong: logical block indices, not the table's physical ids
 
 
+def _admitted(policy, requests, num_blocks, block_size, max_model_len, held_of, stop=True):
+    free, count = num_blocks, 0
+    for prompt_len, max_new in requests:
+        blocks = -(-held_of(policy, prompt_len, prompt_len + max_new, max_model_len) // block_size)
+        if blocks > free:
+            if stop:
+                break
+            continue
+        free -= blocks
+        count += 1
+    return count
+
+
+def _held(policy, prompt_len, length, max_model_len):
+    return {"paged": prompt_len, "oracle": length, "pow2": min(1 << (length - 1).bit_length(), max_model_len),
+            "max": max_model_len}[policy]  # fmt: skip
+
+
+def admitted_pow2_uncapped(policy, requests, num_blocks, block_size, max_model_len):
+    def held(p, prompt_len, length, m):
+        return 1 << (length - 1).bit_length() if p == "pow2" else _held(p, prompt_len, length, m)
+
+    return _admitted(
+        policy, requests, num_blocks, block_size, max_model_len, held
+    )  # wrong: pow2 past max_model_len
+
+
+def admitted_paged_whole_length(policy, requests, num_blocks, block_size, max_model_len):
+    def held(p, prompt_len, length, m):
+        return length if p == "paged" else _held(p, prompt_len, length, m)
+
+    return _admitted(
+        policy, requests, num_blocks, block_size, max_model_len, held
+    )  # wrong: paged reserves it all
+
+
+def admitted_jumps_the_queue(policy, requests, num_blocks, block_size, max_model_len):
+    return _admitted(
+        policy, requests, num_blocks, block_size, max_model_len, _held, stop=False
+    )  # wrong: skips ahead
+
+
 WRONG = [
     # (checker, wrong answer, the name of a case that must catch it)
+    (l3_checks.check_admitted, admitted_pow2_uncapped, "pow2 never past max_model_len"),
+    (l3_checks.check_admitted, admitted_paged_whole_length, "paged holds a prompt's blocks only"),
+    (
+        l3_checks.check_admitted,
+        admitted_jumps_the_queue,
+        "oracle, mixed lengths: the first that does not fit stops the rest",
+    ),
     (l3_checks.check_slots, slots_off_by_one, "block table [7, 2], block_size 4, positions 2..5"),
     (l3_checks.check_slots, slots_logical_block, "a whole prefill: [3, 0, 5], block_size 4, positions 0..9"),
     (l3_checks.check_slots, slots_end_inclusive, "no positions (start == end)"),
@@ -357,6 +406,7 @@ EXERCISE_OF = {
     l3_checks.check_slots: ("L3_block_tensor", "L3.1"),
     l3_checks.check_plan_step: ("L3_block_tensor", "L3.2"),
     l3_checks.check_preempt: ("L3_block_tensor", "L3.3"),
+    l3_checks.check_admitted: ("L3_block_tensor", "L3.4"),
     l4_checks.check_merge: ("L4_paged_kernel", "L4.1"),
     l4_checks.check_attend_blocks: ("L4_paged_kernel", "L4.2"),
     l4_checks.check_kv_splits: ("L4_paged_kernel", "L4.3"),
@@ -382,6 +432,7 @@ REFERENCES = [
     (l3_checks.check_slots, "L3_block_tensor.ipynb", "slots"),
     (l3_checks.check_plan_step, "L3_block_tensor.ipynb", "plan_step"),
     (l3_checks.check_preempt, "L3_block_tensor.ipynb", "preempt"),
+    (l3_checks.check_admitted, "L3_block_tensor.ipynb", "admitted"),
     (l4_checks.check_merge, "L4_paged_kernel.ipynb", "merge"),
     (l4_checks.check_attend_blocks, "L4_paged_kernel.ipynb", "attend_blocks"),
     (l4_checks.check_kv_splits, "L4_paged_kernel.ipynb", "kv_splits"),
@@ -400,6 +451,7 @@ INDEPENDENT = [
     (l3_checks.check_slots, l3_answers.slots),
     (l3_checks.check_plan_step, l3_answers.plan_step),
     (l3_checks.check_preempt, l3_answers.preempt),
+    (l3_checks.check_admitted, l3_answers.admitted),
     (l4_checks.check_merge, l4_answers.merge),
     (l4_checks.check_attend_blocks, l4_answers.attend_blocks),
     (l4_checks.check_kv_splits, l4_answers.kv_splits),

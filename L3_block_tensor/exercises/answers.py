@@ -4,7 +4,8 @@ Each function has the signature the notebook asks for and is written apart from 
 code (``sequence.py``, ``scheduler.py``), so a bug in the stage cannot make a wrong answer pass:
 ``slots`` lists every slot of the table and cuts the range out of it, ``plan_step`` hands out seats
 and budget from plain counters, ``preempt`` picks its victim with ``max`` over the scheduling order
-and inserts it into ``waiting`` by hand. Tests check that the stage and these answers agree on many
+and inserts it into ``waiting`` by hand, ``admitted`` adds up each policy's blocks with its own
+arithmetic. Tests check that the stage and these answers agree on many
 drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
@@ -17,9 +18,11 @@ Left out on purpose: error messages (only the error's type is graded).
 
 from __future__ import annotations
 
+import math
+
 from ..scheduler import Scheduler
 from ..sequence import Status
-from .checks import HIDDEN, scheduler_plan
+from .checks import HIDDEN, scheduler_admitted, scheduler_plan
 
 
 def slots(block_table, start, end, block_size):
@@ -70,6 +73,27 @@ def preempt(running, waiting, allocator):
     return victim
 
 
+def admitted(policy, requests, num_blocks, block_size, max_model_len):
+    """Requests are admitted in order while the free blocks cover what each holds from admission:
+    its prompt's blocks (paged), or its whole reservation (Oracle: its length; Pow2: the next power of
+    two, at most max_model_len; Max: max_model_len)."""
+    free, count = num_blocks, 0
+    for prompt_len, max_new in requests:
+        length = prompt_len + max_new
+        held = {
+            "paged": prompt_len,
+            "oracle": length,
+            "pow2": min(2 ** math.ceil(math.log2(length)), max_model_len),
+            "max": max_model_len,
+        }[policy]
+        blocks = math.ceil(held / block_size)
+        if blocks > free:
+            break
+        free -= blocks
+        count += 1
+    return count
+
+
 def scheduler_preempt(running, waiting, allocator):
     """``Scheduler._preempt`` as ``preempt``: on the given queues, of ``running[-1]``, the victim
     ``_reserve_or_preempt`` picks."""
@@ -80,6 +104,6 @@ def scheduler_preempt(running, waiting, allocator):
     return victim
 
 
-ANSWERS = {"L3.1": slots, "L3.2": plan_step, "L3.3": preempt}
+ANSWERS = {"L3.1": slots, "L3.2": plan_step, "L3.3": preempt, "L3.4": admitted}
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
-STAGE_ADAPTERS = {"L3.2": scheduler_plan, "L3.3": scheduler_preempt}
+STAGE_ADAPTERS = {"L3.2": scheduler_plan, "L3.3": scheduler_preempt, "L3.4": scheduler_admitted}

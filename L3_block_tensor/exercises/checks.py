@@ -5,7 +5,9 @@
   ``Scheduler.schedule`` (``scheduler.py``) plans for the same queues;
 - ``check_preempt``: sending a running sequence back to waiting when the pool runs dry, against the
   first preemption ``Scheduler`` itself makes in the same state (which sequence, its blocks on the free
-  list, both queues, what it keeps and what it forgets).
+  list, both queues, what it keeps and what it forgets);
+- ``check_admitted``: how many waiting requests a reservation policy (paged, Oracle, Pow2, Max)
+  admits in one step at a KV budget of ``num_blocks``, against what ``Scheduler.schedule`` admits.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
@@ -121,6 +123,58 @@ def check_plan_step(plan_step: Callable) -> None:
             Case("a running prefill continues by chunks", case([7, 1], [5], 6, 4, 4)),
             Case("max_num_seqs stops admission", case([1, 1, 1], [2, 2], 16, 8, 4)),
             Case("the budget runs out among running requests", case([5, 5, 1], [3], 6, 5, 8)),
+        ]
+    )
+
+
+def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len) -> int:
+    """How many of ``requests`` ((prompt_len, max_new_tokens) pairs, all waiting, in order)
+    ``Scheduler.schedule`` admits in one step under ``policy``, seats and token budget never the limit."""
+    allocator = BlockAllocator(num_blocks, block_size)
+    tokens = sum(p for p, _ in requests) + 1
+    sched = Scheduler(
+        allocator,
+        max_num_seqs=len(requests) + 1,
+        max_num_batched_tokens=tokens,
+        reservation=policy,
+        max_model_len=max_model_len,
+    )
+    for i, (prompt_len, max_new) in enumerate(requests):
+        sched.add(Sequence(i, [7] * prompt_len, max_new, ignore_eos=True))
+    return len(sched.schedule())
+
+
+def check_admitted(admitted: Callable) -> None:
+    """Grade ``admitted(policy, requests, num_blocks, block_size, max_model_len) -> int`` against what
+    ``Scheduler.schedule`` admits in its first step.
+
+    ``requests`` are (prompt_len, max_new_tokens) pairs, all waiting, first come first served; seats
+    and the token budget are never the limit, blocks are. Example, 16 blocks of 4, max_model_len 32,
+    five requests (3, 7): paged admits 5 (a block each), Oracle 5 (3 each), Pow2 4, Max 2.
+    """
+
+    def case(policy, requests, num_blocks, block_size=4, max_model_len=32) -> Callable[[], str | None]:
+        def run() -> str | None:
+            want = scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len)
+            got = admitted(policy, [tuple(r) for r in requests], num_blocks, block_size, max_model_len)
+            return None if got == want else f"expected {want} admitted, got {got!r}"
+
+        return run
+
+    same = [(3, 7)] * 5
+    mixed = [(5, 20), (2, 3), (9, 6), (4, 12), (1, 1)]
+    run_cases(
+        [
+            Case("paged, five (3, 7) on 16 blocks of 4", case("paged", same, 16)),
+            Case("oracle, five (3, 7) on 16 blocks of 4", case("oracle", same, 16)),
+            Case("pow2, five (3, 7) on 16 blocks of 4", case("pow2", same, 16)),
+            Case("max, five (3, 7) on 16 blocks of 4", case("max", same, 16)),
+            Case(
+                "oracle, mixed lengths: the first that does not fit stops the rest", case("oracle", mixed, 10)
+            ),
+            Case("pow2, a length already a power of two", case("pow2", [(6, 10), (8, 8)], 8)),
+            Case("pow2 never past max_model_len", case("pow2", [(20, 21), (1, 1)], 11, 4, 44)),
+            Case("paged holds a prompt's blocks only", case("paged", mixed, 5)),
         ]
     )
 
@@ -477,6 +531,64 @@ def describe_preempt(case: dict) -> str:
     )
 
 
+def draw_admissions(rng) -> list[dict]:
+    """Eight queues, three aimed and five random: Pow2 where the next power of two passes a
+    max_model_len that is not one (the cap decides whether it fits), paged where whole lengths would
+    not fit but prompts do, and a long request in front of a short one that would fit (nobody jumps the
+    queue); the random ones: any policy, 1-8 requests that fit max_model_len, a budget between the
+    largest reservation and all of them."""
+
+    def queue(policy, requests, num_blocks, block_size, max_model_len) -> dict:
+        return {"policy": policy, "requests": requests, "num_blocks": num_blocks, "block_size": block_size,
+                "max_model_len": max_model_len}  # fmt: skip
+
+    block_size = rng.choice([2, 4, 8])
+    max_len = rng.choice([40, 48, 56, 100])  # not a power of two
+    length = rng.randint(max_len // 2 + 1 + 8, max_len)  # its power of two passes max_len
+    capped = -(-max_len // block_size)
+    prompts = [rng.randint(1, 4) for _ in range(rng.randint(3, 6))]
+    long = rng.randint(12, 20)
+    cases = [
+        queue("pow2", [[length - 8, 8], [1, 1]], capped, block_size, max_len),
+        queue("paged", [[p, 30] for p in prompts], len(prompts), 4, 64),
+        queue("oracle", [[long, 10], [1, 1], [2, 1]], -(-(long + 10) // 4) - 1, 4, 64),
+    ]
+    for _ in range(5):
+        block_size = rng.choice([2, 4, 8, 16])
+        max_model_len = rng.choice([16, 32, 48, 64, 100])
+        requests = []
+        for _ in range(rng.randint(1, 8)):
+            prompt_len = rng.randint(1, max_model_len - 1)
+            requests.append([prompt_len, rng.randint(1, max_model_len - prompt_len)])
+        biggest = -(-max_model_len // block_size)
+        num_blocks = rng.randint(biggest, biggest * len(requests) + 1)
+        cases.append(
+            queue(
+                rng.choice(["paged", "oracle", "pow2", "max"]),
+                requests,
+                num_blocks,
+                block_size,
+                max_model_len,
+            )
+        )
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_admitted(fn, case) -> list[dict]:
+    got = fn(case["policy"], [tuple(r) for r in case["requests"]], case["num_blocks"], case["block_size"],
+             case["max_model_len"])  # fmt: skip
+    returned = int(got) if isinstance(got, int) and not isinstance(got, bool) else repr(got)
+    return [{"call": f"admitted({describe_admitted(case)})", "returned": returned}]
+
+
+def describe_admitted(case: dict) -> str:
+    return (
+        f"{case['policy']}, requests {case['requests']}, {case['num_blocks']} blocks of {case['block_size']}, "
+        f"max_model_len {case['max_model_len']}"
+    )
+
+
 HIDDEN = {
     "L3.1": Hidden(draw_slots, observe_slots, describe_slots, answers=("L3_block_tensor.sequence:slots",)),
     "L3.2": Hidden(
@@ -493,5 +605,14 @@ HIDDEN = {
         observe_preempt,
         describe_preempt,
         answers=("L3_block_tensor.scheduler:Scheduler._preempt",),
+    ),
+    "L3.4": Hidden(
+        draw_admissions,
+        observe_admitted,
+        describe_admitted,
+        answers=(
+            "L3_block_tensor.sequence:reservation_len",
+            "L3_block_tensor.scheduler:Scheduler._held_blocks",
+        ),
     ),
 }

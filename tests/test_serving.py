@@ -1,0 +1,157 @@
+"""The request stream and the serving metrics (issue 35): arrivals, synthetic length mixes, traces,
+and TTFT / TPOT / end-to-end / normalized latency computed on a hand-made timeline; ``serve`` on a
+tiny checkpoint with a fake clock, its outputs equal to the engine's own ``generate``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvcourse.harness.serving import Timeline, percentile, request_metrics, serve, summary
+from kvcourse.harness.stream import MIXES, Request, at_rate, poisson_arrivals, read_trace, synthetic_stream
+from L3_block_tensor.engine import Engine as L3Engine
+
+
+def test_poisson_arrivals_have_the_rate_asked_for():
+    times = poisson_arrivals(4000, 5.0, seed=1)
+    assert times[0] == 0.0 and times == sorted(times)
+    assert math.isclose((times[-1] - times[0]) / (len(times) - 1), 1 / 5.0, rel_tol=0.05)
+    assert poisson_arrivals(5, 5.0, 1) == times[:5]  # seeded
+    with pytest.raises(ValueError, match="rate must be > 0 requests/s, got 0"):
+        poisson_arrivals(3, 0, 1)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_synthetic_mixes_have_the_papers_means(mix):
+    reqs = synthetic_stream(mix, 3000, 1.0, 7, vocab_size=1000, max_model_len=100_000)
+    prompt = sum(len(r.prompt_ids) for r in reqs) / len(reqs)
+    output = sum(r.max_new_tokens for r in reqs) / len(reqs)
+    assert math.isclose(prompt, MIXES[mix]["input_mean"], rel_tol=0.1)
+    assert math.isclose(output, MIXES[mix]["output_mean"], rel_tol=0.1)
+    assert all(3 <= t < 1000 for r in reqs[:50] for t in r.prompt_ids)
+
+
+def test_streams_fit_max_model_len_and_keep_their_requests_at_another_rate():
+    reqs = synthetic_stream("sharegpt", 200, 2.0, 3, vocab_size=500, max_model_len=64)
+    assert all(len(r.prompt_ids) + r.max_new_tokens <= 64 and r.max_new_tokens >= 1 for r in reqs)
+    faster = at_rate(reqs, 8.0, 3)
+    assert [(r.prompt_ids, r.max_new_tokens) for r in faster] == [
+        (r.prompt_ids, r.max_new_tokens) for r in reqs
+    ]
+    assert faster[-1].arrival < reqs[-1].arrival
+
+
+def test_read_trace(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [
+        {"arrival": 1.5, "prompt_len": 4, "output_len": 2},
+        {"arrival": 0.0, "prompt_ids": [5, 6], "output_len": 3},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = read_trace(path, vocab_size=100)
+    assert [(r.arrival, len(r.prompt_ids), r.max_new_tokens) for r in reqs] == [(0.0, 2, 3), (1.5, 4, 2)]
+    assert reqs[0].prompt_ids == [5, 6]
+    path.write_text('{"arrival": 0.0, "output_len": 3}\n')
+    with pytest.raises(
+        ValueError, match="trace.jsonl:1: expected arrival, output_len and prompt_len or prompt_ids"
+    ):
+        read_trace(path, vocab_size=100)
+
+
+def test_latency_metrics_on_a_hand_made_timeline():
+    """Two requests: A arrives at 0, first token at 0.5, its 5th and last at 1.3; B arrives at 1.0, one
+    token at 2.0. By hand: A's TTFT 0.5, TPOT (1.3 - 0.5) / 4 = 0.2, end-to-end 1.3, normalized
+    1.3 / 5 = 0.26; B's TTFT 1.0, no TPOT, end-to-end 1.0, normalized 1.0."""
+    t = Timeline([0.0, 1.0], [0.5, 2.0], [1.3, 2.0], [[1] * 5, [2]], preemptions=1, end=2.0)
+    t.steps = [
+        {"t": 0.5, "reserved": 32, "live": 8, "budget": 64},
+        {"t": 1.0, "reserved": 16, "live": 8, "budget": 64},
+    ]
+    a, b = request_metrics(t)
+    assert a == pytest.approx({"ttft": 0.5, "tpot": 0.2, "e2e": 1.3, "normalized": 0.26, "output_tokens": 5})
+    assert b == pytest.approx({"ttft": 1.0, "tpot": None, "e2e": 1.0, "normalized": 1.0, "output_tokens": 1})
+    s = summary(t)
+    assert s["mean_normalized_latency"] == pytest.approx((0.26 + 1.0) / 2)
+    assert s["output_tokens_per_s"] == pytest.approx(6 / 2.0) and s["requests_per_s"] == pytest.approx(1.0)
+    assert s["tpot_p50"] == pytest.approx(0.2) and s["ttft_p50"] == pytest.approx(0.75)
+    assert s["kv_live_share"] == pytest.approx(16 / 48) and s["kv_budget_share"] == pytest.approx(16 / 128)
+    assert s["preemptions"] == 1
+
+
+def test_percentile():
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert percentile([], 50) is None
+
+
+def test_timeline_stamps_first_and_last_token():
+    t = Timeline.empty([Request(0.0, [1], 3)])
+    t.tokens(0, [], 0.1)
+    t.tokens(0, [7], 0.2)
+    t.tokens(0, [7], 0.3)  # no new token: nothing changes
+    t.tokens(0, [7, 8], 0.4)
+    assert (t.first_token, t.last_token, t.outputs) == ([0.2], [0.4], [[7, 8]])
+    t.tokens(0, [7, 8, 9, 10], 0.7)
+    assert t.gaps(0) == pytest.approx([0.2, 0.3, 0.0])
+
+
+class FakeClock:
+    """Time that moves only when asked: each step takes 0.01 s, a sleep as long as asked."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 0.01
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+@pytest.mark.parametrize("policy", ["paged", "max"])
+def test_serve_feeds_requests_as_they_arrive_and_changes_no_token(tiny_qwen3_dir, policy):
+    reqs = synthetic_stream("alpaca", 6, 2.0, 5, vocab_size=49152, max_model_len=48, scale=0.3)
+    budget = 16 * 4 * 512  # 16 blocks of 4 tokens, 512 bytes a token
+    engine = L3Engine(
+        tiny_qwen3_dir, block_size=4, kv_cache_bytes=budget, max_model_len=48, reservation=policy
+    )
+    clock = FakeClock()
+    timeline = serve(engine, reqs, clock=clock, sleep=clock.sleep)
+    fresh = L3Engine(tiny_qwen3_dir, block_size=4, max_model_len=48)
+    want = fresh.generate([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs], ignore_eos=True)
+    assert timeline.outputs == want
+    assert all(f >= a for f, a in zip(timeline.first_token, timeline.arrivals, strict=True))
+    assert all(s["reserved"] <= s["budget"] == 64 and s["live"] <= s["reserved"] for s in timeline.steps)
+    rows = request_metrics(timeline)
+    assert [r["output_tokens"] for r in rows] == [r.max_new_tokens for r in reqs]
+
+
+def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir, tmp_path):
+    """``python -m bench.serving --plan tiny`` on a tiny checkpoint: every policy, peer and chunk size
+    serves the stream to the end, and every output equals HF greedy one request at a time."""
+    from bench import serving as bench_serving
+
+    assert (
+        bench_serving.main(
+            ["--plan", "tiny", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "results")]
+        )
+        == 0
+    )
+    results = json.loads((tmp_path / "results" / "serving_tiny.json").read_text())
+    n = results["plan"]["n"]
+    rows = [row for by_rate in results["policies"].values() for row in by_rate.values()]
+    rows += [row for name, row in results["peers"].items() if name != "rate"]
+    assert len(rows) == 4 * 2 + 5 and all("error" not in row for row in rows), results["peers"]
+    assert all(row["agreement"]["match"] + len(row["agreement"]["ties"]) == n for row in rows)
+    assert all(not row["agreement"]["mismatches"] for row in rows)
+    chunks = results["chunked_prefill"]["by_chunk"]
+    assert set(chunks) == {"None", "16"} and all(not c["agreement"]["mismatches"] for c in chunks.values())
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "serving_chunked_prefill_tiny.png",
+        "serving_policies_tiny.png",
+    ]
+    max_rows = results["policies"]["max"].values()
+    assert all(r["summary"]["kv_live_share"] < 1 for r in max_rows)  # Max holds blocks nobody fills
