@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.measure import agreement, cpu_name, package_version
+from bench.measure import agreement, cpu_name, package_version, provenance
 from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
 from kvcourse.harness.reference import Reference
@@ -294,6 +294,7 @@ def main(argv=None) -> int:
     results = {
         "command": "python -m bench.serving"
         + ("" if name == "full" else f" --plan {name}" if args.plan else " --quick"),
+        **provenance(),
         "machine": {
             "cpu": cpu_name(),
             "cores": os.cpu_count(),
