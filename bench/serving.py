@@ -53,7 +53,7 @@ from L5_clones.engine import Engine as L5Engine
 ROOT = Path(__file__).resolve().parent
 BLOCK = 16
 PLANS = {  # sizes: what --quick runs, and what the full run does (under 30 minutes here)
-    "quick": {"n": 6, "scale": 0.25, "rates": [1.0, 4.0], "max_len": 128, "blocks": 24, "peer_rate": 1.0,
+    "quick": {"n": 5, "scale": 0.25, "rates": [1.0, 4.0], "max_len": 128, "blocks": 24, "peer_rate": 2.0,
               "chunks": [None, 32], "short": 3, "short_new": 32, "long": 2, "long_prompt": 256},
     "tiny": {"n": 4, "scale": 0.1, "rates": [2.0, 8.0], "max_len": 64, "blocks": 12, "peer_rate": 2.0,
              "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1, "long_prompt": 40},  # tests only
