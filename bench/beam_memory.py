@@ -38,14 +38,13 @@ Left out on purpose: arrival times (every request is submitted at once), GPUs, a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
 
-from bench.measure import cpu_name, provenance
+from bench.measure import cpu_name, provenance, save_results
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
@@ -327,11 +326,8 @@ def main(argv=None) -> int:
         )
     results = measure(model_dir, workloads, WIDTHS, THROUGHPUT_WIDTH)
     print(table(results))
-    out = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "beam-memory.json")
+    save_results(results, args.out, "beam-memory.json", args.quick)
     png = args.plot or (None if args.quick else REPO_ROOT / "bench" / "plots" / "beam_memory.png")
-    if out:
-        Path(out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {out}")
     if png:
         plot(results, Path(png))
         print(f"wrote {png}")

@@ -26,20 +26,18 @@ context for every stage) and any device but the CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from bench import OMP_WAIT_POLICY
 from bench.ceilings import copy_bandwidth, median_seconds
-from bench.measure import cpu_name, provenance
+from bench.measure import cpu_name, provenance, save_results
 from kvcourse.model import causal_attention
-from kvcourse.model_store import REPO_ROOT, resolve_model_dir
+from kvcourse.model_store import resolve_model_dir
 from L1_contiguous.engine import Engine
 
 POSITIONS = (8, 64, 256, 512, 1024, 1536, 2000)
@@ -166,10 +164,7 @@ def main(argv=None) -> int:
     positions = QUICK_POSITIONS if args.quick else POSITIONS
     results = measure(model_dir, positions, 2 if args.quick else ROUNDS, 1 if args.quick else 3)
     print(table(results))
-    out = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "decode-cost-cpu.json")
-    if out:
-        Path(out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {out}")
+    save_results(results, args.out, "decode-cost-cpu.json", args.quick)
     return 0
 
 

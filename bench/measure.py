@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import json
 import platform
 import statistics
 import subprocess
@@ -313,6 +314,15 @@ def provenance() -> dict:
     commit = (git("rev-parse", "--short", "HEAD") or "unknown").strip()
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit + ("+dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d")}
+
+
+def save_results(results: dict, out: str | None, default: str, quick: bool) -> None:
+    """Write ``results`` as JSON to ``out``, else to ``bench/results/<default>``; a ``--quick`` run (the
+    tests') writes only where ``out`` says. Prints the path it wrote."""
+    path = out or (None if quick else REPO_ROOT / "bench" / "results" / default)
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
 
 
 def cpu_name() -> str:

@@ -23,16 +23,13 @@ against SDPA and the copy bandwidth) and any device but the CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 
 from bench import OMP_WAIT_POLICY
 from bench.ceilings import median_seconds
-from bench.measure import cpu_name, provenance
-from kvcourse.model_store import REPO_ROOT
+from bench.measure import cpu_name, provenance, save_results
 from L3_block_tensor.attention import ForwardMeta
 from L3_block_tensor.attention import attention as l3_attention
 from L3_block_tensor.cache import KvPool
@@ -126,10 +123,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = measure(QUICK_SHAPES if args.quick else SHAPES, 2 if args.quick else REPEATS)
     print(table(results))
-    out = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "reference-kernel-cpu.json")
-    if out:
-        Path(out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {out}")
+    save_results(results, args.out, "reference-kernel-cpu.json", args.quick)
     return 0
 
 

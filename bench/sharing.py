@@ -26,13 +26,12 @@ Left out on purpose: time (``make bench`` part (c) times sharing against L4), an
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
-from bench.measure import cpu_name, provenance
+from bench.measure import cpu_name, provenance, save_results
 from kvcourse.harness.prompts import Prompt, encode, load_tokenizer, read_prompts
-from kvcourse.model_store import REPO_ROOT, resolve_model_dir
+from kvcourse.model_store import resolve_model_dir
 from kvcourse.sampling import SamplingParams
 from kvcourse.stats import format_bytes
 from L5_clones.engine import Engine
@@ -201,9 +200,7 @@ def main(argv=None) -> int:
     else:
         model_dir = resolve_model_dir(args.model)
     results = measure(Path(model_dir), args.quick)
-    out = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "sharing.json")
-    if out:
-        Path(out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    save_results(results, args.out, "sharing.json", args.quick)
     print(table(results))
     return 0
 
