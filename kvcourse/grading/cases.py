@@ -29,6 +29,8 @@ This module knows no stage and imports none. It holds:
   ``arrays_problem`` (NumPy or JAX arrays): None when a result is right, else one line saying what
   differs;
 - ``outcome`` / ``describe``: one call's return value or exception, to compare with the reference's;
+- ``named_mistake``: adds the broken rule to a case's line when the answer gives what a known mistake
+  gives (a dropped rescale, an off-by-one, a wrong dtype);
 - ``CallLimit``: stops a learner's loop that calls a method more often than allowed (instead of
   hanging);
 - ``first_line`` and ``format_positions``: short texts for those lines.
@@ -195,6 +197,31 @@ def describe(result: tuple[str, object]) -> str:
     """
     kind, value = result
     return f"raised {type(value).__name__}" if kind == "raised" else f"returned {value!r}"
+
+
+def named_mistake(
+    problem: str | None, got, mistakes: dict[str, Callable[[], object]], same=None
+) -> str | None:
+    """``problem`` with the rule it breaks added, when ``got`` is what a known mistake gives.
+
+    ``mistakes`` maps a rule, in the words a learner should read (``"acc is not rescaled when the
+    running max changes"``), to a function that computes what the mistake gives on the same input.
+    ``same(a, b)`` compares two results (default ``==``; ``torch.equal`` or ``torch.allclose`` for
+    tensors). A mistake that raises, or a ``problem`` that is None, adds nothing.
+
+    Example: ``named_mistake("got 5, expected 6", 5, {"off by one: the last position is left out":
+    lambda: 5})`` -> ``"got 5, expected 6 (off by one: the last position is left out)"``.
+    """
+    if problem is None:
+        return None
+    same = same or (lambda a, b: a == b)
+    for rule, compute in mistakes.items():
+        try:
+            if same(compute(), got):
+                return f"{problem} ({rule})"
+        except Exception:  # noqa: BLE001, S112 - a mistake that cannot run on this input names nothing
+            continue
+    return problem
 
 
 class CallLimit:

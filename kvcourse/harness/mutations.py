@@ -1,0 +1,460 @@
+"""The course's mutation list: small, named bugs, each the kind a learner (or a reviewer) could write.
+
+Each ``Mutation`` names its file, an exact piece of text that must occur exactly once there, what
+replaces it, and the tests that must fail: a slot one off, a block dropped, a partial block shared at a
+clone, a refcount that lets go early, a prefix-cache key that forgets its prefix, admission that
+forgets what running sequences will still take, a reset skipped, a kernel that forgets to rescale, a
+comparison that accepts a short output.
+
+Two things use the list: ``make mutants`` (``kvcourse/tools/mutants.py``) puts each bug into a scratch
+copy of the course and checks that its tests fail, and the catch-the-bug exercises
+(``kvcourse/grading/bugs.py``) hand a learner's test the stage's code with one of these bugs put in.
+
+Left out on purpose: generating mutations automatically (mutmut, cosmic-ray: thousands of mutants,
+most of them equivalent or trivially caught; these are the bugs the chapters warn about).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One deliberate bug: replace ``old`` (exactly once in ``file``) by ``new``; ``tests`` must fail."""
+
+    name: str
+    file: str  # relative to the repository root
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    needs: str | None = None  # "cpp" (the C++ kernel builds here) or "triton" (triton is installed)
+
+
+P = "tests/test_pressure.py::"
+B = "tests/test_l5_beams.py::"
+S = "tests/test_shortages.py::"
+# (old, new) of L2's and L3's alloc_blocks (the same code in both): hand out what is free, then raise
+PARTIAL_GRANT = (
+    "        if n > len(self.free_blocks):\n"
+    "            raise OutOfBlocksError(needed=n, free=len(self.free_blocks))\n"
+    "        blocks = [self.free_blocks.popleft() for _ in range(n)]",
+    "        blocks = [self.free_blocks.popleft() for _ in range(min(n, len(self.free_blocks)))]\n"
+    "        if len(blocks) < n:\n"
+    "            raise OutOfBlocksError(needed=n, free=len(blocks))",
+)
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---- allocation: all or nothing, and blocks for every position
+    Mutation(
+        "L2 allocator hands out the blocks it has, then raises",
+        "L2_token_flat/allocator.py",
+        *PARTIAL_GRANT,
+        (S + "test_a_sequence_that_cannot_grow_takes_no_block[L2-part of it free]",),
+    ),
+    Mutation(
+        "L3 allocator hands out the blocks it has, then raises",
+        "L3_block_tensor/allocator.py",
+        *PARTIAL_GRANT,
+        (S + "test_a_sequence_that_cannot_grow_takes_no_block[L3-part of it free]",),
+    ),
+    Mutation(
+        "L5 allocator forgets that revived cache hits use up free blocks",
+        "L5_clones/allocator.py",
+        "if n + revived > len(self.free_blocks):",
+        "if n > len(self.free_blocks):",
+        (S + "test_l5_failed_allocations_and_clones_take_nothing[revived: they tip it over]",),
+    ),
+    Mutation(
+        "L5 clone copies for the children it can, then runs out",
+        "L5_clones/allocator.py",
+        "if n * len(partial) > len(self.free_blocks):",
+        "if partial and not self.free_blocks:",
+        (S + "test_l5_failed_allocations_and_clones_take_nothing[clone: copies for some children only]",),
+    ),
+    Mutation(
+        "L6 allocate_for_seq grants the pages it can (not all or nothing)",
+        "L6_tpu_jax/page_table.py",
+        "want & ok, fresh, seq_table.page_indices)",
+        "want & (fresh < refs.shape[0]), fresh, seq_table.page_indices)",
+        (S + "test_l6_allocate_for_seq_is_all_or_nothing[part of it free]",),
+    ),
+    Mutation(
+        "L3 reserve drops the block a sequence grows into",
+        "L3_block_tensor/sequence.py",
+        "    if missing > 0:\n        seq.block_table.extend(allocator.alloc_blocks(missing))",
+        "    if missing > 1:\n        seq.block_table.extend(allocator.alloc_blocks(missing))",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
+    ),
+    Mutation(
+        "L3 slot of a position one row off",
+        "L3_block_tensor/sequence.py",
+        "* block_size + p % block_size for p in range(start, end)]",
+        "* block_size + (p + 1) % block_size for p in range(start, end)]",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
+    ),
+    Mutation(
+        "L6 over a mesh, one short device does not stop the others allocating",
+        "L6_tpu_jax/mesh_tables.py",
+        "ok = ~jnp.any(short)",
+        "ok = ~jnp.all(short)",
+        ("tests/test_l6_multihost.py::test_one_short_shard_fails_the_step_and_reports_its_numbers",),
+    ),
+    Mutation(
+        "L6 KV destination of a token one row off",
+        "L6_tpu_jax/page_table.py",
+        "page * ps + token_pos_ids % ps, INVALID)",
+        "page * ps + (token_pos_ids + 1) % ps, INVALID)",
+        (P + "test_l6_admission_keeps_room_for_what_running_sequences_will_grow_into",),
+    ),
+    # ---- admission and preemption
+    Mutation(
+        "L6 admission forgets the pages running sequences will still take",
+        "L6_tpu_jax/engine.py",
+        "spare -= cdiv(int(seqs.seq_lens[s]) + left, ps) - int(held[s])",
+        "spare -= 0",
+        (P + "test_l6_admission_keeps_room_for_what_running_sequences_will_grow_into",),
+    ),
+    Mutation(
+        "L3 preemption keeps the blocks of the victim",
+        "L3_block_tensor/scheduler.py",
+        "        self.running.remove(seq)\n        self.allocator.free(seq.block_table)\n",
+        "        self.running.remove(seq)\n",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
+    ),
+    Mutation(
+        "L3 preemption forgets to reset what the victim computed",
+        "L3_block_tensor/scheduler.py",
+        "        seq.num_computed_tokens = 0\n        self.add(seq)",
+        "        self.add(seq)",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
+    ),
+    Mutation(
+        "L3 preempts the most important sequence instead of the least",
+        "L3_block_tensor/scheduler.py",
+        "victim = self.running[-1]  # lowest priority, newest",
+        "victim = self.running[0]  # lowest priority, newest",
+        ("tests/test_l3.py::test_preemption_spares_the_higher_priority",),
+    ),
+    Mutation(
+        "L4 preemption forgets to reset what the victim computed",
+        "L4_paged_kernel/scheduler.py",
+        "        seq.num_computed_tokens = 0\n        self.add(seq)",
+        "        self.add(seq)",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L4-splits3]",),
+    ),
+    Mutation(
+        "L5 preemption forgets to reset what the victim computed",
+        "L5_clones/scheduler.py",
+        "                s.num_computed_tokens = 0\n                self.add(s)",
+        "                self.add(s)",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L5]",),
+    ),
+    Mutation(
+        "L3 admits waiting sequences in a step that preempted",
+        "L3_block_tensor/scheduler.py",
+        "            return batch  # memory is tight: admit nobody this step",
+        "            pass  # memory is tight: admit nobody this step",
+        ("tests/test_l3.py::test_a_step_that_preempts_admits_nobody",),
+    ),
+    Mutation(
+        "L5 admits waiting sequences in a step that preempted",
+        "L5_clones/scheduler.py",
+        "            return batch  # memory is tight: admit nobody this step",
+        "            pass  # memory is tight: admit nobody this step",
+        ("tests/test_l5.py::test_a_step_that_preempts_admits_nobody",),
+    ),
+    Mutation(
+        "L5 a request with n samples takes one seat",
+        "L5_clones/scheduler.py",
+        "self.num_running_seqs() + self.waiting[0].num_seqs <= self.max_num_seqs",
+        "self.num_running_seqs() + 1 <= self.max_num_seqs",
+        ("tests/test_l5.py::test_samples_count_against_max_num_seqs",),
+    ),
+    Mutation(
+        "L3 a finished sequence keeps its blocks",
+        "L3_block_tensor/scheduler.py",
+        "        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)\n"
+        "        self.allocator.free(seq.block_table)\n",
+        "        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)\n",
+        (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
+    ),
+    # ---- sharing: refcounts, clones, copies
+    Mutation(
+        "L5 clone shares the partial block instead of copying it",
+        "L5_clones/allocator.py",
+        "full = num_tokens // self.block_size",
+        "full = blocks_needed(num_tokens, self.block_size)",
+        (P + "test_sampled_clones_sharing_blocks_equal_independent_requests",),
+    ),
+    Mutation(
+        "L5 free lets go of a shared block when its first owner finishes",
+        "L5_clones/allocator.py",
+        "            self.blocks[b].ref_count -= 1\n",
+        "            self.blocks[b].ref_count = 0\n",
+        (P + "test_sampled_clones_sharing_blocks_equal_independent_requests",),
+    ),
+    Mutation(
+        "L5 clone takes one reference on a shared block for all its children",
+        "L5_clones/allocator.py",
+        "            self.blocks[b].ref_count += n",
+        "            self.blocks[b].ref_count += 1",
+        (P + "test_sampled_clones_sharing_blocks_equal_independent_requests",),
+    ),
+    Mutation(
+        "L5 free hands a block table back head first",
+        "L5_clones/allocator.py",
+        "        for b in reversed(blocks):",
+        "        for b in blocks:",
+        ("tests/test_l5.py::test_refcounts_through_alloc_share_and_free",),
+    ),
+    Mutation(
+        "L5 clone skips the copy of the partial block's K/V",
+        "L5_clones/scheduler.py",
+        "            self.pool.copy_block(src, dst)\n        children",
+        "            pass\n        children",
+        ("tests/test_l5.py::test_greedy_and_greedy_clones_equal_l4_and_hf[default]",),
+    ),
+    # ---- beam search: forks and drops of block tables
+    Mutation(
+        "L5 a dropped beam keeps its blocks",
+        "L5_clones/scheduler.py",
+        "        self.running.remove(beam)\n        self.allocator.free(beam.block_table)\n",
+        "        self.running.remove(beam)\n",
+        (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
+    ),
+    Mutation(
+        "L5 a surviving beam copies its parent's blocks instead of sharing them",
+        "L5_clones/scheduler.py",
+        "                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)\n",
+        "                tables = [self.allocator.alloc_blocks(len(parent.block_table)) for _ in range(c)]\n"
+        "                copies = [(s, d) for t in tables for s, d in zip(parent.block_table, t, strict=True)]\n",
+        (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
+    ),
+    Mutation(
+        "L5 a surviving beam shares its parent's partial block, which both then write",
+        "L5_clones/scheduler.py",
+        "                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)\n",
+        "                tables, copies = [list(parent.block_table) for _ in range(c)], []\n"
+        "                for b in parent.block_table:\n"
+        "                    self.allocator.blocks[b].ref_count += c\n",
+        (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
+    ),
+    Mutation(
+        "L5 block copy copies K only",
+        "L5_clones/cache.py",
+        "        self.v[:, dst] = self.v[:, src]",
+        "        pass",
+        (P + "test_sampled_clones_sharing_blocks_equal_independent_requests",),
+    ),
+    Mutation(
+        "L6 clone skips the copy of the partial page's K/V",
+        "L6_tpu_jax/decode_state.py",
+        "return start_clone(state, seqs, pages, parent, child, ok), copy_page(kv_pages, src, dst)",
+        "return start_clone(state, seqs, pages, parent, child, ok), kv_pages",
+        ("tests/test_l6_engine.py::test_clones_share_full_pages",),
+    ),
+    Mutation(
+        "L6 clone shares the partial page too",
+        "L6_tpu_jax/page_table.py",
+        "    n_full = length // ps\n",
+        "    n_full = cdiv(length, ps)\n",
+        ("tests/test_l6_state.py::test_free_and_clone_docstring_examples",),
+    ),
+    Mutation(
+        "L6 clone takes no reference on the pages it shares",
+        "L6_tpu_jax/page_table.py",
+        'refs = refs.at[jnp.where(shared, row, n_pages)].add(1, mode="drop")',
+        'refs = refs.at[jnp.where(shared, row, n_pages)].add(0, mode="drop")',
+        (P + "test_l6_on_the_smallest_pool_changes_no_token[incremental]",),
+    ),
+    # ---- prefix cache: the chained hash
+    Mutation(
+        "L5 block key forgets the previous block's key",
+        "L5_clones/prefix_cache.py",
+        'text = f"{prev_hash}|',
+        'text = f"{None}|',
+        (P + "test_equal_blocks_after_other_prefixes_do_not_hit",),
+    ),
+    Mutation(
+        "L5 blocks are registered under unchained keys",
+        "L5_clones/prefix_cache.py",
+        "prev = allocator.blocks[block_table[i - 1]].hash if i else None",
+        "prev = None",
+        (P + "test_equal_blocks_after_other_prefixes_do_not_hit",),
+    ),
+    Mutation(
+        "L5 match_prefix looks blocks up under unchained keys",
+        "L5_clones/prefix_cache.py",
+        "        key = block_hash(key, tokens)",
+        "        key = block_hash(None, tokens)",
+        (P + "test_equal_blocks_after_other_prefixes_do_not_hit",),
+    ),
+    Mutation(
+        "L5 a key hit is taken without checking the block's tokens",
+        "L5_clones/allocator.py",
+        "if b is None or self.blocks[b].token_ids != tuple(token_ids):",
+        "if b is None:",
+        ("tests/test_l5.py::test_a_hash_hit_with_other_tokens_is_a_miss",),
+    ),
+    Mutation(
+        "L5 a reused block keeps its old key in the index",
+        "L5_clones/allocator.py",
+        "            del self.hash_to_block[block.hash]",
+        "            pass",
+        ("tests/test_l5.py::test_lru_allocation_forgets_the_oldest_freed_blocks_first",),
+    ),
+    Mutation(
+        "L5 match_prefix takes the block of the last token",
+        "L5_clones/prefix_cache.py",
+        "for i in range((len(token_ids) - 1) // bs):",
+        "for i in range(len(token_ids) // bs):",
+        ("tests/test_l5.py::test_match_prefix_never_takes_the_block_of_the_last_token",),
+    ),
+    # ---- L6 reset and cleanup
+    Mutation(
+        "L6 reset skipped unless cleanup is none",
+        "L6_tpu_jax/engine.py",
+        "self.state = self._reset_logical(self.state)",
+        'self.state = self._reset_logical(self.state) if self.cleanup == "none" else self.state',
+        (P + "test_l6_two_calls_in_a_row_start_from_a_reset_state[incremental-logical]",),
+    ),
+    Mutation(
+        "L6 physical reset keeps the K/V pages",
+        "L6_tpu_jax/engine.py",
+        'if self.reset_mode == "physical":',
+        'if self.reset_mode == "never":',
+        (P + "test_l6_two_calls_in_a_row_start_from_a_reset_state[incremental-physical]",),
+    ),
+    Mutation(
+        "L6 incremental cleanup frees nothing in the decode loop",
+        "L6_tpu_jax/engine.py",
+        "new = ds.free_finished(new)  # pages return the step a sequence finishes",
+        "new = new  # pages return the step a sequence finishes",
+        (P + "test_l6_on_the_smallest_pool_changes_no_token[incremental]",),
+    ),
+    Mutation(
+        "L6 end cleanup frees nothing between host calls",
+        "L6_tpu_jax/engine.py",
+        'if self.cleanup == "end" and (host.finished & host.sequences.used_mask).any():',
+        'if self.cleanup == "never" and (host.finished & host.sequences.used_mask).any():',
+        (P + "test_l6_on_the_smallest_pool_changes_no_token[end]",),
+    ),
+    Mutation(
+        "L6 a sequence that finishes on its prefill token keeps its pages",
+        "L6_tpu_jax/engine.py",
+        "state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)",
+        "state = state  # a sequence can finish on its prefill token (eos, budget 1)",
+        ("tests/test_l6_engine.py::test_incremental_cleanup_frees_sequences_that_finish_at_prefill",),
+    ),
+    Mutation(
+        "L6 freeing a finished slot leaves its refcounts",
+        "L6_tpu_jax/page_table.py",
+        '.add(-1, mode="drop")',
+        '.add(0, mode="drop")',
+        (P + "test_l6_two_calls_in_a_row_start_from_a_reset_state[end-logical]",),
+    ),
+    # ---- kernels
+    Mutation(
+        "L4 PyTorch kernel forgets to rescale acc",
+        "L4_paged_kernel/paged_attention.py",
+        "alpha[..., None] * acc + p @ v",
+        "acc + p @ v",
+        ("tests/test_l4_kernels.py::test_torch_kernel_matches_dense",),
+    ),
+    Mutation(
+        "L4 PyTorch kernel lets a query see the key after it",
+        "L4_paged_kernel/paged_attention.py",
+        's = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))',
+        's = s.masked_fill(k_pos[None, :] > q_pos[:, None] + 1, float("-inf"))',
+        ("tests/test_l4_kernels.py::test_torch_kernel_matches_dense",),
+    ),
+    Mutation(
+        "L4 split-KV reduce forgets to rescale the denominators",
+        "L4_paged_kernel/fast/split_kv.py",
+        "/ (w * l).sum(dim=0)[..., None]",
+        "/ l.sum(dim=0)[..., None]",
+        ("tests/test_l4_kernels.py::test_split_kv_matches_dense",),
+    ),
+    Mutation(
+        "L4 PyTorch kernel reads the block table's padding",
+        "L4_paged_kernel/paged_attention.py",
+        "blocks = block_tables[s, : (ctx + block_size - 1) // block_size].tolist()",
+        "blocks = block_tables[s].tolist()",
+        ("tests/test_l4_kernels.py::test_torch_kernel_matches_dense",),
+    ),
+    Mutation(
+        "L4 Triton kernel forgets to rescale acc",
+        "L4_paged_kernel/fast/triton_paged_attention.py",
+        "acc = acc * alpha[:, None] + tl.dot(p, v",
+        "acc = acc + tl.dot(p, v",
+        ("tests/test_l4_kernels.py::test_triton_kernel_matches_dense",),
+        needs="triton",
+    ),
+    Mutation(
+        "L4 Triton kernel's query tile runs past its sequence's last token",
+        "L4_paged_kernel/fast/triton_paged_attention.py",
+        "row_mask = (rows < BLOCK_Q * G) & (tok < q_len)",
+        "row_mask = rows < BLOCK_Q * G",
+        ("tests/test_l4_kernels.py::test_each_output_row_is_written_once_by_its_own_tile",),
+        needs="triton",
+    ),
+    Mutation(
+        "L4 C++ kernel forgets to rescale acc",
+        "L4_paged_kernel/fast/paged_attention.cpp",
+        "for (int64_t x = 0; x < d; ++x) a[x] *= alpha;",
+        "for (int64_t x = 0; x < d; ++x) a[x] *= 1.f;",
+        ("tests/test_l4_kernels.py::test_cpp_kernel_matches_dense",),
+        needs="cpp",
+    ),
+    Mutation(
+        "L6 reference attention forgets to rescale acc",
+        "L6_tpu_jax/attention.py",
+        "alpha[..., None] * acc + jnp.einsum(pv, p, v, precision=HIGHEST)",
+        "acc + jnp.einsum(pv, p, v, precision=HIGHEST)",
+        ("tests/test_l6_attention.py::test_ragged_paged_attention_equals_dense",),
+    ),
+    Mutation(
+        "L6 reference attention lets a query see the key after it",
+        "L6_tpu_jax/attention.py",
+        "visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < context_len)",
+        "visible = (k_pos[None, :] <= q_pos[:, None] + 1) & (k_pos[None, :] < context_len)",
+        ("tests/test_l6_attention.py::test_ragged_paged_attention_equals_dense",),
+    ),
+    Mutation(
+        "L6 decode attention reads one key past the sequence",
+        "L6_tpu_jax/attention.py",
+        "visible = j * span + jnp.arange(span)[None, :] < context_len[:, None]",
+        "visible = j * span + jnp.arange(span)[None, :] <= context_len[:, None]",
+        ("tests/test_l6_attention.py::test_decode_only_paged_attention_equals_dense",),
+    ),
+    Mutation(
+        "L6 KV write of a padding token wraps round to the last page",
+        "L6_tpu_jax/kv_cache.py",
+        "where = jnp.where(dests >= 0, dests, n_pages * ps)",
+        "where = dests",
+        ("tests/test_l6_attention.py::test_update_kv_is_one_scatter_to_page_and_row",),
+    ),
+    Mutation(
+        "decode graphs' padding rows write their K/V into block 0, which a sequence owns",
+        "kvcourse/decode_graphs.py",
+        "self.slot_mapping[b:size] = padding_block * self.block_size",
+        "self.slot_mapping[b:size] = 0",
+        ("tests/test_decode_graphs.py::test_decode_graphs_equal_hf_and_the_readable_path",),
+    ),
+    # ---- the comparison every smoke relies on
+    Mutation(
+        "a comparison that accepts a short output",
+        "kvcourse/harness/compare.py",
+        "return None if len(a) == len(b) else min(len(a), len(b))",
+        "return None",
+        ("tests/test_smokes.py::test_smoke_fails_an_engine_that_is_wrong[short output]",),
+    ),
+    Mutation(
+        "a comparison that calls a missing token a numerical tie",
+        "kvcourse/harness/compare.py",
+        "if picked_both and hf_text and",
+        "if hf_text and",
+        ("tests/test_prompts_compare.py::test_a_missing_token_is_never_a_tie",),
+    ),
+)
