@@ -17,6 +17,7 @@ EX ?=
 DIR ?=
 TIMEOUT ?=
 SEED ?=
+KEY ?=
 DEVICE ?=
 JUPYTER_ARGS ?=
 
@@ -28,7 +29,7 @@ export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup smoke test lint workspace notebooks grade exercises diffs numbers bench gpu-check mutants clean
+.PHONY: setup smoke test lint workspace notebooks grade exercises release diffs numbers bench gpu-check mutants clean
 
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
@@ -99,13 +100,19 @@ notebooks: setup workspace
 	  $(if $(filter 0,$(shell id -u)),--allow-root) $(JUPYTER_ARGS)
 
 # make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook);
-# TIMEOUT= seconds per cell (default 60), SEED= the hidden cases' seed (default: a new one per run)
+# TIMEOUT= seconds per cell (default 60), SEED= the hidden cases' seed (default: a new one per run),
+# KEY= the autograder bundle of a student release (which has no answer key of its own)
 grade: setup
 	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grading.gradebook $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR)) \
-	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED))
+	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED)) $(if $(KEY),--key $(KEY))
 
 exercises: $(STAMP)
 	$(PY) -m kvcourse.grading.exercises
+
+# make release DIR=/tmp/kv-class: DIR/course, the course without its answer key, as a git repository a
+# class can clone; DIR/autograder, the key, for make grade KEY=DIR/autograder (kvcourse/tools/release.py).
+release: $(STAMP)
+	$(PY) -m kvcourse.tools.release $(DIR)
 
 # lessons/diffs/L{N-1}_L{N}.diff: what each stage changes, as a unified diff of the two folders;
 # L4_fast.diff: what L4's fast paths (fast/) add; for L6, L5_L6_names.md (L5's names and L6's, also in

@@ -29,6 +29,11 @@ dropped everywhere. Relative markdown links (``[chapter](../lessons/L1_contiguou
 in a fixed format, so running this twice gives identical bytes and ``--check`` can tell whether the
 committed notebooks are up to date.
 
+Kinds. Each exercise's markdown heading names its kind (``kinds``): a *warm-up* rebuilds a function
+the stage has (the chapter folds that listing), *beyond the stage* asks for a variant no file of the
+course holds, *catch the bug* asks for a test that the grader runs on buggy versions of the stage
+(``kvcourse/grading/bugs.py``), and *predict* asks for the state a fixed sequence of operations leaves.
+
 ``put_back(exercise_nb, answers)`` does the reverse for tests: it replaces stubs with code, the
 reference solutions (``solutions(reference_nb)``) or a deliberately wrong answer.
 
@@ -59,6 +64,10 @@ CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<title>.*?))?[ \t]*$")
 END_RE = re.compile(r"^[ \t]*# END SOLUTION[ \t]*$")
 RELATIVE_LINK_RE = re.compile(r"\]\((?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)")  # "](" + a relative target
+KINDS = ("warm-up", "beyond the stage", "catch the bug", "predict")
+HEADING_RE = re.compile(
+    r"^#+ Exercises? (?P<ids>L\d+\.\d+(?:(?:, | and )L\d+\.\d+)*) \((?P<kind>[^)]*)\)", re.M
+)
 STUB_RE = re.compile(r'^(?P<indent>[ \t]*)raise NotImplementedError\("Exercise L\d+\.(?P<number>\d+)[:"]')
 
 
@@ -183,6 +192,21 @@ def put_back(exercise, answers: Mapping[int, str]):
                 lines.append(line)
         cell.source = "\n".join(lines)
     return nb
+
+
+def kinds(reference) -> dict[str, str]:
+    """Each exercise's kind, from the notebook's headings: ``## Exercise L2.4 (beyond the stage) — ...``
+    and ``## Exercises L2.1 and L2.2 (warm-up) — ...`` give ``{"L2.4": "beyond the stage", "L2.1":
+    "warm-up", "L2.2": "warm-up"}``. A kind outside ``KINDS`` is refused."""
+    found = {}
+    for cell in reference.cells:
+        if cell.cell_type != "markdown":
+            continue
+        for m in HEADING_RE.finditer(cell.source):
+            if m["kind"] not in KINDS:
+                raise ValueError(f"exercise heading {m[0]!r}: the kind is one of {', '.join(KINDS)}")
+            found.update({ex: m["kind"] for ex in re.findall(r"L\d+\.\d+", m["ids"])})
+    return found
 
 
 def read(path: str | Path):

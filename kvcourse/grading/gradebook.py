@@ -5,6 +5,7 @@
     make grade                                            every notebook in workspace/
     make grade DIR=submissions/                           a class: writes submissions/gradebook.csv
     make grade ... TIMEOUT=120 SEED=1234                  seconds per cell; the hidden cases' seed
+    make grade KEY=../autograder DIR=submissions/         in a student release: the answer key's bundle
 
 For a notebook the report reads like a teacher's: one line per exercise, each failing case once in
 plain text, the notes, then ``graded <path>: K/N exercises pass``; the exit status is 0 only when
@@ -36,6 +37,10 @@ answer runs the stage's own implementation (the hidden cases saw its code run, o
 ``kvcourse/grading/integrity.py``); no exercise is credited when the learner's code changes the grader. The
 gradebook's note column says why, and what happened when a kernel died or a cell ran out of time.
 
+The independent answers are each stage's ``exercises/answers.py``. A student release (``make release``,
+``kvcourse/tools/release.py``) has none: its bundle holds them, and ``--key BUNDLE`` (``KEY=``) makes the
+grader import them from there (``use_key``); the sandbox hides the bundle as it hides the answers here.
+
 Left out on purpose: partial credit (an exercise passes or fails), and grading a notebook whose cells
 lost their ids (Jupyter keeps them; such a notebook is refused with a note).
 """
@@ -46,6 +51,7 @@ import argparse
 import ast
 import csv
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -130,6 +136,25 @@ def package_of(name: str) -> str:
     if stage not in STAGES:
         raise ValueError(f"{name}: not a stage's notebook")
     return STAGES[stage]
+
+
+def use_key(bundle: Path | None) -> str | None:
+    """Make every stage's independent answers importable as ``<stage>.exercises.answers``, from
+    ``bundle`` (a release's autograder folder) when given, else from the stages themselves; None when
+    they all are, else what is missing and how to give it."""
+    for package in STAGES.values():
+        folder = importlib.import_module(f"{package}.exercises")
+        if bundle is not None and (bundle / package / "exercises" / "answers.py").is_file():
+            folder.__path__.insert(0, str(bundle / package / "exercises"))
+        if importlib.util.find_spec(f"{package}.exercises.answers") is None:
+            where = (
+                f"{bundle} has no {package}/exercises/answers.py" if bundle else "this is a student release"
+            )
+            return (
+                f"the answer key is not here ({where}): grade with the autograder bundle that "
+                "make release wrote beside the course, make grade KEY=path/to/autograder ..."
+            )
+    return None
 
 
 def exercises_of(key) -> list[Exercise]:
@@ -476,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="grade every notebook of a folder and write its gradebook.csv")
     parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="seconds one cell may run")
     parser.add_argument("--seed", type=int, help="the hidden cases' seed (default: a new one each run)")
+    parser.add_argument("--key", help="a student release's autograder bundle (make release)")
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -486,7 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--timeout must be >= 1 second, got {args.timeout}")
     if args.exercise and args.exercise not in known_exercises():
         return fail(f"no exercise {args.exercise!r}; the exercises are {', '.join(known_exercises())}")
-    box = Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT)
+    bundle = Path(args.key).resolve() if args.key else None
+    if bundle is not None and not bundle.is_dir():
+        return fail(f"KEY={args.key} is not a folder (the autograder bundle of make release)")
+    missing_key = use_key(bundle)
+    if missing_key:
+        return fail(missing_key)
+    box = Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT, key=bundle)
     if box.warning():
         print(box.warning(), file=sys.stderr)
     if args.dir:

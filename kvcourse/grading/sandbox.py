@@ -8,7 +8,8 @@
   process, IPC and host-name namespaces, killed with the grader. The grader's work folder is the one
   writable place (what the run reads from the host's /tmp, a clone of the repository there say, is
   brought back read-only). The answer key is out of sight: ``notebooks/`` (the reference notebooks hold the
-  solutions), each stage's ``answers.py`` and the git history are covered by empty ones;
+  solutions), each stage's ``answers.py``, a release's autograder bundle (``key``) and the git history
+  are covered by empty ones;
 - **limits** set with ``setrlimit`` (what ``prlimit`` sets): address space (``memory_bytes``) and CPU
   seconds (``cpu_seconds``). A process over its CPU time is killed, which the grader reports as a
   dead kernel.
@@ -66,10 +67,11 @@ class Sandbox:
     memory_bytes: int
     cpu_seconds: int
     use_bwrap: bool
+    key: Path | None = None  # a student release's autograder bundle, out of sight like the answers
 
     @classmethod
-    def here(cls, repo: Path, memory_bytes: int, cpu_seconds: int) -> Sandbox:
-        return cls(repo, memory_bytes, cpu_seconds, use_bwrap=bwrap_works() is None)
+    def here(cls, repo: Path, memory_bytes: int, cpu_seconds: int, key: Path | None = None) -> Sandbox:
+        return cls(repo, memory_bytes, cpu_seconds, use_bwrap=bwrap_works() is None, key=key)
 
     def warning(self) -> str | None:
         """The one line to print when submissions will run outside bubblewrap."""
@@ -82,7 +84,7 @@ class Sandbox:
 
     def covered(self) -> list[Path]:
         """What the box hides: the answer key and the history that holds it."""
-        hidden = [self.repo / "notebooks", self.repo / ".git"]
+        hidden = [self.repo / "notebooks", self.repo / ".git"] + ([self.key] if self.key else [])
         return hidden + sorted(self.repo.glob("L[0-9]*_*/exercises/answers.py"))
 
     def wrap(self, argv: list[str], workdir: Path) -> tuple[list[str], Callable[[], None]]:

@@ -1,0 +1,171 @@
+"""A student release holds no answer, and grading with its autograder bundle gives today's verdicts.
+
+``make release DIR=...`` (``kvcourse/tools/release.py``) writes ``DIR/course`` for the class and
+``DIR/autograder`` for the instructor. Here one release is made per test module, then:
+
+- no file of the course is in the answer key (reference notebooks, ``answers.py``, the tests that read
+  them), and the course is a git repository of one commit (no history to dig an old key out of);
+- every exercise's solution region (the code between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` in the
+  reference notebooks), compared line by line without blank lines and comments, occurs in no file of the
+  course. A warm-up's solution rebuilds a function of its stage, so it may occur in the stages' code
+  (later stages copy it) and in other chapters, but not in the exercise notebooks or checkers, and in its
+  own chapter only inside a folded ``<details>`` listing;
+- the course's ``make grade`` refuses without the bundle, naming ``KEY=``; with it, an L2 notebook with a
+  right, a wrong and an untouched answer gets the same report as in this repository, line for line;
+- the mutation list names no test that the release leaves out (its ``make mutants`` and
+  ``tests/test_mutants.py`` need them).
+
+Left out on purpose: running the release's whole ``make test`` (minutes; the closing check of an issue
+does it from a fresh release), and the sandbox's view of the bundle (``tests/test_grading.py`` checks the
+box hides what ``covered()`` lists; the bundle is one more entry there).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcourse.grading import exercises
+from kvcourse.harness.mutations import MUTATIONS
+from kvcourse.harness.stages import STAGES
+from kvcourse.model_store import cache_root
+from kvcourse.tools import release
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCES = exercises.reference_notebooks(ROOT / "notebooks")
+DETAILS_RE = re.compile(r"<details>.*?</details>", re.S)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> tuple[Path, Path]:
+    return release.release(tmp_path_factory.mktemp("release") / "class")
+
+
+def significant(text: str) -> list[str]:
+    """The lines of ``text`` that say something: stripped, without blank lines and comments."""
+    return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
+
+
+def holds(text: str, needle: list[str]) -> bool:
+    """Whether ``needle``'s lines occur one after another among ``text``'s significant lines."""
+    hay = significant(text)
+    return any(hay[i : i + len(needle)] == needle for i, line in enumerate(hay) if line == needle[0])
+
+
+def texts(path: Path) -> list[str]:
+    """What a file says: a notebook's cell sources one by one, any other text file whole."""
+    if path.suffix == ".ipynb":
+        return [cell.source for cell in exercises.read(path).cells]
+    try:
+        return [path.read_text(encoding="utf-8")]
+    except UnicodeDecodeError:
+        return []
+
+
+def solution_regions() -> list[tuple[str, str, str, list[str]]]:
+    """(exercise id, kind, stage package, significant lines) of every solution region of the course."""
+    regions = []
+    for ref in REFERENCES:
+        nb, stage = exercises.read(ref), exercises.stage_of(ref)
+        kinds = exercises.kinds(nb)
+        for number, code in exercises.solutions(nb).items():
+            exercise_id = f"{stage}.{number}"
+            regions.append((exercise_id, kinds.get(exercise_id, "?"), STAGES[stage], significant(code)))
+    return regions
+
+
+def test_the_course_holds_no_file_of_the_key(made):
+    course, key = made
+    files = [p.relative_to(course).as_posix() for p in course.rglob("*") if p.is_file()]
+    files = [f for f in files if not f.startswith(".git/")]
+    assert files and not [f for f in files if release.in_key(f)]
+    assert not list(course.glob("L[0-9]*_*/exercises/answers.py"))
+    assert not list(course.glob("notebooks/L[0-9]*_*.ipynb"))
+    assert sorted(p.name for p in (key / "notebooks").glob("*.ipynb")) == [p.name for p in REFERENCES]
+    assert len(list(key.glob("L[0-9]*_*/exercises/answers.py"))) == len(STAGES)
+    log = subprocess.run(["git", "log", "--oneline"], cwd=course, capture_output=True, text=True, check=True)
+    assert len(log.stdout.splitlines()) == 1, log.stdout
+
+
+def test_every_exercise_has_a_kind():
+    for exercise_id, kind, _, _ in solution_regions():
+        assert kind in exercises.KINDS, f"{exercise_id}: its heading names no kind ({kind})"
+
+
+def test_no_solution_region_is_in_the_course(made):
+    course, _ = made
+    files = [p for p in course.rglob("*") if p.is_file() and ".git" not in p.relative_to(course).parts]
+    found = []
+    for exercise_id, kind, package, lines in solution_regions():
+        assert lines, f"{exercise_id}: an empty solution region"
+        for path in files:
+            rel = path.relative_to(course).as_posix()
+            chapter = rel == f"lessons/{package}.md"
+            if kind == "warm-up" and not (chapter or "exercises/" in rel):
+                continue  # a warm-up rebuilds stage code, which later stages copy and chapters show
+            for text in texts(path):
+                if kind == "warm-up" and chapter:
+                    text = DETAILS_RE.sub("", text)  # folded behind "try the exercise first"
+                if holds(text, lines):
+                    found.append(f"{exercise_id} ({kind}) is in {rel}")
+    assert not found, "\n".join(found)
+
+
+def test_the_search_finds_a_solution_where_it_is():
+    """The search can fail: a reference notebook holds its own solutions, a stub notebook does not."""
+    exercise_id, _, _, lines = solution_regions()[0]
+    ref = REFERENCES[0]
+    assert any(holds(text, lines) for text in texts(ref)), exercise_id
+    assert not any(holds(text, lines) for text in texts(exercises.exercise_path(ref)))
+
+
+def grade(tree: Path, notebook: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``make grade``'s command, run from ``tree`` with its own code first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "KVCOURSE_CACHE": str(cache_root())}
+    command = [sys.executable, "-m", "kvcourse.grading.gradebook", str(notebook), "--seed", "7", *extra]
+    return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_path):
+    course, key = made
+    reference = ROOT / "notebooks" / "L2_token_flat.ipynb"
+    key_nb = exercises.read(exercises.exercise_path(reference))
+    right = exercises.solutions(exercises.read(reference))
+    answers = {1: right[1], 2: "return None  # wrong on purpose: frees nothing\n"}  # 3 and on: untouched
+    notebook = tmp_path / "L2_token_flat.ipynb"
+    notebook.write_text(exercises.render(exercises.put_back(key_nb, answers)), encoding="utf-8")
+
+    refused = grade(course, notebook)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "KEY=" in refused.stderr and "answer key" in refused.stderr, refused.stderr
+
+    here, there = grade(ROOT, notebook), grade(course, notebook, "--key", str(key))
+    assert here.stdout.splitlines(), here.stderr
+    assert here.stdout == there.stdout, (here.stdout, there.stdout, there.stderr)
+    assert "L2.1 alloc_blocks: PASS" in here.stdout and "L2.2 free: FAIL" in here.stdout, here.stdout
+
+
+def test_a_release_never_overwrites_and_stays_outside_the_course(made, tmp_path, capsys):
+    course, _ = made
+    with pytest.raises(ValueError, match="is not empty"):
+        release.release(course.parent)
+    assert release.main([str(ROOT / "workspace" / "class")]) == 2
+    assert "inside the course" in capsys.readouterr().err
+    assert release.main([]) == 2
+    assert "make release DIR=" in capsys.readouterr().err
+
+
+def test_the_mutation_list_names_no_test_the_release_leaves_out():
+    left_out = [
+        (m.name, test)
+        for m in MUTATIONS
+        for test in m.tests
+        if any(fnmatch.fnmatchcase(test.partition("::")[0], p) for p in release.KEY_TESTS)
+    ]
+    assert not left_out
