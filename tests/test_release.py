@@ -13,11 +13,11 @@
 - the course's ``make grade`` refuses without the bundle, naming ``KEY=``; with it, an L2 notebook with a
   right, a wrong and an untouched answer gets the same report as in this repository, line for line;
 - the mutation list names no test that the release leaves out (its ``make mutants`` and
-  ``tests/test_mutants.py`` need them).
+  ``tests/test_mutants.py`` need them);
+- the grading sandbox hides the bundle from the notebooks it runs, wherever the bundle lies.
 
 Left out on purpose: running the release's whole ``make test`` (minutes; the closing check of an issue
-does it from a fresh release), and the sandbox's view of the bundle (``tests/test_grading.py`` checks the
-box hides what ``covered()`` lists; the bundle is one more entry there).
+does it from a fresh release).
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvcourse.grading import exercises
+from kvcourse.grading.sandbox import Sandbox, bwrap_works
 from kvcourse.harness.mutations import MUTATIONS
 from kvcourse.harness.stages import STAGES
 from kvcourse.model_store import cache_root
@@ -149,6 +151,23 @@ def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_pa
     assert here.stdout.splitlines(), here.stderr
     assert here.stdout == there.stdout, (here.stdout, there.stdout, there.stderr)
     assert "L2.1 alloc_blocks: PASS" in here.stdout and "L2.2 free: FAIL" in here.stdout, here.stdout
+
+
+@pytest.mark.skipif(bwrap_works() is not None, reason=f"optional dependency missing: {bwrap_works()}")
+def test_the_box_hides_the_bundle_wherever_it_is(tmp_path):
+    """An instructor's bundle outside /tmp (here under the repository's ignored .cache) is covered in the
+    box like the answers themselves."""
+    (ROOT / ".cache").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bundle-") as bundle:
+        answers = Path(bundle) / "L2_token_flat" / "exercises" / "answers.py"
+        answers.parent.mkdir(parents=True)
+        answers.write_text("SECRET = 1\n")
+        probe = f"import os; print(os.path.exists({str(answers)!r}), os.listdir({bundle!r}))"
+        for key, seen in ((None, "True ['L2_token_flat']"), (Path(bundle), "False []")):
+            box = Sandbox.here(ROOT, memory_bytes=4 << 30, cpu_seconds=60, key=key)
+            argv, limits = box.wrap([sys.executable, "-c", probe], tmp_path)
+            done = subprocess.run(argv, capture_output=True, text=True, preexec_fn=limits, timeout=60)
+            assert done.stdout.strip() == seen, (key, done.stdout, done.stderr)
 
 
 def test_a_release_never_overwrites_and_stays_outside_the_course(made, tmp_path, capsys):
