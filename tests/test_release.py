@@ -10,8 +10,10 @@
   course. A warm-up's solution rebuilds a function of its stage, so it may occur in the stages' code
   (later stages copy it) and in other chapters, but not in the exercise notebooks or checkers, and in its
   own chapter only inside a folded ``<details>`` listing;
-- the course's ``make grade`` refuses without the bundle, naming ``KEY=``; with it, an L2 notebook with a
-  right, a wrong and an untouched answer gets the same report as in this repository, line for line;
+- without the bundle, the course's ``make grade`` grades a learner's notebook on the cases it shows
+  (and says the hidden ones are the instructor's) and refuses a class, naming ``KEY=``; with it, an L2
+  notebook with a right, a wrong and an untouched answer gets the same report as in this repository,
+  line for line;
 - the mutation list names no test that the release leaves out (its ``make mutants`` and
   ``tests/test_mutants.py`` need them);
 - the grading sandbox hides the bundle from the notebooks it runs, wherever the bundle lies.
@@ -143,7 +145,17 @@ def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_pa
     notebook = tmp_path / "L2_token_flat.ipynb"
     notebook.write_text(exercises.render(exercises.put_back(key_nb, answers)), encoding="utf-8")
 
-    refused = grade(course, notebook)
+    shown = grade(course, notebook, "--exercise", "L2.1")  # a learner's copy: the cases shown, and a note
+    assert "L2.1 alloc_blocks: PASS on the cases shown" in shown.stdout, shown.stdout + shown.stderr
+    assert "hidden cases not graded" in shown.stdout and "seed" not in shown.stdout, shown.stdout
+    (tmp_path / "class").mkdir()
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvcourse.grading.gradebook", "--dir", str(tmp_path / "class")],
+        cwd=course,
+        env={**os.environ, "PYTHONPATH": str(course)},
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "KEY=" in refused.stderr and "answer key" in refused.stderr, refused.stderr
 

@@ -40,6 +40,8 @@ gradebook's note column says why, and what happened when a kernel died or a cell
 The independent answers are each stage's ``exercises/answers.py``. A student release (``make release``,
 ``kvcourse/tools/release.py``) has none: its bundle holds them, and ``--key BUNDLE`` (``KEY=``) makes the
 grader import them from there (``use_key``); the sandbox hides the bundle as it hides the answers here.
+Without it, a learner's ``make grade NB=...`` in a release grades the cases the notebook shows and says
+the hidden ones are the instructor's; a class (``DIR=``) is refused.
 
 Left out on purpose: partial credit (an exercise passes or fails), and grading a notebook whose cells
 lost their ids (Jupyter keeps them; such a notebook is refused with a note).
@@ -138,6 +140,9 @@ def package_of(name: str) -> str:
     return STAGES[stage]
 
 
+NO_KEY = "this copy of the course has no answer key (your instructor's make grade KEY=... grades them)"
+
+
 def use_key(bundle: Path | None) -> str | None:
     """Make every stage's independent answers importable as ``<stage>.exercises.answers``, from
     ``bundle`` (a release's autograder folder) when given, else from the stages themselves; None when
@@ -222,9 +227,17 @@ def harvest_source(package: str, ex: Exercise, check_source: str, seed: int, out
 
 
 def build_run(
-    nb, key, exercises: list[Exercise], only: str | None, package: str, seed: int, results: Path, seconds: int
+    nb,
+    key,
+    exercises: list[Exercise],
+    only: str | None,
+    package: str,
+    seed: int | None,
+    results: Path,
+    seconds: int,
 ) -> list[RunCell]:
-    """The cells the grader runs (see the module docstring) and which of them are the learner's.
+    """The cells the grader runs (see the module docstring) and which of them are the learner's; no
+    hidden cases when ``seed`` is None (a copy without the answer key).
 
     Each of the learner's cells sits where the learner put it: after the key cell it follows.
     """
@@ -255,9 +268,10 @@ def build_run(
             exercise_id = ex.exercise_id if ex else None
             if is_check(cell):
                 cells.append(RunCell(cell.source, "check", exercise_id))
-                out = results / f"{ex.exercise_id}.json"
-                source = harvest_source(package, ex, cell.source, seed, out, seconds)
-                cells.append(RunCell(source, "hidden", exercise_id))
+                if seed is not None:
+                    out = results / f"{ex.exercise_id}.json"
+                    source = harvest_source(package, ex, cell.source, seed, out, seconds)
+                    cells.append(RunCell(source, "hidden", exercise_id))
             elif STUB_TITLE_RE.search(cell.source):
                 if cell.get("id") in mine:  # deleted: the learner's answer may sit in a cell of their own
                     cells.append(RunCell(mine[cell.get("id")], "learner", exercise_id))
@@ -352,10 +366,12 @@ def grade(
     seed: int | None = None,
     box: Sandbox | None = None,
     shown: str | None = None,
+    hidden_cases: bool = True,
 ) -> Grade:
-    """Grade one notebook (``only``: one exercise id)."""
+    """Grade one notebook (``only``: one exercise id); ``hidden_cases=False`` grades the cases the
+    notebook shows only (a student release without its answer key)."""
     shown = shown or str(path)
-    seed = new_seed() if seed is None else seed
+    seed = (new_seed() if seed is None else seed) if hidden_cases else None
     box = box or Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT)
     try:
         nb = read(path)
@@ -405,7 +421,7 @@ def grade(
         )
         passed, summary, failures = visible_verdict(by_cell.get(check_at))
         record = harvested.get(ex.exercise_id)
-        problems = hidden.judge(package, ex.exercise_id, seed, record)
+        problems = hidden.judge(package, ex.exercise_id, seed, record) if hidden_cases else []
         aliased = [f.what for f in findings if f.kind == "alias" and f.exercise_id == ex.exercise_id]
         aliased += [
             f"runs {t.partition(':')[2]}, the stage's own answer" for t in (record or {}).get("aliased", [])
@@ -422,7 +438,11 @@ def grade(
                 f"FAIL, the cases shown pass, {len(problems)} of {total} hidden cases fail",
             )
             failures = problems
+        if passed and not hidden_cases:
+            summary = "PASS on the cases shown"
         verdicts.append(Verdict(ex, passed, summary, failures))
+    if not hidden_cases:
+        notes.append(f"hidden cases not graded: {NO_KEY}")
     notes += what_happened(cells, by_cell, cell_timeout)
     if stopped:
         notes.append(f"the notebook ran past {NOTEBOOK_TIMEOUT} s in all and was stopped")
@@ -516,8 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     if bundle is not None and not bundle.is_dir():
         return fail(f"KEY={args.key} is not a folder (the autograder bundle of make release)")
     missing_key = use_key(bundle)
-    if missing_key:
+    if missing_key and (bundle is not None or args.dir):
         return fail(missing_key)
+    if missing_key:
+        print(f"note: {NO_KEY}: grading the cases each notebook shows", file=sys.stderr)
     box = Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT, key=bundle)
     if box.warning():
         print(box.warning(), file=sys.stderr)
@@ -536,7 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for path in paths:
         try:
-            g = grade(path, only=args.exercise, cell_timeout=args.timeout, seed=args.seed, box=box)
+            g = grade(
+                path,
+                only=args.exercise,
+                cell_timeout=args.timeout,
+                seed=args.seed,
+                box=box,
+                hidden_cases=missing_key is None,
+            )
         except ValueError as e:  # EX= names an exercise of another notebook
             return fail(str(e))
         print(report(g), flush=True)
