@@ -86,12 +86,26 @@ def version(target: str, bug_name: str | None = None):
 
 
 def outcome_of(test: Callable, subject) -> str:
-    """``"passes"`` when ``test(subject)`` returns, ``"fails"`` when it raises (any exception)."""
+    """``"passes"`` when ``test(subject)`` returns, ``"fails"`` when it raises (any exception but
+    ``NotImplementedError``, which the exercise's stub raises: it is passed on, so that an untouched
+    exercise reads "not done yet" and catches no bug)."""
     try:
         test(subject)
+    except NotImplementedError:
+        raise
     except Exception:  # noqa: BLE001 - a test may fail with any exception, as under pytest
         return "fails"
     return "passes"
+
+
+def verdict(want: str, got) -> str | None:
+    """A hidden case's difference in words: ``verdict("fails", "passes")`` -> ``"your test passes this
+    buggy version: it does not catch the bug"``."""
+    if want == got:
+        return None
+    if got == "passes":
+        return "your test passes this buggy version: it does not catch the bug"
+    return "your test fails the correct version"
 
 
 def catch_cases(test: Callable, target: str, bugs: list[str], what: str) -> list[Case]:
@@ -101,6 +115,8 @@ def catch_cases(test: Callable, target: str, bugs: list[str], what: str) -> list
     def correct() -> str | None:
         try:
             test(version(target))
+        except NotImplementedError:
+            raise
         except Exception as e:  # noqa: BLE001
             return (
                 f"your test fails {what} as the stage has it ({type(e).__name__}: {first_line(str(e), 60)})"
@@ -138,4 +154,4 @@ def catch_hidden(target: str, bugs: list[str], watch: tuple[str, ...]) -> Hidden
     def describe(case) -> str:
         return CORRECT if case["bug"] is None else f"bug '{case['bug']}'"
 
-    return Hidden(draw=draw, observe=observe, describe=describe, answers=watch)
+    return Hidden(draw=draw, observe=observe, describe=describe, answers=watch, explain=verdict)

@@ -27,7 +27,9 @@ A ``Hidden`` holds:
   (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught however it got hold of it, and the grader
   flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
   ``SPECS``) is caught when one of its values is used;
-- ``atol``: the tolerance for floats (online softmax against a dense one), else exact.
+- ``atol``: the tolerance for floats (online softmax against a dense one), else exact;
+- ``explain(want, got)``: what the report says of a difference, when ``compare``'s "got X, expected Y"
+  would say too much (``unrevealed``: a prediction's answer) or too little (a catch-the-bug verdict).
 
 Observations are lists of steps, each a dict (``{"call": "alloc_blocks(2)", "returned": [0, 1],
 "free": [2, 3]}``), or any JSON value; ``compare`` names the first step and key that differ.
@@ -69,6 +71,7 @@ class Hidden:
     describe: Callable[[dict], str]
     answers: tuple[str, ...] = ()
     atol: float = 0.0
+    explain: Callable[[Any, Any], str | None] | None = None  # (want, got) -> what differs; default compare
 
 
 class CaseTimeout(Exception):
@@ -263,7 +266,8 @@ def judge(package: str, exercise_id: str, seed: int, record: dict | None) -> lis
         if "error" in obs:
             problems.append(f"hidden case {k} ({hidden.describe(case)}): raised {obs['error']}")
             continue
-        problem = compare(want, obs.get("ok"), hidden.atol)
+        explain = hidden.explain or (lambda w, g: compare(w, g, hidden.atol))
+        problem = explain(want, obs.get("ok"))
         if problem:
             problems.append(f"hidden case {k} ({hidden.describe(case)}): {problem}")
     return problems
@@ -307,6 +311,20 @@ def compare(want, got, atol: float = 0.0) -> str | None:
                     return f"after {step['call']}: {key} is {short(got[k].get(key))}, expected {short(value)}"
         return None
     return None if same(want, got, atol) else f"got {short(got)}, expected {short(want)}"
+
+
+def unrevealed(want, got) -> str | None:
+    """What differs, without the expected values: a prediction's report must not hand out its answer.
+
+    Example: ``unrevealed({"free": [2, 3], "table": [0, 1]}, {"free": [3, 2], "table": [0, 1]})``
+    -> ``"free is wrong"``; a value that is not a dict gives ``"the answer is wrong"``.
+    """
+    if same(want, got, 0.0):
+        return None
+    if isinstance(want, dict) and isinstance(got, dict):
+        wrong = [k for k in want if not same(want[k], got.get(k), 0.0)] + sorted(set(got) - set(want))
+        return f"{', '.join(map(str, wrong))} {'is' if len(wrong) == 1 else 'are'} wrong"
+    return "the answer is wrong"
 
 
 def same(want, got, atol: float) -> bool:
