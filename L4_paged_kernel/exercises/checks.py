@@ -34,7 +34,7 @@ from unittest import mock
 
 import torch
 
-from kvcourse.grading.cases import Case, close_problem, run_cases
+from kvcourse.grading.cases import Case, close_problem, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from ..fast import split_kv
@@ -51,6 +51,41 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.T
     m = s.amax(dim=-1) if s.shape[1] else torch.full((q.shape[0],), float("-inf"))  # (R,)
     p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[:, None])  # (R, n), 0 where masked
     return m, p.sum(dim=-1), p @ v
+
+
+def _same_floats(a, b) -> bool:
+    """Two float results equal to float rounding (NaN equal to NaN): a mistake's output and a learner's."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    )
+
+
+# Known mistakes, each named by the rule it breaks: when a wrong answer gives what one of them gives on
+# the same input, its case line says which rule (``named_mistake``). They are wrong on purpose.
+ACC_NOT_RESCALED = "acc is not rescaled when the running max changes"
+L_NOT_RESCALED = "l is not rescaled when the running max changes"
+
+
+def _merge_mistakes(m1, l1, acc1, m2, l2, acc2) -> dict:
+    """What known wrong merges give on these partials: m (R,), l (R,), acc (R, D) per side."""
+    top = torch.maximum(m1, m2)  # (R,)
+    w1, w2 = torch.exp(m1 - top)[:, None], torch.exp(m2 - top)[:, None]  # (R, 1)
+    raw1, raw2 = torch.exp(m1)[:, None], torch.exp(m2)[:, None]  # (R, 1): inf past a score of 88
+    return {
+        "the two sides are added without rescaling each to the common max": lambda: (
+            (acc1 + acc2) / (l1 + l2)[:, None]
+        ),
+        "acc is rescaled to the common max, l is not": lambda: (w1 * acc1 + w2 * acc2) / (l1 + l2)[:, None],
+        "l is rescaled to the common max, acc is not": lambda: (
+            (acc1 + acc2) / (w1 * l1[:, None] + w2 * l2[:, None])
+        ),
+        "exp(m) on its own overflows: weigh each side by exp(m - max(m1, m2))": lambda: (
+            (raw1 * acc1 + raw2 * acc2) / (raw1 * l1[:, None] + raw2 * l2[:, None])
+        ),
+    }
 
 
 def check_merge(merge: Callable) -> None:
@@ -82,9 +117,10 @@ def check_merge(merge: Callable) -> None:
             m2, l2, acc2 = _partial(q, k[n1:], v[n1:], visible[:, n1:])
             ref = merge_partials(torch.stack([m1, m2]), torch.stack([l1, l2]), torch.stack([acc1, acc2]))
             got = merge(m1.clone(), l1.clone(), acc1.clone(), m2.clone(), l2.clone(), acc2.clone())
-            return close_problem("out (against dense softmax)", dense, got) or close_problem(
+            problem = close_problem("out (against dense softmax)", dense, got) or close_problem(
                 "out (against merge_partials)", ref, got
             )
+            return named_mistake(problem, got, _merge_mistakes(m1, l1, acc1, m2, l2, acc2), _same_floats)
 
         return run
 
@@ -92,7 +128,13 @@ def check_merge(merge: Callable) -> None:
         m1, m2 = torch.tensor([0.0]), torch.log(torch.tensor([3.0]))
         one = torch.ones(1)
         got = merge(m1, one.clone(), torch.tensor([[1.0]]), m2, one.clone(), torch.tensor([[5.0]]))
-        return close_problem("out", torch.tensor([[4.0]]), got)
+        problem = close_problem("out", torch.tensor([[4.0]]), got)
+        return named_mistake(
+            problem,
+            got,
+            _merge_mistakes(m1, one, torch.tensor([[1.0]]), m2, one, torch.tensor([[5.0]])),
+            _same_floats,
+        )
 
     run_cases(
         [
@@ -111,6 +153,56 @@ def check_merge(merge: Callable) -> None:
             ),
         ]
     )
+
+
+ATTEND_MISTAKES = {  # the first whose output matches names the rule (some give the same output)
+    "stale": "the stale rows past the end of the history are not masked",
+    "no mask": "every key is visible: no mask, or key positions that restart at 0 in every block",
+    "acc": ACC_NOT_RESCALED,
+    "l": L_NOT_RESCALED,
+    "no scale": "the scores are not multiplied by scale",
+    "own key": "the mask hides each query's own key (>= where > belongs)",
+    "next key": "the mask lets a query see the key after it (off by one)",
+    "end only": "only the rows past the history are masked, not the later keys a query must not see",
+    "logical": "block j is read from pool row j, not from blocks[j] (the logical index as the physical id)",
+}
+
+
+def _wrong_block_loop(q, k_pool, v_pool, blocks, q_pos, scale, mistake: str) -> torch.Tensor:
+    """The block loop of L4.2 with the mistake ``mistake`` (a key of ``ATTEND_MISTAKES``) put in."""
+    n_q, d = q.shape
+    block_size = k_pool.shape[1]
+    m, l, acc = (
+        torch.full((n_q,), float("-inf")),
+        torch.zeros(n_q),
+        torch.zeros(n_q, d),
+    )  # (Tq,) (Tq,) (Tq, D)
+    for j, block in enumerate(blocks):
+        block = j if mistake == "logical" else block
+        s = (q @ k_pool[block].T) * (1.0 if mistake == "no scale" else scale)  # (Tq, block_size)
+        k_pos = j * block_size + torch.arange(block_size)  # (block_size,)
+        hidden = {  # (Tq, block_size): the keys each mistake masks
+            "stale": (k_pos[None, :] > q_pos[:, None]) & (k_pos[None, :] <= q_pos.max()),
+            "own key": k_pos[None, :] >= q_pos[:, None],
+            "next key": k_pos[None, :] > q_pos[:, None] + 1,
+            "no mask": torch.zeros(n_q, block_size, dtype=torch.bool),
+            "end only": (k_pos[None, :] > q_pos.max()).expand(n_q, block_size),
+        }.get(mistake, k_pos[None, :] > q_pos[:, None])
+        s = s.masked_fill(hidden, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))  # (Tq,)
+        p, alpha = torch.exp(s - m_new[:, None]), torch.exp(m - m_new)  # (Tq, block_size), (Tq,)
+        l = (1.0 if mistake == "l" else alpha) * l + p.sum(dim=-1)
+        acc = (1.0 if mistake == "acc" else alpha[:, None]) * acc + p @ v_pool[block]
+        m = m_new
+    return acc / l[:, None]  # (Tq, D)
+
+
+def _attend_mistakes(q, k_pool, v_pool, blocks, q_pos, scale) -> dict:
+    """What each of ``ATTEND_MISTAKES`` gives on this input, by its rule."""
+    return {
+        rule: (lambda mistake=mistake: _wrong_block_loop(q, k_pool, v_pool, blocks, q_pos, scale, mistake))
+        for mistake, rule in ATTEND_MISTAKES.items()
+    }
 
 
 def check_attend_blocks(attend_blocks: Callable) -> None:
@@ -148,9 +240,11 @@ def check_attend_blocks(attend_blocks: Callable) -> None:
             )
             kernel = acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
             got = attend_blocks(q.clone(), k_pool.clone(), v_pool.clone(), list(blocks), q_pos.clone(), scale)
-            return close_problem("out", dense, got) or close_problem(
+            problem = close_problem("out", dense, got) or close_problem(
                 "out (against attend_blocks)", kernel, got
             )
+            mistakes = _attend_mistakes(q, k_pool, v_pool, blocks, q_pos, scale)
+            return named_mistake(problem, got, mistakes, _same_floats)
 
         return run
 
@@ -211,6 +305,56 @@ def _shuffled(table_len: int, seed: int) -> list[int]:
     return torch.randperm(table_len + 3, generator=gen)[:table_len].tolist()
 
 
+def _cut(block_table, context_len, block_size, sizes) -> list:
+    """Splits of ``sizes`` blocks each, in order, from the front of ``block_table``: (first, ids, keys)."""
+    splits, first = [], 0
+    for size in sizes:
+        last = first + size
+        splits.append(
+            (first, block_table[first:last], min(last * block_size, context_len) - first * block_size)
+        )
+        first = last
+    return splits
+
+
+def _splits_mistakes(want: list, block_table, context_len: int, block_size: int, num_splits: int) -> dict:
+    """What known wrong cuts give, derived from the right splits ``want`` (or re-cut otherwise)."""
+    n_blocks = sum(len(blocks) for _, blocks, _ in want)
+    floor = max(n_blocks // num_splits, 1)
+    even = [n_blocks // num_splits + (i < n_blocks % num_splits) for i in range(num_splits)]
+    whole = -(-len(block_table) // num_splits)  # ceil over the whole table
+    return {
+        "first_block is the logical index of the split's first block, not 0": lambda: [
+            (0, blocks, keys) for _, blocks, keys in want
+        ],
+        "the blocks are logical indices, not the table's physical ids": lambda: [
+            (first, list(range(first, first + len(blocks))), keys) for first, blocks, keys in want
+        ],
+        "the stale rows at or past context_len are counted as keys": lambda: [
+            (first, blocks, len(blocks) * block_size) for first, blocks, _ in want
+        ],
+        "per_split is floor(n_blocks / num_splits), not ceil: the remainder makes an extra split": lambda: (
+            _cut(
+                block_table,
+                context_len,
+                block_size,
+                [min(floor, n_blocks - i) for i in range(0, n_blocks, floor)],
+            )
+        ),
+        "blocks spread evenly over num_splits, not ceil(n_blocks / num_splits) per split": lambda: _cut(
+            block_table, context_len, block_size, [size for size in even if size]
+        ),
+        "the whole block table is cut, not only the ceil(context_len / block_size) blocks of the history": (
+            lambda: _cut(
+                block_table,
+                context_len,
+                block_size,
+                [min(whole, len(block_table) - i) for i in range(0, len(block_table), whole)],
+            )
+        ),
+    }
+
+
 def check_kv_splits(kv_splits: Callable) -> None:
     """Grade ``kv_splits(block_table, context_len, block_size, num_splits) -> list of splits``.
 
@@ -232,11 +376,12 @@ def check_kv_splits(kv_splits: Callable) -> None:
                 got = [(int(first), [int(b) for b in blocks], int(keys)) for first, blocks, keys in got]
             except (TypeError, ValueError):
                 return f"returned {got!r}, expected a list of (first_block, blocks, num_keys) tuples"
+            mistakes = _splits_mistakes(want, list(block_table), context_len, block_size, num_splits)
             if len(got) != len(want):
-                return f"{len(got)} splits {got}, expected {len(want)}: {want}"
+                return named_mistake(f"{len(got)} splits {got}, expected {len(want)}: {want}", got, mistakes)
             for i, (have, expected) in enumerate(zip(got, want, strict=True)):
                 if have != expected:
-                    return f"split {i} is {have}, expected {expected}"
+                    return named_mistake(f"split {i} is {have}, expected {expected}", got, mistakes)
             return None
 
         return run
