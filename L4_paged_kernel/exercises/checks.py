@@ -586,10 +586,10 @@ def _lse_mistakes(out1, lse1, out2, lse2, want_out, want_lse) -> tuple[dict, dic
     leaked = want_out.clone()
     leaked[empty] = float("nan")
     overflow = "exp(lse) on its own overflows: weigh each side by exp(lse - max(lse1, lse2))"
-    out_mistakes = {
+    out_mistakes = {  # the first that matches names the rule: a NaN row left by an empty side comes first
+        "an empty side's NaN leaks into the result (0 * NaN is NaN): leave that side out": lambda: leaked,
         overflow: lambda: (raw1 * out1 + raw2 * out2) / (raw1 + raw2),
         "the two outputs are averaged, not weighted by exp(lse)": lambda: (out1 + out2) / 2,
-        "an empty side's NaN leaks into the result (0 * NaN is NaN): leave that side out": lambda: leaked,
     }
     lse_mistakes = {
         overflow: lambda: torch.log(raw1 + raw2)[:, 0],
