@@ -11,7 +11,9 @@ tolerance of ``checks.HIDDEN`` (the stage sums in float32, in another order).
 The exercises beyond the stage have no stage code to agree with: ``attend_window`` finds the blocks
 read in closed form (a range) and attends per query in float64, and ``merge_lse`` merges row by row
 with ``math.exp``; ``checks.py`` grades the visible cases by brute force instead. ``test_attend_blocks``
-is the catch-the-bug exercise's test, and ``PREDICTION`` the prediction, worked out by hand.
+is the catch-the-bug exercise's test, and ``PREDICTION`` the prediction, worked out by hand. Their
+``STAGE_ADAPTERS`` run the stage's code instead (its update, ``merge_partials``, an oracle test, the
+stage's run), for the tests that hold each exercise's answer and the stage together.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
@@ -30,7 +32,8 @@ import torch
 
 from ..fast.split_kv import merge_partials
 from ..paged_attention import attend_blocks as stage_attend_blocks
-from .checks import HIDDEN, _kernel_splits
+from ..paged_attention import online_softmax_update
+from .checks import HIDDEN, _kernel_splits, predict_state
 
 
 def merge(m1, l1, acc1, m2, l2, acc2):
@@ -155,6 +158,44 @@ def stage_attend(q, k_pool, v_pool, blocks, q_pos, scale):
     return acc[0, 0] / l[0, 0][:, None]  # (Tq, D)
 
 
+def stage_window(q, k_pool, v_pool, blocks, q_pos, scale, window):
+    """The window through the stage's ``online_softmax_update``, a block at a time, from the first
+    block a query sees: the stage's update in the exercise's signature."""
+    block_size = k_pool.shape[1]
+    m, l, acc = torch.full((len(q),), -math.inf), torch.zeros(len(q)), torch.zeros(q.shape)
+    read = []
+    for j in range(max(0, int(q_pos[0]) - window + 1) // block_size, int(q_pos[-1]) // block_size + 1):
+        read.append(blocks[j])
+        k_pos = j * block_size + torch.arange(block_size)  # (block_size,)
+        outside = (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] <= q_pos[:, None] - window)
+        s = (q @ k_pool[blocks[j]].T * scale).masked_fill(outside, -math.inf)  # (Tq, block_size)
+        m, l, acc = online_softmax_update(m, l, acc, s, v_pool[blocks[j]])
+    return acc / l[:, None], read
+
+
+def stage_merge_lse(out1, lse1, out2, lse2):
+    """``merge_partials`` on (m = lse, l = 1, acc = out) per side, an empty side's NaN zeroed; the
+    union's lse by ``torch.logsumexp``."""
+    lse = torch.stack([lse1, lse2])  # (2, R)
+    out = merge_partials(lse, torch.ones_like(lse), torch.stack([out1, out2]).nan_to_num())  # (R, D)
+    return out, torch.logsumexp(lse, dim=0)
+
+
+def stage_test(attend_blocks):
+    """An oracle test: the function handed over against the stage's own ``attend_blocks``, on the
+    inputs of ``test_attend_blocks``."""
+    gen = torch.Generator().manual_seed(0)
+    k_pool, v_pool = torch.randn(6, 4, 2, 3, generator=gen), torch.randn(6, 4, 2, 3, generator=gen)
+    args = (torch.randn(2, 2, 5, 3, generator=gen), k_pool, v_pool, [4, 0, 5], torch.arange(5, 10), 0.3)
+    for got, want in zip(attend_blocks(*args), stage_attend_blocks(*args), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def stage_predict():
+    """The prediction read off the stage's run (``checks.predict_state``)."""
+    return predict_state()
+
+
 ANSWERS = {
     "L4.1": merge,
     "L4.2": attend_blocks,
@@ -165,4 +206,12 @@ ANSWERS = {
     "L4.7": predict,
 }
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
-STAGE_ADAPTERS = {"L4.1": stage_merge, "L4.2": stage_attend, "L4.3": _kernel_splits}
+STAGE_ADAPTERS = {
+    "L4.1": stage_merge,
+    "L4.2": stage_attend,
+    "L4.3": _kernel_splits,
+    "L4.4": stage_window,
+    "L4.5": stage_merge_lse,
+    "L4.6": stage_test,
+    "L4.7": stage_predict,
+}

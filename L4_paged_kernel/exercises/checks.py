@@ -1065,9 +1065,17 @@ def observe_lse(fn, case) -> list[dict]:
     ]
 
 
+def draw_predict(rng) -> list[dict]:
+    """One case per key of the prediction, in an order drawn from the seed: the input is fixed (the
+    notebook shows it), so the hidden cases are the prediction itself, key by key."""
+    cases = [{"key": key} for key in PREDICT_KEYS]
+    rng.shuffle(cases)
+    return cases
+
+
 def observe_predict(fn, case: dict):
-    """The prediction itself: ``predict()``'s dict."""
-    return fn()
+    """The prediction of one key: ``predict()[key]``."""
+    return [{"call": f"predict()[{case['key']!r}]", "predicted": fn()[case["key"]]}]
 
 
 HIDDEN = {
@@ -1122,9 +1130,9 @@ HIDDEN = {
         ),
     ),
     "L4.7": Hidden(
-        lambda rng: [{}],
+        draw_predict,
         observe_predict,
-        lambda case: "the prediction",
+        lambda case: f"the prediction of {case['key']!r}, {PREDICT_KEYS[case['key']]}",
         answers=(
             "L4_paged_kernel.paged_attention:attend_blocks",
             "L4_paged_kernel.paged_attention:online_softmax_update",
