@@ -579,7 +579,7 @@ def _lse_inputs(case: dict):
     return q, k, v, visible, side1, side2
 
 
-def _lse_mistakes(out1, lse1, out2, lse2, want_out, want_lse) -> tuple[dict, dict]:
+def _lse_mistakes(out1, lse1, out2, lse2, want_out) -> tuple[dict, dict]:
     """Known wrong answers of L4.5, for out and for lse."""
     raw1, raw2 = torch.exp(lse1)[:, None], torch.exp(lse2)[:, None]  # (R, 1): inf past 88
     empty = torch.isinf(lse1) | torch.isinf(lse2)  # (R,) rows where a side saw nothing
@@ -624,7 +624,7 @@ def check_merge_lse(merge_lse: Callable) -> None:
                 out, lse = got
             except (TypeError, ValueError):
                 return f"returned {type(got).__name__}, expected a tuple (out, lse)"
-            out_mistakes, lse_mistakes = _lse_mistakes(out1, lse1, out2, lse2, want_out, want_lse)
+            out_mistakes, lse_mistakes = _lse_mistakes(out1, lse1, out2, lse2, want_out)
             problem = close_problem("out", want_out, out)
             if problem:
                 return named_mistake(problem, out, out_mistakes, _same_floats)
