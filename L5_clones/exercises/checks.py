@@ -33,12 +33,15 @@ L5's ``free`` does it the same way).
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import types
 from collections.abc import Callable
 
 import torch
 
-from kvcourse.grading.cases import Case, run_cases
+from kvcourse.grading.bugs import version
+from kvcourse.grading.cases import Case, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from .. import prefix_cache
@@ -70,14 +73,23 @@ def _books(allocator: BlockAllocator):
     return blocks, list(allocator.free_blocks), dict(allocator.hash_to_block)
 
 
-def _clone_setup(block_size: int, num_tokens: int, shared_first: bool):
-    """A ``BlockAllocator`` holding one sequence of ``num_tokens`` positions, and its block table.
+ALLOCATOR = "L5_clones.allocator:BlockAllocator"
+
+
+def _mutant(target: str, bug: str):
+    """The stage's ``target`` with one bug of the course's mutation list put in (``kvcourse/grading/bugs.py``):
+    what a known mistake gives, to name it in a case's line."""
+    return version(target, bug)
+
+
+def _clone_setup(block_size: int, num_tokens: int, shared_first: bool, cls=BlockAllocator):
+    """A ``BlockAllocator`` (or ``cls``) holding one sequence of ``num_tokens`` positions, and its block table.
 
     Blocks 0 and 2 belong to another sequence and block 1 was freed, so the table does not start at 0
     and the free list does not run in order. With ``shared_first`` the table's first (full) block is also
     held by a second sequence (a prefix-cache hit): its ref_count is 2 before the clone.
     """
-    allocator = BlockAllocator(64, block_size)
+    allocator = cls(64, block_size)
     allocator.alloc_blocks(3)  # [0, 1, 2]: another sequence
     allocator.free([1])  # free list 3, 4, ..., 63, 1
     table = allocator.alloc_blocks(blocks_needed(num_tokens, block_size))
@@ -118,16 +130,34 @@ def check_clone_table(clone_table: Callable) -> None:
             if not isinstance(got, list | tuple) or not all(isinstance(t, list | tuple) for t in got):
                 return f"returned {got!r}, expected a list of {n} block table(s)"
             got = [[int(b) for b in t] for t in got]
+            problem = None
             if got != expected:
-                return f"block tables {got}, expected {expected}"
-            if counts != want_counts:
+                problem = f"block tables {got}, expected {expected}"
+            elif counts != want_counts:
                 diff = {
                     b: (counts.get(b, 0), want_counts.get(b, 0))
                     for b in sorted(set(counts) | set(want_counts))
                 }
                 wrong = ", ".join(f"block {b}: {c} (expected {w})" for b, (c, w) in diff.items() if c != w)
-                return f"ref counts wrong: {wrong}"
-            return None
+                problem = f"ref counts wrong: {wrong}"
+
+            def mistake(cls=BlockAllocator, tokens=num_tokens):
+                a, parent = _clone_setup(block_size, num_tokens, shared_first, cls)
+                tables, _ = cls.clone(a, list(parent), tokens, n)
+                return tables, {b.block_id: b.ref_count for b in a.blocks if b.ref_count}
+
+            mistakes = {
+                f"the partial last block is shared, not copied: a child would write into {table[-1]}": lambda: (
+                    mistake(_mutant(ALLOCATOR, "L5 clone shares the partial block instead of copying it"))
+                ),
+                "each full block gains 1 reference, not n: n children are n more holders": lambda: mistake(
+                    _mutant(ALLOCATOR, "L5 clone takes one reference on a shared block for all its children")
+                ),
+                "off by one: the last block is copied although the parent ends on a block boundary": (
+                    lambda: mistake(tokens=num_tokens - 1)
+                ),
+            }
+            return named_mistake(problem, (got, {b: c for b, c in counts.items() if c}), mistakes)
 
         return run
 
@@ -169,6 +199,24 @@ def _books_problem(mine: BlockAllocator, ref: BlockAllocator, after: str) -> str
     return None
 
 
+def _free_mistakes(before: BlockAllocator, table: list[int]) -> dict[str, Callable]:
+    """What known mistakes of ``free`` leave when ``table`` is given back to ``before`` (a copy each)."""
+
+    def freed(bug: str):
+        a = copy.deepcopy(before)
+        _mutant(ALLOCATOR, bug).free(a, list(table))
+        return _books(a)
+
+    return {
+        "a shared block is freed at once: it goes back only when its last holder lets go": lambda: freed(
+            "L5 free lets go of a shared block when its first owner finishes"
+        ),
+        "the table goes back head first: walk it from its last block": lambda: freed(
+            "L5 free hands a block table back head first"
+        ),
+    }
+
+
 def check_free(free: Callable) -> None:
     """Grade ``free(self, blocks)``, a ``BlockAllocator`` method, against ``BlockAllocator.free``.
 
@@ -190,18 +238,19 @@ def check_free(free: Callable) -> None:
             tables = build(ref)
             build(mine)  # the same calls: the same books
             for step in steps:
+                before = copy.deepcopy(ref)
                 if step[0] == "free":
                     table = list(tables[step[1]])
                     after = f"free({table}) ({step[1]})"
                     ref.free(list(table))
                     free(mine, list(table))
                 else:  # ("admit", name, tokens): a new request, through the stage's own code on both
-                    after = f"admitting {step[1]}"
+                    after, table = f"admitting {step[1]}", []
                     tables[step[1]] = _admit(ref, step[2])
                     _admit(mine, step[2])
                 problem = _books_problem(mine, ref, after)
                 if problem:
-                    return problem
+                    return named_mistake(problem, _books(mine), _free_mistakes(before, table))
             return None
 
         return run
@@ -303,9 +352,34 @@ def check_block_hashes(block_hashes: Callable) -> None:
             if not isinstance(got, list | tuple):
                 return f"returned {got!r}, expected a list of {len(expected)} keys"
             if len(got) != len(expected):
-                return f"{len(got)} keys, expected {len(expected)} (one per full block)"
-            bad = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
-            return None if bad is None else f"the key of block {bad} differs (blocks before it agree)"
+                problem = f"{len(got)} keys, expected {len(expected)} (one per full block)"
+            else:
+                bad = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+                problem = None if bad is None else f"the key of block {bad} differs (blocks before it agree)"
+
+            def unchained() -> list[int]:
+                a = BlockAllocator(64, block_size)
+                table = a.alloc_blocks(len(full))
+                bug = "L5 blocks are registered under unchained keys"
+                _mutant("L5_clones.prefix_cache:register_full_blocks", bug)(
+                    a, table, list(token_ids), 0, len(full) * block_size
+                )
+                return [a.blocks[b].hash for b in table]
+
+            def with_tail() -> list[int]:
+                tail = token_ids[len(full) * block_size :]
+                if not tail:
+                    raise ValueError("no partial block")
+                return expected + [block_hash(expected[-1] if expected else None, tail)]
+
+            return named_mistake(
+                problem,
+                list(got),
+                {
+                    "the keys do not chain: block i's key must take block i - 1's key": unchained,
+                    "the partial last block got a key: more tokens will land in it": with_tail,
+                },
+            )
 
         return run
 
@@ -357,7 +431,29 @@ def check_match_prefix(match_prefix: Callable) -> None:
             if not isinstance(got, list | tuple):
                 return f"returned {got!r}, expected the list of block ids {expected}"
             got = [int(b) for b in got]
-            return None if got == expected else f"matched blocks {got}, expected {expected}"
+            problem = None if got == expected else f"matched blocks {got}, expected {expected}"
+
+            def stage_with(bug: str) -> list[int]:
+                return _mutant("L5_clones.prefix_cache:match_prefix", bug)(list(token_ids), allocator)
+
+            def trusting_the_key() -> list[int]:
+                a = copy.deepcopy(allocator)
+                bug = "L5 a key hit is taken without checking the block's tokens"
+                a.lookup = types.MethodType(_mutant(ALLOCATOR, bug).lookup, a)
+                return prefix_cache.match_prefix(list(token_ids), a)
+
+            mistakes = {
+                "the block holding the last token was matched: that token must run": lambda: stage_with(
+                    "L5 match_prefix takes the block of the last token"
+                ),
+                "the keys do not chain: a block can only hit after the same prefix": lambda: stage_with(
+                    "L5 match_prefix looks blocks up under unchained keys"
+                ),
+                "a key hit was taken without comparing the block's tokens: a collision is a miss": (
+                    trusting_the_key
+                ),
+            }
+            return named_mistake(problem, got, mistakes)
 
         return run
 
@@ -425,21 +521,45 @@ def check_match_prefix(match_prefix: Callable) -> None:
     )
 
 
-def _stage_fork(allocator: BlockAllocator, tables: list[list[int]], num_tokens: int, survivors) -> list:
+def _stage_fork(
+    allocator: BlockAllocator, tables: list[list[int]], num_tokens: int, survivors, cls=BlockAllocator
+) -> list:
     """The stage's re-pointing (``Scheduler._fork``'s bookkeeping) on ``allocator``: every beam no
     survivor continues is freed, then, in survivor order, a beam's first survivor keeps its table and
-    each further one gets a ``clone``."""
+    each further one gets a ``clone``. ``cls`` gives ``free`` and ``clone`` (a mutant: a known mistake)."""
     for j, table in enumerate(tables):
         if j not in survivors:
-            allocator.free(list(table))
+            cls.free(allocator, list(table))
     new, kept = [], set()
     for j in survivors:
         if j in kept:
-            new.append(allocator.clone(list(tables[j]), num_tokens, 1)[0][0])
+            new.append(cls.clone(allocator, list(tables[j]), num_tokens, 1)[0][0])
         else:
             kept.add(j)
             new.append(list(tables[j]))
     return new
+
+
+def _fork_mistakes(before: BlockAllocator, tables, num_tokens: int, survivors) -> dict[str, Callable]:
+    """What known mistakes of a beam step give (tables, counts) from the books ``before`` it (a copy each)."""
+
+    def forked(bug: str | None = None, keep_dropped: bool = False):
+        a = copy.deepcopy(before)
+        cls = _mutant(ALLOCATOR, bug) if bug else BlockAllocator
+        if keep_dropped:  # a free that does nothing
+            cls = type("KeepsDropped", (BlockAllocator,), {"free": lambda self, blocks: None})
+        new = _stage_fork(a, tables, num_tokens, survivors, cls)
+        return new, {b.block_id: b.ref_count for b in a.blocks if b.ref_count}
+
+    return {
+        "a dropped beam keeps its blocks: each must lose one reference": lambda: forked(keep_dropped=True),
+        "a dropped beam frees shared blocks outright: a block goes back only when its last holder lets go": (
+            lambda: forked("L5 free lets go of a shared block when its first owner finishes")
+        ),
+        "a further survivor shares the beam's partial block: only full blocks may be shared": lambda: forked(
+            "L5 clone shares the partial block instead of copying it"
+        ),
+    }
 
 
 def check_fork_beams(fork_beams: Callable) -> None:
@@ -478,20 +598,27 @@ def check_fork_beams(fork_beams: Callable) -> None:
                 got = fork_beams(
                     [list(t) for t in tables], num_tokens, block_size, list(survivors), counts, alloc
                 )
+                before, old = copy.deepcopy(ref), tables
                 tables = _stage_fork(ref, tables, num_tokens, survivors)
                 if not isinstance(got, list | tuple) or not all(isinstance(t, list | tuple) for t in got):
                     return f"{call} returned {got!r}, expected a list of {len(survivors)} block table(s)"
-                if [[int(b) for b in t] for t in got] != tables:
-                    return f"{call} returned {[list(t) for t in got]}, expected {tables}"
+                got = [[int(b) for b in t] for t in got]
                 want = {b.block_id: b.ref_count for b in ref.blocks if b.ref_count}
                 counts = {b: c for b, c in counts.items() if c}
-                if counts != want:
+                problem = None
+                if got != tables:
+                    problem = f"{call} returned {got}, expected {tables}"
+                elif counts != want:
                     wrong = ", ".join(
                         f"block {b}: {counts.get(b, 0)} (expected {want.get(b, 0)})"
                         for b in sorted(set(counts) | set(want))
                         if counts.get(b, 0) != want.get(b, 0)
                     )
-                    return f"{call}: ref counts wrong: {wrong}"
+                    problem = f"{call}: ref counts wrong: {wrong}"
+                if problem:
+                    return named_mistake(
+                        problem, (got, counts), _fork_mistakes(before, old, num_tokens, survivors)
+                    )
                 num_tokens += 1  # each beam runs its new token
                 for t in tables:
                     t += ref.alloc_blocks(blocks_needed(num_tokens, block_size) - len(t))
