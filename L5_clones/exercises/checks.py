@@ -40,8 +40,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvcourse.grading.bugs import version
-from kvcourse.grading.cases import Case, named_mistake, run_cases
+from kvcourse.grading.bugs import catch_cases, catch_hidden, version
+from kvcourse.grading.cases import Case, describe, named_mistake, outcome, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from .. import prefix_cache
@@ -55,15 +55,16 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _admit(allocator: BlockAllocator, token_ids: list[int]) -> list[int]:
+def _admit(allocator: BlockAllocator, token_ids: list[int], match=prefix_cache.match_prefix) -> list[int]:
     """A new request's block table, as the scheduler admits it with the prefix cache on: it shares the
-    blocks ``match_prefix`` finds, takes fresh blocks for the rest and registers every full block.
+    blocks ``match`` (the stage's ``match_prefix`` unless told) finds, takes fresh blocks for the rest
+    and registers every full block.
 
     Example, block_size 4, an empty pool: a 10-token prompt gets [0, 1, 2], blocks 0 and 1 registered;
     a second prompt with the same first 8 tokens then gets [0, 1, 3, ...] (ref counts of 0 and 1 go to 2).
     """
     seq = Sequence(0, list(token_ids), 1)
-    reserve(seq, allocator, len(token_ids), prefix_cache.match_prefix(seq.prompt_ids, allocator))
+    reserve(seq, allocator, len(token_ids), match(seq.prompt_ids, allocator))
     return seq.block_table
 
 
@@ -652,6 +653,241 @@ def check_fork_beams(fork_beams: Callable) -> None:
     )
 
 
+# ---- L5.6 (beyond the stage): hits of an LRU prefix cache on a trace ----
+
+_S = [1, 2, 3, 4, 5, 6, 7, 8]  # a system prompt of two blocks of 4
+LRU_CASES = [  # (name, prompts, block_size, capacity)
+    (
+        "block_size 4, room for 8 blocks: three requests share an 8-token system prompt",
+        [[*_S, 21, 22, 23], [*_S, 31, 32, 33, 34, 35], [*_S, 41]],
+        4,
+        8,
+    ),
+    (
+        "the same three requests, room for no block",
+        [[*_S, 21, 22, 23], [*_S, 31, 32, 33, 34, 35], [*_S, 41]],
+        4,
+        0,
+    ),
+    ("the same 8 tokens twice", [_S, _S], 4, 8),
+    ("a block's 4 tokens again, after another prefix", [[1, 2, 3, 4, 5], [1, 2, 3, 4, 1, 2, 3, 4, 9]], 4, 8),
+    ("block_size 2, room for 2 blocks, a 7-token prompt twice", [[1, 2, 3, 4, 5, 6, 7]] * 2, 2, 2),
+    (
+        "block_size 2, room for 3 blocks, two prompts taking turns",
+        [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]],
+        2,
+        3,
+    ),
+    (
+        "block_size 1, room for 4 blocks",
+        [[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 7, 8, 2], [5, 9], [5, 6, 7, 8, 9, 10]],
+        1,
+        4,
+    ),
+    ("block_size 0 raises ValueError", [[1, 2, 3]], 0, 4),
+    ("capacity -1 raises ValueError", [[1, 2, 3]], 2, -1),
+    ("an empty prompt raises ValueError", [[1, 2, 3], []], 2, 4),
+]
+# What these cases must return, and what three known mistakes return on them. Literal data, computed
+# once from the answer key (which does not ship with the course); tests/test_exercises_l5_beyond.py
+# checks that both still hold. "ValueError": the call must raise ValueError.
+LRU_EXPECTED = [
+    [0, 2, 2],
+    [0, 0, 0],
+    [0, 1],
+    [0, 1],
+    [0, 2],
+    [0, 0, 1, 1],
+    [0, 3, 3, 1, 3],
+    *["ValueError"] * 3,
+]
+LRU_MISTAKES = {
+    "a block was named by its own tokens, not by the whole prefix it ends": (
+        [[0, 2, 2], [0, 0, 0], [0, 1], [0, 2], [0, 2], [0, 0, 1, 1], [0, 3, 3, 1, 3], *["ValueError"] * 3]
+    ),
+    "the block holding a prompt's last token was counted: that token must run, so it is never a hit": (
+        [[0, 2, 2], [0, 0, 0], [0, 2], [0, 1], [0, 2], [0, 0, 1, 1], [0, 3, 3, 1, 3], *["ValueError"] * 3]
+    ),
+    "a request's blocks were used head first: its first block must end most recently used": (
+        [[0, 2, 2], [0, 0, 0], [0, 1], [0, 1], [0, 0], [0, 0, 0, 0], [0, 0, 3, 0, 1], *["ValueError"] * 3]
+    ),
+}
+
+
+def check_lru_hits(lru_hits: Callable) -> None:
+    """Grade ``lru_hits(prompts, block_size, capacity) -> hits per request`` on fixed traces."""
+
+    def case(k: int) -> Callable[[], str | None]:
+        _, prompts, block_size, capacity = LRU_CASES[k]
+
+        def run() -> str | None:
+            kind, got = outcome(lru_hits, [list(p) for p in prompts], block_size, capacity)
+            want = LRU_EXPECTED[k]
+            if want == "ValueError":
+                if kind == "raised" and isinstance(got, ValueError):
+                    return None
+                return f"{describe((kind, got))}, expected ValueError"
+            if kind == "raised":
+                return f"raised {type(got).__name__}: {got}"
+            if not isinstance(got, list | tuple) or [int(h) for h in got] != want:
+                problem = f"returned {got!r}, expected {want}"
+                return named_mistake(
+                    problem, list(got) if isinstance(got, list | tuple) else got,
+                    {rule: (lambda values=values: values[k]) for rule, values in LRU_MISTAKES.items()},
+                )  # fmt: skip
+            return None
+
+        return run
+
+    run_cases([Case(name, case(k)) for k, (name, *_) in enumerate(LRU_CASES)])
+
+
+# ---- L5.7 (beyond the stage): blocks held when every request stays ----
+
+
+def _held_by_stage(prompts: list[list[int]], block_size: int, match=prefix_cache.match_prefix) -> list[int]:
+    """Blocks in use after each prompt is admitted through the prefix cache, nothing given back: this
+    stage's own ``match_prefix`` and ``reserve`` on a pool large enough for all of them unshared."""
+    allocator = BlockAllocator(max(1, sum(blocks_needed(len(p), block_size) for p in prompts)), block_size)
+    held = []
+    for prompt in prompts:
+        _admit(allocator, prompt, match)
+        held.append(allocator.num_used)
+    return held
+
+
+HELD_CASES = [  # (name, prompts, block_size); a None prompt list: the case must raise ValueError
+    (
+        "block_size 4: three requests share an 8-token system prompt",
+        [[*_S, 21, 22, 23], [*_S, 31], [*_S, 41, 42]],
+        4,
+    ),
+    ("the same 8 tokens twice", [_S, _S], 4),
+    ("the same 4 tokens after another prefix", [[*_S, 9], [9, 9, 9, 9, 5, 6, 7, 8, 9]], 4),
+    (
+        "a prompt agrees longest with an earlier request, not the one just before",
+        [list(range(10, 22)), [10, 11, 12, 13, 30, 31, 32, 33, 34], list(range(10, 18)) + [40, 41, 42]],
+        4,
+    ),
+    (
+        "an earlier prompt with a partial block",
+        [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]],
+        4,
+    ),
+    ("block_size 1", [[5, 6, 7], [5, 6, 7], [5, 6, 8, 9], [6]], 1),
+    (
+        "block_size 16, a 48-token system prompt",
+        [_tokens(31, 48) + _tokens(32 + i, 5 + 7 * i) for i in range(4)],
+        16,
+    ),
+    ("block_size 0 raises ValueError", [[1, 2, 3]], 0),
+    ("an empty prompt raises ValueError", [[1, 2, 3], []], 4),
+]
+
+
+def check_blocks_held(blocks_held: Callable) -> None:
+    """Grade ``blocks_held(prompts, block_size) -> blocks in use after each admission`` against this
+    stage admitting the prompts through its prefix cache, one after another, none finishing."""
+
+    def case(prompts: list[list[int]], block_size: int) -> Callable[[], str | None]:
+        def run() -> str | None:
+            kind, got = outcome(blocks_held, [list(p) for p in prompts], block_size)
+            if block_size < 1 or not all(prompts):
+                if kind == "raised" and isinstance(got, ValueError):
+                    return None
+                return f"{describe((kind, got))}, expected ValueError"
+            if kind == "raised":
+                return f"raised {type(got).__name__}: {got}"
+            want = _held_by_stage(prompts, block_size)
+            if isinstance(got, list | tuple) and [int(h) for h in got] == want:
+                return None
+            last = "L5 match_prefix takes the block of the last token"
+            mistakes = {
+                "the block holding a prompt's last token was shared: that token must run": lambda: (
+                    _held_by_stage(prompts, block_size, _mutant("L5_clones.prefix_cache:match_prefix", last))
+                ),
+                "nothing was shared: a new prompt shares the leading full blocks an earlier one holds": (
+                    lambda: _held_by_stage(prompts, block_size, lambda tokens, allocator: [])
+                ),
+            }
+            got = list(got) if isinstance(got, list | tuple) else got
+            return named_mistake(f"returned {got!r}, expected {want}", got, mistakes)
+
+        return run
+
+    run_cases([Case(name, case(prompts, bs)) for name, prompts, bs in HELD_CASES])
+
+
+# ---- L5.8 (catch the bug): a test of the allocator's books ----
+
+CATCH_SHOWN = [
+    "L5 clone takes one reference on a shared block for all its children",
+    "L5 free hands a block table back head first",
+]
+CATCH_ALL = [
+    *CATCH_SHOWN,
+    "L5 clone shares the partial block instead of copying it",
+    "L5 free lets go of a shared block when its first owner finishes",
+    "L5 allocator forgets that revived cache hits use up free blocks",
+    "L5 clone copies for the children it can, then runs out",
+]
+
+
+def check_catch_allocator(test: Callable) -> None:
+    """Run the learner's ``test(BlockAllocator)`` on this stage's allocator (it must pass) and on two
+    versions with a bug of the course's mutation list put in (it must fail each). The hidden cases
+    hand it every bug of ``CATCH_ALL``."""
+    run_cases(catch_cases(test, ALLOCATOR, CATCH_SHOWN, "the allocator"))
+
+
+# ---- L5.9 (predict): a fork, frees and prefix hits ----
+
+PREDICT_A = list(range(11, 21))  # 10 tokens
+PREDICT_D = PREDICT_A[:8] + [31, 32, 33, 34, 35]  # 13 tokens: A's first two blocks, then its own
+PREDICT_E = PREDICT_A[:4] + [41, 42]  # 6 tokens: A's first block, then its own
+
+
+def _predict_run() -> dict:
+    """The notebook's operations on this stage's allocator: what the learner must predict."""
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    a = _admit(allocator, PREDICT_A)
+    (b, c), _ = allocator.clone(a, 10, 2)
+    allocator.free(a)
+    allocator.free(b)
+    allocator.free(c)
+    d = _admit(allocator, PREDICT_D)
+    e = _admit(allocator, PREDICT_E)
+    return {
+        "D's block table": d,
+        "E's block table": e,
+        "ref counts": [block.ref_count for block in allocator.blocks],
+        "free list": list(allocator.free_blocks),
+    }
+
+
+def check_predict(predict: Callable) -> None:
+    """Compare ``predict()`` (a dict) with what the operations give on this stage, key by key, without
+    showing the right values: how many entries differ, or that the number of entries is wrong."""
+    real = _predict_run()
+
+    def case(key: str) -> Callable[[], str | None]:
+        def run() -> str | None:
+            got = predict()
+            if not isinstance(got, dict) or key not in got:
+                return f"predict() returned no {key!r} key"
+            mine, want = got[key], real[key]
+            if not isinstance(mine, list | tuple):
+                return f"{key} is a {type(mine).__name__}, not a list"
+            if len(mine) != len(want):
+                return f"{key} has the wrong number of entries"
+            wrong = sum(m != w for m, w in zip(mine, want, strict=True))
+            return None if wrong == 0 else f"{wrong} of {len(want)} entries differ"
+
+        return run
+
+    run_cases([Case(key, case(key)) for key in real])
+
+
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
 # judged in the grader's process against the independent answers of answers.py.
 
@@ -1033,6 +1269,86 @@ def describe_fork(case: dict) -> str:
     )
 
 
+def _trace(rng, block_size: int, count: int) -> list[list[int]]:
+    """``count`` prompts that share whole leading blocks with earlier ones (or with two bases), cut
+    anywhere, with tails of their own; a small vocabulary makes equal blocks after other prefixes."""
+    vocab = list(range(3, 3 + rng.choice([2, 3, 50])))
+    bases = [[rng.choice(vocab) for _ in range(rng.randint(1, 4 * block_size))] for _ in range(2)]
+    prompts: list[list[int]] = []
+    for _ in range(count):
+        prompts.append(_prompt(rng, bases + prompts, vocab, block_size))
+    return prompts
+
+
+def _traps(rng, block_size: int) -> list[list[int]]:
+    """Prompts where the rules matter: a block x, then x twice (the same tokens after another prefix),
+    then x twice exactly (the block of the last token), then a three-block prompt twice."""
+    x = [rng.randint(3, 60) for _ in range(block_size)]
+    longer = [rng.randint(3, 60) for _ in range(3 * block_size + 1)]
+    return [[*x, 1], [*x, *x, 2], x * 2, x * 2, longer, longer]
+
+
+def _error_case(rng, case: dict) -> dict:
+    """One of the cases that must raise ValueError: block_size 0, capacity -1 (if any), an empty prompt."""
+    kind = rng.choice(["block_size", "capacity", "empty"] if "capacity" in case else ["block_size", "empty"])
+    if kind == "empty":
+        case["prompts"].insert(rng.randrange(len(case["prompts"]) + 1), [])
+    else:
+        case[kind] = rng.choice([0, -1]) if kind == "block_size" else -1
+    return case
+
+
+def draw_lru(rng) -> list[dict]:
+    """Traces of 3 .. 9 requests on every block size, room for 0 .. 12 blocks (often less than a
+    trace's blocks), and one call that must raise ValueError."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([1, 2])]:
+        prompts = _trace(rng, block_size, rng.randint(3, 9))
+        capacity = rng.choice([0, 1, 2, 3, 5, 8, 12])
+        cases.append({"prompts": prompts, "block_size": block_size, "capacity": capacity})
+    block_size = rng.choice([1, 2, 3, 4])
+    cases.append(
+        {"prompts": _traps(rng, block_size), "block_size": block_size, "capacity": rng.choice([2, 3])}
+    )
+    cases.append(_error_case(rng, {"prompts": _trace(rng, 2, 3), "block_size": 2, "capacity": 4}))
+    return cases
+
+
+def observe_lru(fn, case) -> list[dict]:
+    call = f"lru_hits({len(case['prompts'])} prompts, block_size={case['block_size']}, capacity={case['capacity']})"
+    got = outcome(fn, [list(p) for p in case["prompts"]], case["block_size"], case["capacity"])
+    return [{"call": call, "result": describe(got)}]
+
+
+def describe_trace(case: dict) -> str:
+    lengths = [len(p) for p in case["prompts"]]
+    room = f", room for {case['capacity']} blocks" if "capacity" in case else ""
+    return f"block_size {case['block_size']}{room}, prompts of {lengths} tokens"
+
+
+def draw_held(rng) -> list[dict]:
+    """Requests that share whole leading blocks with earlier ones, cut anywhere (the block of a
+    prompt's last token, an earlier prompt's partial block), every block size, and one call that must
+    raise ValueError."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([2, 4])]:
+        cases.append({"prompts": _trace(rng, block_size, rng.randint(2, 8)), "block_size": block_size})
+    block_size = rng.choice([1, 2, 3, 4])
+    cases.append({"prompts": _traps(rng, block_size), "block_size": block_size})
+    cases.append(_error_case(rng, {"prompts": _trace(rng, 4, 3), "block_size": 4}))
+    return cases
+
+
+def observe_held(fn, case) -> list[dict]:
+    call = f"blocks_held({len(case['prompts'])} prompts, block_size={case['block_size']})"
+    return [
+        {
+            "call": call,
+            "result": describe(outcome(fn, [list(p) for p in case["prompts"]], case["block_size"])),
+        }
+    ]
+
+
 HIDDEN = {
     "L5.1": Hidden(
         draw_clone, observe_clone, describe_clone, answers=("L5_clones.allocator:BlockAllocator.clone",)
@@ -1060,6 +1376,33 @@ HIDDEN = {
             "L5_clones.scheduler:Scheduler._fork",
             "L5_clones.allocator:BlockAllocator.clone",
             "L5_clones.allocator:BlockAllocator.free",
+        ),
+    ),
+    "L5.6": Hidden(draw_lru, observe_lru, describe_trace, answers=("L5_clones.prefix_cache:match_prefix",)),
+    "L5.7": Hidden(
+        draw_held,
+        observe_held,
+        describe_trace,
+        answers=("L5_clones.prefix_cache:match_prefix", "L5_clones.sequence:reserve"),
+    ),
+    "L5.8": catch_hidden(
+        ALLOCATOR,
+        CATCH_ALL,
+        watch=tuple(
+            f"{ALLOCATOR}.{name}"
+            for name in ("alloc_blocks", "_take_free", "free", "lookup", "register", "clone")
+        ),
+    ),
+    "L5.9": Hidden(
+        draw=lambda rng: [{}],
+        observe=lambda fn, case: fn(),
+        describe=lambda case: "the operations of the notebook",
+        answers=(
+            f"{ALLOCATOR}.alloc_blocks",
+            f"{ALLOCATOR}.free",
+            f"{ALLOCATOR}.clone",
+            "L5_clones.prefix_cache:match_prefix",
+            "L5_clones.sequence:reserve",
         ),
     ),
 }
