@@ -8,7 +8,8 @@ frees and prefix hits) are held to:
   pass the visible check, and the answer passes the hidden cases of three seeds;
 - the untouched stub (a function raising NotImplementedError) fails, visibly and hidden;
 - plausible wrong answers fail visibly, with the rule they break in the case's line, and hidden;
-- the hidden cases differ between seeds (L5.9 has one case by design: the notebook's operations);
+- the hidden cases differ between seeds (L5.9's are the keys of the one prediction, in an order
+  drawn per seed);
 - L5.6's visible expectations are literal data in ``checks.py`` (it ships without the answer key):
   they must equal what the answer key and the named mistakes give;
 - L5.7's visible reference is the stage itself (``match_prefix`` and ``reserve``); it agrees with the
@@ -395,7 +396,7 @@ def test_the_stub_fails(capsys, exercise, checker, name):
     assert_fails_hidden("L5_clones", exercise, stub, seeds=SEEDS)
 
 
-@pytest.mark.parametrize("exercise", ["L5.6", "L5.7", "L5.8"])
+@pytest.mark.parametrize("exercise", ["L5.6", "L5.7", "L5.8", "L5.9"])
 def test_hidden_cases_differ_between_seeds(exercise):
     draw = checks.HIDDEN[exercise].draw
     assert draw(rng_for(0, exercise)) != draw(rng_for(1, exercise))

@@ -847,6 +847,9 @@ PREDICT_D = PREDICT_A[:8] + [31, 32, 33, 34, 35]  # 13 tokens: A's first two blo
 PREDICT_E = PREDICT_A[:4] + [41, 42]  # 6 tokens: A's first block, then its own
 
 
+PREDICT_KEYS = ["D's block table", "E's block table", "ref counts", "free list"]
+
+
 def _predict_run() -> dict:
     """The notebook's operations on this stage's allocator: what the learner must predict."""
     allocator = BlockAllocator(num_blocks=8, block_size=4)
@@ -1394,9 +1397,9 @@ HIDDEN = {
         ),
     ),
     "L5.9": Hidden(
-        draw=lambda rng: [{}],
-        observe=lambda fn, case: fn(),
-        describe=lambda case: "the operations of the notebook",
+        draw=lambda rng: [{"key": key} for key in rng.sample(PREDICT_KEYS, len(PREDICT_KEYS))],
+        observe=lambda fn, case: fn()[case["key"]],
+        describe=lambda case: f"the notebook's operations: {case['key']}",
         answers=(
             f"{ALLOCATOR}.alloc_blocks",
             f"{ALLOCATOR}.free",
