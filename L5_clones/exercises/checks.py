@@ -33,12 +33,15 @@ L5's ``free`` does it the same way).
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import types
 from collections.abc import Callable
 
 import torch
 
-from kvcourse.grading.cases import Case, run_cases
+from kvcourse.grading.bugs import catch_cases, catch_hidden, version
+from kvcourse.grading.cases import Case, describe, named_mistake, outcome, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from .. import prefix_cache
@@ -52,15 +55,16 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _admit(allocator: BlockAllocator, token_ids: list[int]) -> list[int]:
+def _admit(allocator: BlockAllocator, token_ids: list[int], match=prefix_cache.match_prefix) -> list[int]:
     """A new request's block table, as the scheduler admits it with the prefix cache on: it shares the
-    blocks ``match_prefix`` finds, takes fresh blocks for the rest and registers every full block.
+    blocks ``match`` (the stage's ``match_prefix`` unless told) finds, takes fresh blocks for the rest
+    and registers every full block.
 
     Example, block_size 4, an empty pool: a 10-token prompt gets [0, 1, 2], blocks 0 and 1 registered;
     a second prompt with the same first 8 tokens then gets [0, 1, 3, ...] (ref counts of 0 and 1 go to 2).
     """
     seq = Sequence(0, list(token_ids), 1)
-    reserve(seq, allocator, len(token_ids), prefix_cache.match_prefix(seq.prompt_ids, allocator))
+    reserve(seq, allocator, len(token_ids), match(seq.prompt_ids, allocator))
     return seq.block_table
 
 
@@ -70,14 +74,23 @@ def _books(allocator: BlockAllocator):
     return blocks, list(allocator.free_blocks), dict(allocator.hash_to_block)
 
 
-def _clone_setup(block_size: int, num_tokens: int, shared_first: bool):
-    """A ``BlockAllocator`` holding one sequence of ``num_tokens`` positions, and its block table.
+ALLOCATOR = "L5_clones.allocator:BlockAllocator"
+
+
+def _mutant(target: str, bug: str):
+    """The stage's ``target`` with one bug of the course's mutation list put in (``kvcourse/grading/bugs.py``):
+    what a known mistake gives, to name it in a case's line."""
+    return version(target, bug)
+
+
+def _clone_setup(block_size: int, num_tokens: int, shared_first: bool, cls=BlockAllocator):
+    """A ``BlockAllocator`` (or ``cls``) holding one sequence of ``num_tokens`` positions, and its block table.
 
     Blocks 0 and 2 belong to another sequence and block 1 was freed, so the table does not start at 0
     and the free list does not run in order. With ``shared_first`` the table's first (full) block is also
     held by a second sequence (a prefix-cache hit): its ref_count is 2 before the clone.
     """
-    allocator = BlockAllocator(64, block_size)
+    allocator = cls(64, block_size)
     allocator.alloc_blocks(3)  # [0, 1, 2]: another sequence
     allocator.free([1])  # free list 3, 4, ..., 63, 1
     table = allocator.alloc_blocks(blocks_needed(num_tokens, block_size))
@@ -118,16 +131,34 @@ def check_clone_table(clone_table: Callable) -> None:
             if not isinstance(got, list | tuple) or not all(isinstance(t, list | tuple) for t in got):
                 return f"returned {got!r}, expected a list of {n} block table(s)"
             got = [[int(b) for b in t] for t in got]
+            problem = None
             if got != expected:
-                return f"block tables {got}, expected {expected}"
-            if counts != want_counts:
+                problem = f"block tables {got}, expected {expected}"
+            elif counts != want_counts:
                 diff = {
                     b: (counts.get(b, 0), want_counts.get(b, 0))
                     for b in sorted(set(counts) | set(want_counts))
                 }
                 wrong = ", ".join(f"block {b}: {c} (expected {w})" for b, (c, w) in diff.items() if c != w)
-                return f"ref counts wrong: {wrong}"
-            return None
+                problem = f"ref counts wrong: {wrong}"
+
+            def mistake(cls=BlockAllocator, tokens=num_tokens):
+                a, parent = _clone_setup(block_size, num_tokens, shared_first, cls)
+                tables, _ = cls.clone(a, list(parent), tokens, n)
+                return tables, {b.block_id: b.ref_count for b in a.blocks if b.ref_count}
+
+            mistakes = {
+                f"the partial last block is shared, not copied: a child would write into {table[-1]}": lambda: (
+                    mistake(_mutant(ALLOCATOR, "L5 clone shares the partial block instead of copying it"))
+                ),
+                "each full block gains 1 reference, not n: n children are n more holders": lambda: mistake(
+                    _mutant(ALLOCATOR, "L5 clone takes one reference on a shared block for all its children")
+                ),
+                "off by one: the last block is copied although the parent ends on a block boundary": (
+                    lambda: mistake(tokens=num_tokens - 1)
+                ),
+            }
+            return named_mistake(problem, (got, {b: c for b, c in counts.items() if c}), mistakes)
 
         return run
 
@@ -169,6 +200,24 @@ def _books_problem(mine: BlockAllocator, ref: BlockAllocator, after: str) -> str
     return None
 
 
+def _free_mistakes(before: BlockAllocator, table: list[int]) -> dict[str, Callable]:
+    """What known mistakes of ``free`` leave when ``table`` is given back to ``before`` (a copy each)."""
+
+    def freed(bug: str):
+        a = copy.deepcopy(before)
+        _mutant(ALLOCATOR, bug).free(a, list(table))
+        return _books(a)
+
+    return {
+        "a shared block is freed at once: it goes back only when its last holder lets go": lambda: freed(
+            "L5 free lets go of a shared block when its first owner finishes"
+        ),
+        "the table goes back head first: walk it from its last block": lambda: freed(
+            "L5 free hands a block table back head first"
+        ),
+    }
+
+
 def check_free(free: Callable) -> None:
     """Grade ``free(self, blocks)``, a ``BlockAllocator`` method, against ``BlockAllocator.free``.
 
@@ -190,18 +239,19 @@ def check_free(free: Callable) -> None:
             tables = build(ref)
             build(mine)  # the same calls: the same books
             for step in steps:
+                before = copy.deepcopy(ref)
                 if step[0] == "free":
                     table = list(tables[step[1]])
                     after = f"free({table}) ({step[1]})"
                     ref.free(list(table))
                     free(mine, list(table))
                 else:  # ("admit", name, tokens): a new request, through the stage's own code on both
-                    after = f"admitting {step[1]}"
+                    after, table = f"admitting {step[1]}", []
                     tables[step[1]] = _admit(ref, step[2])
                     _admit(mine, step[2])
                 problem = _books_problem(mine, ref, after)
                 if problem:
-                    return problem
+                    return named_mistake(problem, _books(mine), _free_mistakes(before, table))
             return None
 
         return run
@@ -303,9 +353,34 @@ def check_block_hashes(block_hashes: Callable) -> None:
             if not isinstance(got, list | tuple):
                 return f"returned {got!r}, expected a list of {len(expected)} keys"
             if len(got) != len(expected):
-                return f"{len(got)} keys, expected {len(expected)} (one per full block)"
-            bad = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
-            return None if bad is None else f"the key of block {bad} differs (blocks before it agree)"
+                problem = f"{len(got)} keys, expected {len(expected)} (one per full block)"
+            else:
+                bad = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+                problem = None if bad is None else f"the key of block {bad} differs (blocks before it agree)"
+
+            def unchained() -> list[int]:
+                a = BlockAllocator(64, block_size)
+                table = a.alloc_blocks(len(full))
+                bug = "L5 blocks are registered under unchained keys"
+                _mutant("L5_clones.prefix_cache:register_full_blocks", bug)(
+                    a, table, list(token_ids), 0, len(full) * block_size
+                )
+                return [a.blocks[b].hash for b in table]
+
+            def with_tail() -> list[int]:
+                tail = token_ids[len(full) * block_size :]
+                if not tail:
+                    raise ValueError("no partial block")
+                return expected + [block_hash(expected[-1] if expected else None, tail)]
+
+            return named_mistake(
+                problem,
+                list(got),
+                {
+                    "the keys do not chain: block i's key must take block i - 1's key": unchained,
+                    "the partial last block got a key: more tokens will land in it": with_tail,
+                },
+            )
 
         return run
 
@@ -357,7 +432,29 @@ def check_match_prefix(match_prefix: Callable) -> None:
             if not isinstance(got, list | tuple):
                 return f"returned {got!r}, expected the list of block ids {expected}"
             got = [int(b) for b in got]
-            return None if got == expected else f"matched blocks {got}, expected {expected}"
+            problem = None if got == expected else f"matched blocks {got}, expected {expected}"
+
+            def stage_with(bug: str) -> list[int]:
+                return _mutant("L5_clones.prefix_cache:match_prefix", bug)(list(token_ids), allocator)
+
+            def trusting_the_key() -> list[int]:
+                a = copy.deepcopy(allocator)
+                bug = "L5 a key hit is taken without checking the block's tokens"
+                a.lookup = types.MethodType(_mutant(ALLOCATOR, bug).lookup, a)
+                return prefix_cache.match_prefix(list(token_ids), a)
+
+            mistakes = {
+                "the block holding the last token was matched: that token must run": lambda: stage_with(
+                    "L5 match_prefix takes the block of the last token"
+                ),
+                "the keys do not chain: a block can only hit after the same prefix": lambda: stage_with(
+                    "L5 match_prefix looks blocks up under unchained keys"
+                ),
+                "a key hit was taken without comparing the block's tokens: a collision is a miss": (
+                    trusting_the_key
+                ),
+            }
+            return named_mistake(problem, got, mistakes)
 
         return run
 
@@ -425,21 +522,45 @@ def check_match_prefix(match_prefix: Callable) -> None:
     )
 
 
-def _stage_fork(allocator: BlockAllocator, tables: list[list[int]], num_tokens: int, survivors) -> list:
+def _stage_fork(
+    allocator: BlockAllocator, tables: list[list[int]], num_tokens: int, survivors, cls=BlockAllocator
+) -> list:
     """The stage's re-pointing (``Scheduler._fork``'s bookkeeping) on ``allocator``: every beam no
     survivor continues is freed, then, in survivor order, a beam's first survivor keeps its table and
-    each further one gets a ``clone``."""
+    each further one gets a ``clone``. ``cls`` gives ``free`` and ``clone`` (a mutant: a known mistake)."""
     for j, table in enumerate(tables):
         if j not in survivors:
-            allocator.free(list(table))
+            cls.free(allocator, list(table))
     new, kept = [], set()
     for j in survivors:
         if j in kept:
-            new.append(allocator.clone(list(tables[j]), num_tokens, 1)[0][0])
+            new.append(cls.clone(allocator, list(tables[j]), num_tokens, 1)[0][0])
         else:
             kept.add(j)
             new.append(list(tables[j]))
     return new
+
+
+def _fork_mistakes(before: BlockAllocator, tables, num_tokens: int, survivors) -> dict[str, Callable]:
+    """What known mistakes of a beam step give (tables, counts) from the books ``before`` it (a copy each)."""
+
+    def forked(bug: str | None = None, keep_dropped: bool = False):
+        a = copy.deepcopy(before)
+        cls = _mutant(ALLOCATOR, bug) if bug else BlockAllocator
+        if keep_dropped:  # a free that does nothing
+            cls = type("KeepsDropped", (BlockAllocator,), {"free": lambda self, blocks: None})
+        new = _stage_fork(a, tables, num_tokens, survivors, cls)
+        return new, {b.block_id: b.ref_count for b in a.blocks if b.ref_count}
+
+    return {
+        "a dropped beam keeps its blocks: each must lose one reference": lambda: forked(keep_dropped=True),
+        "a dropped beam frees shared blocks outright: a block goes back only when its last holder lets go": (
+            lambda: forked("L5 free lets go of a shared block when its first owner finishes")
+        ),
+        "a further survivor shares the beam's partial block: only full blocks may be shared": lambda: forked(
+            "L5 clone shares the partial block instead of copying it"
+        ),
+    }
 
 
 def check_fork_beams(fork_beams: Callable) -> None:
@@ -478,20 +599,27 @@ def check_fork_beams(fork_beams: Callable) -> None:
                 got = fork_beams(
                     [list(t) for t in tables], num_tokens, block_size, list(survivors), counts, alloc
                 )
+                before, old = copy.deepcopy(ref), tables
                 tables = _stage_fork(ref, tables, num_tokens, survivors)
                 if not isinstance(got, list | tuple) or not all(isinstance(t, list | tuple) for t in got):
                     return f"{call} returned {got!r}, expected a list of {len(survivors)} block table(s)"
-                if [[int(b) for b in t] for t in got] != tables:
-                    return f"{call} returned {[list(t) for t in got]}, expected {tables}"
+                got = [[int(b) for b in t] for t in got]
                 want = {b.block_id: b.ref_count for b in ref.blocks if b.ref_count}
                 counts = {b: c for b, c in counts.items() if c}
-                if counts != want:
+                problem = None
+                if got != tables:
+                    problem = f"{call} returned {got}, expected {tables}"
+                elif counts != want:
                     wrong = ", ".join(
                         f"block {b}: {counts.get(b, 0)} (expected {want.get(b, 0)})"
                         for b in sorted(set(counts) | set(want))
                         if counts.get(b, 0) != want.get(b, 0)
                     )
-                    return f"{call}: ref counts wrong: {wrong}"
+                    problem = f"{call}: ref counts wrong: {wrong}"
+                if problem:
+                    return named_mistake(
+                        problem, (got, counts), _fork_mistakes(before, old, num_tokens, survivors)
+                    )
                 num_tokens += 1  # each beam runs its new token
                 for t in tables:
                     t += ref.alloc_blocks(blocks_needed(num_tokens, block_size) - len(t))
@@ -523,6 +651,244 @@ def check_fork_beams(fork_beams: Callable) -> None:
             ),
         ]
     )
+
+
+# ---- L5.6 (beyond the stage): hits of an LRU prefix cache on a trace ----
+
+_S = [1, 2, 3, 4, 5, 6, 7, 8]  # a system prompt of two blocks of 4
+LRU_CASES = [  # (name, prompts, block_size, capacity)
+    (
+        "block_size 4, room for 8 blocks: three requests share an 8-token system prompt",
+        [[*_S, 21, 22, 23], [*_S, 31, 32, 33, 34, 35], [*_S, 41]],
+        4,
+        8,
+    ),
+    (
+        "the same three requests, room for no block",
+        [[*_S, 21, 22, 23], [*_S, 31, 32, 33, 34, 35], [*_S, 41]],
+        4,
+        0,
+    ),
+    ("the same 8 tokens twice", [_S, _S], 4, 8),
+    ("a block's 4 tokens again, after another prefix", [[1, 2, 3, 4, 5], [1, 2, 3, 4, 1, 2, 3, 4, 9]], 4, 8),
+    ("block_size 2, room for 2 blocks, a 7-token prompt twice", [[1, 2, 3, 4, 5, 6, 7]] * 2, 2, 2),
+    (
+        "block_size 2, room for 3 blocks, two prompts taking turns",
+        [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]],
+        2,
+        3,
+    ),
+    (
+        "block_size 1, room for 4 blocks",
+        [[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 7, 8, 2], [5, 9], [5, 6, 7, 8, 9, 10]],
+        1,
+        4,
+    ),
+    ("block_size 0 raises ValueError", [[1, 2, 3]], 0, 4),
+    ("capacity -1 raises ValueError", [[1, 2, 3]], 2, -1),
+    ("an empty prompt raises ValueError", [[1, 2, 3], []], 2, 4),
+]
+# What these cases must return, and what three known mistakes return on them. Literal data, computed
+# once from the answer key (which does not ship with the course); tests/test_exercises_l5_beyond.py
+# checks that both still hold. "ValueError": the call must raise ValueError.
+LRU_EXPECTED = [
+    [0, 2, 2],
+    [0, 0, 0],
+    [0, 1],
+    [0, 1],
+    [0, 2],
+    [0, 0, 1, 1],
+    [0, 3, 3, 1, 3],
+    *["ValueError"] * 3,
+]
+LRU_MISTAKES = {
+    "a block was named by its own tokens, not by the whole prefix it ends": (
+        [[0, 2, 2], [0, 0, 0], [0, 1], [0, 2], [0, 2], [0, 0, 1, 1], [0, 3, 3, 1, 3], *["ValueError"] * 3]
+    ),
+    "the block holding a prompt's last token was counted: that token must run, so it is never a hit": (
+        [[0, 2, 2], [0, 0, 0], [0, 2], [0, 1], [0, 2], [0, 0, 1, 1], [0, 3, 3, 1, 3], *["ValueError"] * 3]
+    ),
+    "a request's blocks were used head first: its first block must end most recently used": (
+        [[0, 2, 2], [0, 0, 0], [0, 1], [0, 1], [0, 0], [0, 0, 0, 0], [0, 0, 3, 0, 1], *["ValueError"] * 3]
+    ),
+}
+
+
+def check_lru_hits(lru_hits: Callable) -> None:
+    """Grade ``lru_hits(prompts, block_size, capacity) -> hits per request`` on fixed traces."""
+
+    def case(k: int) -> Callable[[], str | None]:
+        _, prompts, block_size, capacity = LRU_CASES[k]
+
+        def run() -> str | None:
+            kind, got = outcome(lru_hits, [list(p) for p in prompts], block_size, capacity)
+            want = LRU_EXPECTED[k]
+            if want == "ValueError":
+                if kind == "raised" and isinstance(got, ValueError):
+                    return None
+                return f"{describe((kind, got))}, expected ValueError"
+            if kind == "raised":
+                return f"raised {type(got).__name__}: {got}"
+            if not isinstance(got, list | tuple) or [int(h) for h in got] != want:
+                problem = f"returned {got!r}, expected {want}"
+                return named_mistake(
+                    problem, list(got) if isinstance(got, list | tuple) else got,
+                    {rule: (lambda values=values: values[k]) for rule, values in LRU_MISTAKES.items()},
+                )  # fmt: skip
+            return None
+
+        return run
+
+    run_cases([Case(name, case(k)) for k, (name, *_) in enumerate(LRU_CASES)])
+
+
+# ---- L5.7 (beyond the stage): blocks held when every request stays ----
+
+
+def _held_by_stage(prompts: list[list[int]], block_size: int, match=prefix_cache.match_prefix) -> list[int]:
+    """Blocks in use after each prompt is admitted through the prefix cache, nothing given back: this
+    stage's own ``match_prefix`` and ``reserve`` on a pool large enough for all of them unshared."""
+    allocator = BlockAllocator(max(1, sum(blocks_needed(len(p), block_size) for p in prompts)), block_size)
+    held = []
+    for prompt in prompts:
+        _admit(allocator, prompt, match)
+        held.append(allocator.num_used)
+    return held
+
+
+HELD_CASES = [  # (name, prompts, block_size); a None prompt list: the case must raise ValueError
+    (
+        "block_size 4: three requests share an 8-token system prompt",
+        [[*_S, 21, 22, 23], [*_S, 31], [*_S, 41, 42]],
+        4,
+    ),
+    ("the same 8 tokens twice", [_S, _S], 4),
+    ("the same 4 tokens after another prefix", [[*_S, 9], [9, 9, 9, 9, 5, 6, 7, 8, 9]], 4),
+    (
+        "a prompt agrees longest with an earlier request, not the one just before",
+        [list(range(10, 22)), [10, 11, 12, 13, 30, 31, 32, 33, 34], list(range(10, 18)) + [40, 41, 42]],
+        4,
+    ),
+    (
+        "an earlier prompt with a partial block",
+        [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]],
+        4,
+    ),
+    ("block_size 1", [[5, 6, 7], [5, 6, 7], [5, 6, 8, 9], [6]], 1),
+    (
+        "block_size 16, a 48-token system prompt",
+        [_tokens(31, 48) + _tokens(32 + i, 5 + 7 * i) for i in range(4)],
+        16,
+    ),
+    ("block_size 0 raises ValueError", [[1, 2, 3]], 0),
+    ("an empty prompt raises ValueError", [[1, 2, 3], []], 4),
+]
+
+
+def check_blocks_held(blocks_held: Callable) -> None:
+    """Grade ``blocks_held(prompts, block_size) -> blocks in use after each admission`` against this
+    stage admitting the prompts through its prefix cache, one after another, none finishing."""
+
+    def case(prompts: list[list[int]], block_size: int) -> Callable[[], str | None]:
+        def run() -> str | None:
+            kind, got = outcome(blocks_held, [list(p) for p in prompts], block_size)
+            if block_size < 1 or not all(prompts):
+                if kind == "raised" and isinstance(got, ValueError):
+                    return None
+                return f"{describe((kind, got))}, expected ValueError"
+            if kind == "raised":
+                return f"raised {type(got).__name__}: {got}"
+            want = _held_by_stage(prompts, block_size)
+            if isinstance(got, list | tuple) and [int(h) for h in got] == want:
+                return None
+            last = "L5 match_prefix takes the block of the last token"
+            mistakes = {
+                "the block holding a prompt's last token was shared: that token must run": lambda: (
+                    _held_by_stage(prompts, block_size, _mutant("L5_clones.prefix_cache:match_prefix", last))
+                ),
+                "nothing was shared: a new prompt shares the leading full blocks an earlier one holds": (
+                    lambda: _held_by_stage(prompts, block_size, lambda tokens, allocator: [])
+                ),
+            }
+            got = list(got) if isinstance(got, list | tuple) else got
+            return named_mistake(f"returned {got!r}, expected {want}", got, mistakes)
+
+        return run
+
+    run_cases([Case(name, case(prompts, bs)) for name, prompts, bs in HELD_CASES])
+
+
+# ---- L5.8 (catch the bug): a test of the allocator's books ----
+
+CATCH_SHOWN = [
+    "L5 clone takes one reference on a shared block for all its children",
+    "L5 free hands a block table back head first",
+]
+CATCH_ALL = [
+    *CATCH_SHOWN,
+    "L5 clone shares the partial block instead of copying it",
+    "L5 free lets go of a shared block when its first owner finishes",
+    "L5 allocator forgets that revived cache hits use up free blocks",
+    "L5 clone copies for the children it can, then runs out",
+]
+
+
+def check_catch_allocator(test: Callable) -> None:
+    """Run the learner's ``test(BlockAllocator)`` on this stage's allocator (it must pass) and on two
+    versions with a bug of the course's mutation list put in (it must fail each). The hidden cases
+    hand it every bug of ``CATCH_ALL``."""
+    run_cases(catch_cases(test, ALLOCATOR, CATCH_SHOWN, "the allocator"))
+
+
+# ---- L5.9 (predict): a fork, frees and prefix hits ----
+
+PREDICT_A = list(range(11, 21))  # 10 tokens
+PREDICT_D = PREDICT_A[:8] + [31, 32, 33, 34, 35]  # 13 tokens: A's first two blocks, then its own
+PREDICT_E = PREDICT_A[:4] + [41, 42]  # 6 tokens: A's first block, then its own
+
+
+PREDICT_KEYS = ["D's block table", "E's block table", "ref counts", "free list"]
+
+
+def _predict_run() -> dict:
+    """The notebook's operations on this stage's allocator: what the learner must predict."""
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    a = _admit(allocator, PREDICT_A)
+    (b, c), _ = allocator.clone(a, 10, 2)
+    allocator.free(a)
+    allocator.free(b)
+    allocator.free(c)
+    d = _admit(allocator, PREDICT_D)
+    e = _admit(allocator, PREDICT_E)
+    return {
+        "D's block table": d,
+        "E's block table": e,
+        "ref counts": [block.ref_count for block in allocator.blocks],
+        "free list": list(allocator.free_blocks),
+    }
+
+
+def check_predict(predict: Callable) -> None:
+    """Compare ``predict()`` (a dict) with what the operations give on this stage, key by key, without
+    showing the right values: how many entries differ, or that the number of entries is wrong."""
+    real = _predict_run()
+
+    def case(key: str) -> Callable[[], str | None]:
+        def run() -> str | None:
+            got = predict()
+            if not isinstance(got, dict) or key not in got:
+                return f"predict() returned no {key!r} key"
+            mine, want = got[key], real[key]
+            if not isinstance(mine, list | tuple):
+                return f"{key} is a {type(mine).__name__}, not a list"
+            if len(mine) != len(want):
+                return f"{key} has the wrong number of entries"
+            wrong = sum(m != w for m, w in zip(mine, want, strict=True))
+            return None if wrong == 0 else f"{wrong} of {len(want)} entries differ"
+
+        return run
+
+    run_cases([Case(key, case(key)) for key in real])
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
@@ -906,6 +1272,86 @@ def describe_fork(case: dict) -> str:
     )
 
 
+def _trace(rng, block_size: int, count: int) -> list[list[int]]:
+    """``count`` prompts that share whole leading blocks with earlier ones (or with two bases), cut
+    anywhere, with tails of their own; a small vocabulary makes equal blocks after other prefixes."""
+    vocab = list(range(3, 3 + rng.choice([2, 3, 50])))
+    bases = [[rng.choice(vocab) for _ in range(rng.randint(1, 4 * block_size))] for _ in range(2)]
+    prompts: list[list[int]] = []
+    for _ in range(count):
+        prompts.append(_prompt(rng, bases + prompts, vocab, block_size))
+    return prompts
+
+
+def _traps(rng, block_size: int) -> list[list[int]]:
+    """Prompts where the rules matter: a block x, then x twice (the same tokens after another prefix),
+    then x twice exactly (the block of the last token), then a three-block prompt twice."""
+    x = [rng.randint(3, 60) for _ in range(block_size)]
+    longer = [rng.randint(3, 60) for _ in range(3 * block_size + 1)]
+    return [[*x, 1], [*x, *x, 2], x * 2, x * 2, longer, longer]
+
+
+def _error_case(rng, case: dict) -> dict:
+    """One of the cases that must raise ValueError: block_size 0, capacity -1 (if any), an empty prompt."""
+    kind = rng.choice(["block_size", "capacity", "empty"] if "capacity" in case else ["block_size", "empty"])
+    if kind == "empty":
+        case["prompts"].insert(rng.randrange(len(case["prompts"]) + 1), [])
+    else:
+        case[kind] = rng.choice([0, -1]) if kind == "block_size" else -1
+    return case
+
+
+def draw_lru(rng) -> list[dict]:
+    """Traces of 3 .. 9 requests on every block size, room for 0 .. 12 blocks (often less than a
+    trace's blocks), and one call that must raise ValueError."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([1, 2])]:
+        prompts = _trace(rng, block_size, rng.randint(3, 9))
+        capacity = rng.choice([0, 1, 2, 3, 5, 8, 12])
+        cases.append({"prompts": prompts, "block_size": block_size, "capacity": capacity})
+    block_size = rng.choice([1, 2, 3, 4])
+    cases.append(
+        {"prompts": _traps(rng, block_size), "block_size": block_size, "capacity": rng.choice([2, 3])}
+    )
+    cases.append(_error_case(rng, {"prompts": _trace(rng, 2, 3), "block_size": 2, "capacity": 4}))
+    return cases
+
+
+def observe_lru(fn, case) -> list[dict]:
+    call = f"lru_hits({len(case['prompts'])} prompts, block_size={case['block_size']}, capacity={case['capacity']})"
+    got = outcome(fn, [list(p) for p in case["prompts"]], case["block_size"], case["capacity"])
+    return [{"call": call, "result": describe(got)}]
+
+
+def describe_trace(case: dict) -> str:
+    lengths = [len(p) for p in case["prompts"]]
+    room = f", room for {case['capacity']} blocks" if "capacity" in case else ""
+    return f"block_size {case['block_size']}{room}, prompts of {lengths} tokens"
+
+
+def draw_held(rng) -> list[dict]:
+    """Requests that share whole leading blocks with earlier ones, cut anywhere (the block of a
+    prompt's last token, an earlier prompt's partial block), every block size, and one call that must
+    raise ValueError."""
+    cases = []
+    for block_size in [*rng.sample(BLOCK_SIZES, len(BLOCK_SIZES)), rng.choice([2, 4])]:
+        cases.append({"prompts": _trace(rng, block_size, rng.randint(2, 8)), "block_size": block_size})
+    block_size = rng.choice([1, 2, 3, 4])
+    cases.append({"prompts": _traps(rng, block_size), "block_size": block_size})
+    cases.append(_error_case(rng, {"prompts": _trace(rng, 4, 3), "block_size": 4}))
+    return cases
+
+
+def observe_held(fn, case) -> list[dict]:
+    call = f"blocks_held({len(case['prompts'])} prompts, block_size={case['block_size']})"
+    return [
+        {
+            "call": call,
+            "result": describe(outcome(fn, [list(p) for p in case["prompts"]], case["block_size"])),
+        }
+    ]
+
+
 HIDDEN = {
     "L5.1": Hidden(
         draw_clone, observe_clone, describe_clone, answers=("L5_clones.allocator:BlockAllocator.clone",)
@@ -933,6 +1379,33 @@ HIDDEN = {
             "L5_clones.scheduler:Scheduler._fork",
             "L5_clones.allocator:BlockAllocator.clone",
             "L5_clones.allocator:BlockAllocator.free",
+        ),
+    ),
+    "L5.6": Hidden(draw_lru, observe_lru, describe_trace, answers=("L5_clones.prefix_cache:match_prefix",)),
+    "L5.7": Hidden(
+        draw_held,
+        observe_held,
+        describe_trace,
+        answers=("L5_clones.prefix_cache:match_prefix", "L5_clones.sequence:reserve"),
+    ),
+    "L5.8": catch_hidden(
+        ALLOCATOR,
+        CATCH_ALL,
+        watch=tuple(
+            f"{ALLOCATOR}.{name}"
+            for name in ("alloc_blocks", "_take_free", "free", "lookup", "register", "clone")
+        ),
+    ),
+    "L5.9": Hidden(
+        draw=lambda rng: [{"key": key} for key in rng.sample(PREDICT_KEYS, len(PREDICT_KEYS))],
+        observe=lambda fn, case: fn()[case["key"]],
+        describe=lambda case: f"the notebook's operations: {case['key']}",
+        answers=(
+            f"{ALLOCATOR}.alloc_blocks",
+            f"{ALLOCATOR}.free",
+            f"{ALLOCATOR}.clone",
+            "L5_clones.prefix_cache:match_prefix",
+            "L5_clones.sequence:reserve",
         ),
     ),
 }
