@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvcourse.grading.cases import Case, run_cases
+from kvcourse.grading.bugs import version
+from kvcourse.grading.cases import Case, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from ..allocator import BlockAllocator
@@ -47,7 +48,8 @@ def check_slots(slots: Callable) -> None:
             if not isinstance(got, list | tuple):
                 return f"returned {got!r}, expected a list of {len(expected)} slot ids"
             got = [int(s) for s in got]
-            return None if got == expected else f"expected {expected}, got {got}"
+            problem = None if got == expected else f"expected {expected}, got {got}"
+            return named_mistake(problem, got, slot_mistakes(block_table, start, end, block_size))
 
         return run
 
@@ -61,6 +63,26 @@ def check_slots(slots: Callable) -> None:
             Case("no positions (start == end)", case([0], 3, 3, 4)),
         ]
     )
+
+
+def slot_mistakes(block_table, start, end, block_size) -> dict:
+    """The known mistakes of ``slots``, each computed with this stage's code on a changed input (or
+    the stage's ``slots`` with the mutation list's bug put in)."""
+    one_row_off = version("L3_block_tensor.sequence:slots", "L3 slot of a position one row off")
+    return {
+        "off by one: position p got the slot of position p + 1": lambda: ref_slots(
+            block_table, start + 1, end + 1, block_size
+        ),
+        "the row of position p is p % block_size, not (p + 1) % block_size": lambda: one_row_off(
+            block_table, start, end, block_size
+        ),
+        "off by one: end is not included, the positions are start .. end - 1": lambda: ref_slots(
+            block_table, start, end + 1, block_size
+        ),
+        "the block table is not used: block p // block_size is block_table[p // block_size]": lambda: list(
+            range(start, end)
+        ),
+    }
 
 
 def scheduler_plan(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs):
@@ -90,6 +112,34 @@ def scheduler_plan(running, waiting, max_num_batched_tokens, prefill_chunk_size,
     return counts[: len(running)], counts[len(running) :]
 
 
+def hit(found, _got) -> bool:
+    """``named_mistake``'s comparison for rules tested on the answer itself: the rule's function
+    returns True when the answer breaks it."""
+    return found is True
+
+
+def plan_mistakes(running, waiting, budget, chunk, max_num_seqs, got) -> dict:
+    """The rules a wrong ``plan_step`` answer ``got`` (two lists) may break, each a test on it."""
+    ran, admitted = got
+    todo, counts = list(running) + list(waiting), list(ran) + list(admitted)
+    return {
+        "a request runs more tokens than it has left": lambda: any(
+            n > t for n, t in zip(counts, todo, strict=True)
+        ),
+        "the step runs more than max_num_batched_tokens tokens": lambda: sum(counts) > budget,
+        "a chunk is longer than prefill_chunk_size": lambda: chunk is not None and max(counts) > chunk,
+        "without chunking a request runs all its tokens or none": lambda: (
+            chunk is None and any(0 < n < t for n, t in zip(counts, todo, strict=True))
+        ),
+        "more than max_num_seqs requests run (running ones hold their seats even with 0 tokens)": lambda: (
+            len(running) + sum(1 for n in admitted if n) > max(max_num_seqs, len(running))
+        ),
+        "a waiting request jumped the queue: admission stops at the first one that gets 0": lambda: any(
+            admitted[i] == 0 and any(admitted[i + 1 :]) for i in range(len(admitted))
+        ),
+    }
+
+
 def check_plan_step(plan_step: Callable) -> None:
     """Grade ``plan_step(running, waiting, max_num_batched_tokens, prefill_chunk_size, max_num_seqs)``
     against what ``Scheduler.schedule`` does with plenty of free blocks.
@@ -107,10 +157,13 @@ def check_plan_step(plan_step: Callable) -> None:
             if not isinstance(got, tuple | list) or len(got) != 2:
                 return f"returned {got!r}, expected two lists (running, waiting)"
             got = (list(got[0]), list(got[1]))
-            return (
+            problem = (
                 None
                 if got == want
                 else f"expected running {want[0]}, waiting {want[1]}; got {got[0]}, {got[1]}"
+            )
+            return named_mistake(
+                problem, got, plan_mistakes(running, waiting, budget, chunk, max_num_seqs, got), same=hit
             )
 
         return run
@@ -144,6 +197,32 @@ def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len) 
     return len(sched.schedule())
 
 
+def admission_mistakes(policy, requests, num_blocks, block_size, max_model_len) -> dict:
+    """The known mistakes of ``admitted``, each what ``Scheduler`` admits on a changed input: another
+    policy, no cap on Pow2, or requests picked out of order."""
+
+    def admits(as_policy, reqs=requests, cap=max_model_len) -> int:
+        return scheduler_admitted(as_policy, reqs, num_blocks, block_size, cap)
+
+    def jumping() -> int:  # every request that still fits, skipping those that do not
+        taken = []
+        for request in requests:
+            if admits(policy, taken + [request]) == len(taken) + 1:
+                taken.append(request)
+        return len(taken)
+
+    mistakes = {
+        "paged": {"paged holds its prompt's blocks at admission, not its whole length": lambda: admits("oracle")},
+        "oracle": {"Oracle holds the whole length (prompt + max_new_tokens), not the prompt": lambda: admits("paged")},
+        "pow2": {"Pow2 is capped at max_model_len": lambda: admits("pow2", cap=1 << 30)},
+        "max": {"Max holds max_model_len for every request, not its length": lambda: admits("oracle")},
+    }.get(policy, {})  # fmt: skip
+    return {
+        **mistakes,
+        "nobody jumps the queue: admission stops at the first request that does not fit": jumping,
+    }
+
+
 def check_admitted(admitted: Callable) -> None:
     """Grade ``admitted(policy, requests, num_blocks, block_size, max_model_len) -> int`` against what
     ``Scheduler.schedule`` admits in its first step.
@@ -157,7 +236,10 @@ def check_admitted(admitted: Callable) -> None:
         def run() -> str | None:
             want = scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len)
             got = admitted(policy, [tuple(r) for r in requests], num_blocks, block_size, max_model_len)
-            return None if got == want else f"expected {want} admitted, got {got!r}"
+            problem = None if got == want else f"expected {want} admitted, got {got!r}"
+            return named_mistake(
+                problem, got, admission_mistakes(policy, requests, num_blocks, block_size, max_model_len)
+            )
 
         return run
 
@@ -213,6 +295,34 @@ def _preempt_state(block_size: int, num_blocks: int, running: list, waiting: lis
     return allocator, sorted(run, key=Sequence.sort_key), sorted(wait, key=Sequence.sort_key)
 
 
+VICTIM_FIELD_RULES = {
+    "block_table": "the victim holds no blocks once preempted: its block table is []",
+    "num_computed_tokens": "preemption forgets to reset what the victim computed: it recomputes from 0",
+    "status": "a preempted request is WAITING again",
+    "prompt_ids": "the victim keeps its prompt: it is what it recomputes",
+    "output_ids": "the victim keeps its generated tokens: they are what it recomputes",
+}
+
+
+def max_victim(running: list) -> int:
+    """The request id of the last running request in scheduling order, from a case's spec
+    ((request_id, prompt_len, generated, computed, priority) per request)."""
+    return max(running, key=lambda r: (-r[4], r[0]))[0]
+
+
+def victim_rule(got_id: int, running: list, want_id: int) -> str:
+    """Which rule a wrong victim breaks, from a case's running specs: " (rule)" or ""."""
+    priority = {r[0]: r[4] for r in running}
+    if got_id not in priority:
+        return " (the victim is a running request)"
+    most_important = min(running, key=lambda r: (-r[4], r[0]))[0]
+    if got_id == most_important:
+        return " (the victim is the least important running request (the last of running), not the most)"
+    if priority[got_id] != priority[want_id]:
+        return " (priority comes first: the victim has the lowest priority, then the highest request id)"
+    return " (among equal priorities the newest request goes: the highest request id)"
+
+
 def check_preempt(preempt: Callable) -> None:
     """Grade ``preempt(running, waiting, allocator) -> victim`` against ``Scheduler``'s own preemption.
 
@@ -254,19 +364,37 @@ def check_preempt(preempt: Callable) -> None:
             )
             allocator, mine, queue = _preempt_state(block_size, num_blocks, running, waiting, retired)
             by_id = {seq.request_id: seq for seq in mine + queue}
+            want_table = list(next(s for s in ref_running if s.request_id == max_victim(running)).block_table)
             want = reference(ref_alloc, ref_running, ref_waiting)
             got = preempt(mine, queue, allocator)
             if got is not by_id.get(getattr(got, "request_id", None)):
                 return f"returned {got!r}, expected the preempted Sequence (request {want.request_id})"
             if got.request_id != want.request_id:
-                return f"preempted request {got.request_id}, expected request {want.request_id}"
+                rule = victim_rule(got.request_id, running, want.request_id)
+                return f"preempted request {got.request_id}, expected request {want.request_id}{rule}"
             ids = [[s.request_id for s in q] for q in (mine, queue, ref_running, ref_waiting)]
             for what, have, expected in (("running", ids[0], ids[2]), ("waiting", ids[1], ids[3])):
                 if have != expected:
-                    return f"{what} is {have} afterwards, expected {expected}"
+                    rule = ""
+                    if what == "waiting" and have == [i for i in expected if i != got.request_id] + [
+                        got.request_id
+                    ]:
+                        rule = " (the victim goes back at its place in scheduling order, not at the end)"
+                    return f"{what} is {have} afterwards, expected {expected}{rule}"
             free, ref_free = list(allocator.free_blocks), list(ref_alloc.free_blocks)
             if free != ref_free:
-                return f"free list {free} afterwards, expected {ref_free}"
+                before = ref_free[: len(ref_free) - len(want_table)]
+                problem = f"free list {free} afterwards, expected {ref_free}"
+                return named_mistake(
+                    problem,
+                    free,
+                    {
+                        "preemption keeps the blocks of the victim: all of them go back": lambda: before,
+                        "the victim's blocks go back in block-table order, not reversed": lambda: (
+                            before + want_table[::-1]
+                        ),
+                    },
+                )
             if allocator.owned != ref_alloc.owned:
                 return (
                     f"the allocator counts blocks {sorted(allocator.owned)} as handed out, expected "
@@ -274,7 +402,11 @@ def check_preempt(preempt: Callable) -> None:
                 )
             for what in ("block_table", "num_computed_tokens", "status", "prompt_ids", "output_ids"):
                 if getattr(got, what) != getattr(want, what):
-                    return f"the victim's {what} is {getattr(got, what)!r}, expected {getattr(want, what)!r}"
+                    rule = VICTIM_FIELD_RULES.get(what, "")
+                    return (
+                        f"the victim's {what} is {getattr(got, what)!r}, expected {getattr(want, what)!r}"
+                        + (f" ({rule})" if rule else "")
+                    )
             return None
 
         return run
