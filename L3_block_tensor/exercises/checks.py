@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvcourse.grading.bugs import version
+from kvcourse.grading.bugs import catch_cases, catch_hidden, version
 from kvcourse.grading.cases import Case, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden
 
@@ -748,3 +748,403 @@ HIDDEN = {
         ),
     ),
 }
+
+
+# ---------------------------------------------------------------------------------------------------
+# L3.5-L3.8: two exercises beyond the stage (a watermark, the cheapest preemption), a test that
+# catches the scheduler's bugs, and a prediction. Their visible references are the stage's code on a
+# changed input (L3.5), an exhaustive search (L3.6: the exercise asks for an algorithm that scales;
+# trying every subset does not), the mutation list (L3.7) and a run of the stage (L3.8).
+
+
+def returned_or_raised(fn, *args) -> dict:
+    """One call's result as an observation: ``{"returned": [ints]}`` for a pair of whole numbers,
+    ``{"returned": repr}`` for anything else, ``{"raised": "ValueError"}`` for an exception (its type
+    only: the message is the learner's)."""
+    try:
+        got = fn(*args)
+    except Exception as e:  # noqa: BLE001 - compared with what the reference raises
+        return {"raised": type(e).__name__}
+    ok = isinstance(got, list | tuple) and len(got) == 2
+    if ok and all(isinstance(x, int) and not isinstance(x, bool) for x in got):
+        return {"returned": [int(x) for x in got]}
+    return {"returned": repr(got)}
+
+
+def said(observation: dict) -> str:
+    """An observation in words: ``{"returned": [2, 3]} -> "(2, 3)"``, ``{"raised": "ValueError"}``
+    -> ``"raised ValueError"``."""
+    if "raised" in observation:
+        return f"raised {observation['raised']}"
+    value = observation["returned"]
+    return f"({value[0]}, {value[1]})" if isinstance(value, list) else value
+
+
+def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> dict:
+    """``admit_with_watermark``'s answer from this stage's ``Scheduler``, as an observation: one step
+    of the running requests alone (each decodes its newest token, growing its block table with
+    ``reserve``), then admission by a second ``Scheduler`` whose pool is the free blocks less the
+    watermark (the watermark's blocks are hidden from admission, and only from admission)."""
+    if watermark < 0 or block_size < 1:
+        return {"raised": "ValueError"}
+    held = sum(-(-(n - 1) // block_size) for n in running)
+    allocator = BlockAllocator(max(1, held + num_free), block_size)
+    if held + num_free == 0:
+        allocator.alloc_blocks(1)  # a pool of 0 blocks: BlockAllocator wants one, so hold it
+    sched = Scheduler(allocator, max_num_seqs=len(running) + 1, max_num_batched_tokens=len(running) + 1)
+    for i, n in enumerate(running):
+        seq = Sequence(i, [1] * (n - 1), n)
+        seq.output_ids = [7]  # its newest token, not cached yet
+        reserve(seq, allocator, n - 1)
+        seq.num_computed_tokens, seq.status = n - 1, Status.RUNNING
+        sched.running.append(seq)
+    sched.schedule()
+    if sched.num_preemptions:
+        return {"raised": "ValueError"}  # the running requests' growth does not fit: the stage preempts
+    room = allocator.num_free - watermark  # what admission may take
+    if room < 1 or not waiting:
+        return {"returned": [0, allocator.num_free]}
+    admission = BlockAllocator(room, block_size)
+    newcomers = Scheduler(admission, max_num_seqs=len(waiting), max_num_batched_tokens=sum(waiting))
+    for j, prompt_len in enumerate(waiting):
+        newcomers.add(Sequence(j, [1] * prompt_len, 1))
+    admitted = len(newcomers.schedule())
+    return {"returned": [admitted, admission.num_free + watermark]}
+
+
+def watermark_mistakes(running, waiting, num_free, block_size, watermark) -> dict:
+    """The known mistakes of ``admit_with_watermark``, each the stage's answer on a changed input."""
+
+    def ref(*args) -> str:
+        return said(scheduler_watermark(*args))
+
+    return {
+        "the running requests grow first: their new blocks come before admission": lambda: ref(
+            [], waiting, num_free, block_size, watermark
+        ),
+        "off by one: a decoding request needs a block for position num_tokens - 1, not num_tokens": lambda: (
+            ref([n + 1 for n in running], waiting, num_free, block_size, watermark)
+        ),
+        "free blocks may come down to the watermark itself (>= watermark, not >)": lambda: ref(
+            running, waiting, num_free, block_size, watermark + 1
+        ),
+        "the watermark holds back admission only: running requests may grow into it": lambda: (
+            "raised ValueError"
+            if "raised" in scheduler_watermark(running, [], num_free - watermark, block_size, 0)
+            else None
+        ),
+    }
+
+
+def check_watermark(admit_with_watermark: Callable) -> None:
+    """Grade ``admit_with_watermark(running, waiting, num_free, block_size, watermark) -> (admitted,
+    free_after)`` against this stage's ``Scheduler`` (see ``scheduler_watermark``)."""
+
+    def case(running, waiting, num_free, block_size, watermark) -> Callable[[], str | None]:
+        def run() -> str | None:
+            args = (list(running), list(waiting), num_free, block_size, watermark)
+            want = scheduler_watermark(*args)
+            got = returned_or_raised(admit_with_watermark, *args)
+            if got == want:
+                return None
+            problem = f"got {said(got)}, expected {said(want)}"
+            return named_mistake(problem, said(got), watermark_mistakes(*args))
+
+        return run
+
+    run_cases(
+        [
+            Case("no running requests, watermark 0: every prompt that fits", case([], [3, 4, 2], 5, 2, 0)),
+            Case("watermark 2 stops the third prompt", case([], [3, 4, 2], 6, 2, 2)),
+            Case("decoders crossing into a new block take theirs first", case([5, 9, 4], [2, 2], 4, 4, 1)),
+            Case("decoders inside their last block take nothing", case([6, 7, 8], [4, 4, 4], 3, 4, 1)),
+            Case("the first prompt that does not fit stops the rest", case([2], [9, 1, 1], 5, 2, 1)),
+            Case("the watermark does not hold back running requests", case([3, 3], [1], 2, 2, 2)),
+            Case("block_size 1: a block per position", case([4, 2], [3, 1], 7, 1, 2)),
+            Case("the running requests alone do not fit: ValueError", case([5, 5], [1], 1, 4, 0)),
+            Case("a negative watermark: ValueError", case([], [1], 4, 4, -1)),
+        ]
+    )
+
+
+def draw_watermarks(rng) -> list[dict]:
+    """Ten steps: block sizes 1 to 8; 0 to 5 decoding requests, their newest position now and then the
+    first of a block (``n - 1`` a multiple of the block size); 0 to 6 waiting prompts; free blocks
+    that cover the growth, a watermark from 0 to a few blocks; one case whose growth does not fit and
+    one with a negative watermark."""
+
+    def step(bad_growth: bool = False, bad_watermark: bool = False) -> dict:
+        block_size = rng.choice([1, 2, 3, 4, 8])
+        running = []
+        for _ in range(rng.randint(0 if not bad_growth else 1, 5)):
+            n = rng.randint(2, 30)
+            if rng.random() < 0.5:  # its newest token starts a block
+                n = block_size * rng.randint(1, 4) + 1
+            running.append(n)
+        growth = sum(-(-n // block_size) - -(-(n - 1) // block_size) for n in running)
+        num_free = growth + rng.randint(0, 8)
+        if bad_growth:
+            running.append(block_size * rng.randint(1, 3) + 1)  # one more block than is free
+            num_free = growth
+        waiting = [rng.randint(1, 4 * block_size) for _ in range(rng.randint(0, 6))]
+        watermark = -rng.randint(1, 3) if bad_watermark else rng.randint(0, 4)
+        return {
+            "running": running,
+            "waiting": waiting,
+            "num_free": num_free,
+            "block_size": block_size,
+            "watermark": watermark,
+        }
+
+    cases = [step() for _ in range(8)] + [step(bad_growth=True), step(bad_watermark=True)]
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_watermark(fn, case) -> list[dict]:
+    args = (list(case["running"]), list(case["waiting"]), case["num_free"], case["block_size"])
+    return [
+        {
+            "call": f"admit_with_watermark({describe_watermark(case)})",
+            **returned_or_raised(fn, *args, case["watermark"]),
+        }
+    ]
+
+
+def describe_watermark(case: dict) -> str:
+    return (
+        f"running {case['running']}, waiting {case['waiting']}, {case['num_free']} free, block_size "
+        f"{case['block_size']}, watermark {case['watermark']}"
+    )
+
+
+def exhaustive_preemption(computed, need, block_size, blocks_of=None) -> dict:
+    """``cheapest_preemption``'s answer by trying every set of victims (2^n of them: fine for the
+    visible cases' n <= 9, hopeless for the hidden cases' 60), as an observation. ``blocks_of(c)``
+    is the blocks a request with ``c`` computed tokens holds (default: ceil(c / block_size))."""
+    if block_size < 1 or need < 0 or any(c < 0 for c in computed):
+        return {"raised": "ValueError"}
+    blocks_of = blocks_of or (lambda c: -(-c // block_size))
+    best = None
+    for mask in range(1 << len(computed)):
+        chosen = [c for i, c in enumerate(computed) if mask >> i & 1]
+        if sum(blocks_of(c) for c in chosen) >= need:
+            best = min(best or (sum(chosen), len(chosen)), (sum(chosen), len(chosen)))
+    return {"raised": "ValueError"} if best is None else {"returned": list(best)}
+
+
+def greedy_preemption(computed, need, block_size) -> dict:
+    """A known mistake: victims taken fewest computed tokens first until enough blocks are free."""
+    lost = victims = freed = 0
+    for c in sorted(computed):
+        if freed >= need:
+            break
+        lost, victims, freed = lost + c, victims + 1, freed + -(-c // block_size)
+    return {"returned": [lost, victims]} if freed >= need else {"raised": "ValueError"}
+
+
+def check_cheapest_preemption(cheapest_preemption: Callable) -> None:
+    """Grade ``cheapest_preemption(computed, need, block_size) -> (tokens_lost, victims)`` against an
+    exhaustive search over every set of victims."""
+
+    def case(computed, need, block_size) -> Callable[[], str | None]:
+        def run() -> str | None:
+            want = exhaustive_preemption(computed, need, block_size)
+            got = returned_or_raised(cheapest_preemption, list(computed), need, block_size)
+            if got == want:
+                return None
+            mistakes = {
+                "among sets that lose as few tokens, the fewest victims": lambda: said(
+                    exhaustive_most_victims(computed, need, block_size)
+                ),
+                "fewest tokens first is not the cheapest set: a request with many tokens in few blocks can "
+                "be cheaper": lambda: said(greedy_preemption(computed, need, block_size)),
+                "a partly filled block is held too: a request holds ceil(computed / block_size) blocks": lambda: (
+                    said(exhaustive_preemption(computed, need, block_size, lambda c: c // block_size))
+                ),
+            }
+            return named_mistake(f"got {said(got)}, expected {said(want)}", said(got), mistakes)
+
+        return run
+
+    run_cases(
+        [
+            Case("nothing to free: need 0", case([5, 9], 0, 4)),
+            Case("one request frees enough", case([3, 17, 8], 2, 4)),
+            Case("two small requests beat one large", case([12, 4, 4, 30], 2, 4)),
+            Case("fewest tokens first is not cheapest", case([9, 4, 4, 7], 3, 4)),
+            Case("partly filled blocks count as blocks", case([1, 1, 1, 16, 6], 3, 8)),
+            Case("equal tokens lost: the fewest victims", case([6, 2, 4, 9], 2, 4)),
+            Case("a request with 0 computed tokens frees nothing", case([0, 0, 6, 2], 2, 2)),
+            Case("5 of the 6 blocks held", case([5, 3, 7], 5, 3)),
+            Case("more blocks than all of them hold: ValueError", case([4, 4], 3, 4)),
+        ]
+    )
+
+
+def exhaustive_most_victims(computed, need, block_size) -> dict:
+    """A known mistake: the tie between sets that lose as few tokens broken towards more victims."""
+    best = None
+    for mask in range(1 << len(computed)):
+        chosen = [c for i, c in enumerate(computed) if mask >> i & 1]
+        if sum(-(-c // block_size) for c in chosen) >= need:
+            best = min(best or (sum(chosen), -len(chosen)), (sum(chosen), -len(chosen)))
+    return {"raised": "ValueError"} if best is None else {"returned": [best[0], -best[1]]}
+
+
+def draw_preemption_costs(rng) -> list[dict]:
+    """Eight cases: four small (up to 10 running requests) and four of 40 to 60 running requests with
+    up to 1,000 computed tokens each (too many for trying every set); block sizes 1 to 16; some
+    requests with 0 tokens, some with exactly full blocks, ties made likely by repeated lengths; ``need``
+    from 0 to everything held, and one case that asks for more than everything (ValueError)."""
+
+    def costs(n: int, top: int, block_size: int) -> list[int]:
+        pool = [rng.randint(0, top) for _ in range(max(2, n // 3))] + [block_size * rng.randint(1, 4)]
+        return [rng.choice(pool) if rng.random() < 0.5 else rng.randint(0, top) for _ in range(n)]
+
+    cases = []
+    for k in range(8):
+        big = k >= 4
+        block_size = rng.choice([4, 8, 16] if big else [1, 2, 4, 8, 16])
+        computed = costs(rng.randint(40, 60) if big else rng.randint(1, 10), 1000 if big else 60, block_size)
+        held = sum(-(-c // block_size) for c in computed)
+        need = rng.randint(0, held) if k != 3 else held + rng.randint(1, 3)
+        cases.append({"computed": computed, "need": need, "block_size": block_size})
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_preemption_cost(fn, case) -> list[dict]:
+    got = returned_or_raised(fn, list(case["computed"]), case["need"], case["block_size"])
+    return [{"call": f"cheapest_preemption({describe_preemption_cost(case)})", **got}]
+
+
+def describe_preemption_cost(case: dict) -> str:
+    computed = case["computed"]
+    shown = str(computed) if len(computed) <= 12 else f"{len(computed)} requests {computed[:6]}..."
+    return f"computed {shown}, need {case['need']}, block_size {case['block_size']}"
+
+
+SCHEDULER = "L3_block_tensor.scheduler:Scheduler"
+SHOWN_BUGS = [  # the check cell's; the hidden cases add the rest of SCHEDULER_BUGS
+    "L3 preemption keeps the blocks of the victim",
+    "L3 preempts the most important sequence instead of the least",
+]
+SCHEDULER_BUGS = [
+    *SHOWN_BUGS,
+    "L3 preemption forgets to reset what the victim computed",
+    "L3 admits waiting sequences in a step that preempted",
+    "L3 a finished sequence keeps its blocks",
+    "L3 admission ignores max_num_seqs",
+]
+
+
+def check_catch_scheduler(test_scheduler: Callable) -> None:
+    """Grade a learner's ``test_scheduler(Scheduler)``: it must pass this stage's ``Scheduler`` and fail
+    it with each bug of ``SHOWN_BUGS`` put in (``kvcourse/grading/bugs.py``)."""
+    run_cases(catch_cases(test_scheduler, SCHEDULER, SHOWN_BUGS, "the scheduler"))
+
+
+def run_predicted_steps() -> dict:
+    """The L3.8 operations, run on this stage: a pool of 5 blocks of 2; requests 0..3 with prompts of
+    3, 2, 1, 2 tokens and max_new_tokens 5, 4, 2, 3 (eos ignored) submitted together; four steps of
+    ``schedule`` then ``update``, the model's next token always 7. Returns the state the learner
+    predicts."""
+    sched = Scheduler(BlockAllocator(5, 2), max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [
+        Sequence(i, [100 + i] * prompt_len, max_new, ignore_eos=True)
+        for i, (prompt_len, max_new) in enumerate([(3, 5), (2, 4), (1, 2), (2, 3)])
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    for _ in range(4):
+        batch = sched.schedule()
+        wanted = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+        sched.update(batch, [7] * len(wanted))
+    return {
+        "block_tables": [list(seq.block_table) for seq in seqs],
+        "num_computed_tokens": [seq.num_computed_tokens for seq in seqs],
+        "free_list": list(sched.allocator.free_blocks),
+        "running": [seq.request_id for seq in sched.running],
+        "waiting": [seq.request_id for seq in sched.waiting],
+        "finished": [seq.request_id for seq in sched.finished],
+        "num_preemptions": sched.num_preemptions,
+    }
+
+
+def how_wrong(want, got) -> str | None:
+    """What differs between a predicted value and the real one, without saying the real one: None
+    when equal. ``how_wrong([2, 4], [4, 2]) -> "2 of 2 entries differ"``."""
+    if got == want:
+        return None
+    if isinstance(want, int):
+        return "not the number the run gives" if isinstance(got, int) else f"{type(got).__name__}, not an int"
+    if not isinstance(got, list):
+        return f"{type(got).__name__}, not a list"
+    if len(got) != len(want):
+        return f"{len(got)} entries: not the number of entries the run gives"
+    wrong = sum(g != w for g, w in zip(got, want, strict=True))
+    return f"{wrong} of {len(want)} entries differ"
+
+
+def check_predict(predict: Callable) -> None:
+    """Grade ``predict() -> dict`` against the state the run of the stage gives, one case per key;
+    no line says the real value (the demo cell below the check shows it)."""
+    want = run_predicted_steps()
+
+    def case(key: str) -> Callable[[], str | None]:
+        def run() -> str | None:
+            got = predict()
+            if not isinstance(got, dict):
+                return f"predict() returned {type(got).__name__}, not a dict"
+            if key not in got:
+                return f"no key {key!r} in the prediction"
+            value = got[key]
+            if isinstance(value, tuple):
+                value = list(value)
+            if key == "block_tables" and isinstance(value, list):
+                value = [list(v) if isinstance(v, tuple) else v for v in value]
+            return how_wrong(want[key], value)
+
+        return run
+
+    run_cases([Case(key.replace("_", " "), case(key)) for key in want])
+
+
+def draw_predict(rng) -> list[dict]:
+    """One case, the same every run: the operations are the exercise."""
+    return [{}]
+
+
+def observe_predict(fn, case) -> object:
+    return fn()
+
+
+HIDDEN.update(
+    {
+        "L3.5": Hidden(
+            draw_watermarks,
+            observe_watermark,
+            describe_watermark,
+            answers=("L3_block_tensor.scheduler:Scheduler.schedule",),
+        ),
+        "L3.6": Hidden(draw_preemption_costs, observe_preemption_cost, describe_preemption_cost),
+        "L3.7": catch_hidden(
+            SCHEDULER,
+            SCHEDULER_BUGS,
+            watch=tuple(
+                f"{SCHEDULER}.{name}"
+                for name in ("schedule", "update", "_reserve_or_preempt", "_preempt", "_finish")
+            ),
+        ),
+        "L3.8": Hidden(
+            draw_predict,
+            observe_predict,
+            lambda case: "the four steps of the exercise",
+            answers=(
+                "L3_block_tensor.scheduler:Scheduler.schedule",
+                "L3_block_tensor.scheduler:Scheduler.update",
+            ),
+        ),
+    }
+)
