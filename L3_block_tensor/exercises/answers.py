@@ -5,8 +5,10 @@ code (``sequence.py``, ``scheduler.py``), so a bug in the stage cannot make a wr
 ``slots`` lists every slot of the table and cuts the range out of it, ``plan_step`` hands out seats
 and budget from plain counters, ``preempt`` picks its victim with ``max`` over the scheduling order
 and inserts it into ``waiting`` by hand, ``admitted`` adds up each policy's blocks with its own
-arithmetic. Tests check that the stage and these answers agree on many
-drawn cases.
+arithmetic. Beyond the stage: ``admit_with_watermark`` counts the blocks decoders start with a modulo,
+``cheapest_preemption`` is a knapsack over blocks to free. ``test_scheduler`` is the answer key's
+test for the catch-the-bug exercise and ``predict`` was worked out by hand (its docstring shows how).
+Tests check that the stage and these answers agree on many drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures

@@ -7,12 +7,24 @@
   first preemption ``Scheduler`` itself makes in the same state (which sequence, its blocks on the free
   list, both queues, what it keeps and what it forgets);
 - ``check_admitted``: how many waiting requests a reservation policy (paged, Oracle, Pow2, Max)
-  admits in one step at a KV budget of ``num_blocks``, against what ``Scheduler.schedule`` admits.
+  admits in one step at a KV budget of ``num_blocks``, against what ``Scheduler.schedule`` admits;
+- ``check_watermark`` (beyond the stage): admission that keeps a watermark of free blocks for the
+  running requests, against ``Scheduler`` run on the pool less the watermark;
+- ``check_cheapest_preemption`` (beyond the stage): the fewest computed tokens a preemption that frees
+  ``need`` blocks throws away, against an exhaustive search (small cases only);
+- ``check_catch_scheduler`` (catch the bug): the learner's test on ``Scheduler`` and on copies of it
+  with a bug of the course's mutation list put in (``kvcourse/grading/bugs.py``);
+- ``check_predict`` (predict): the learner's prediction of four scheduler steps, key by key against a
+  run of this stage, never printing the real value.
+
+The checks of L3.1-L3.6 name the broken rule when a wrong answer gives what a known
+mistake gives (``named_mistake``): a slot one row off, a victim from the wrong end, Pow2 uncapped.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
 ``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
-compares them. The references are the stage's own code, never a copy kept here.
+compares them. The references are the stage's own code, never a copy kept here (L3.6's, which the
+stage has no code for, is an exhaustive search: a valid answer only for the visible cases' sizes).
 
 Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
 (``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
@@ -868,7 +880,8 @@ def check_watermark(admit_with_watermark: Callable) -> None:
 
 
 def draw_watermarks(rng) -> list[dict]:
-    """Ten steps: block sizes 1 to 8; 0 to 5 decoding requests, their newest position now and then the
+    """Ten steps, two of them tight (after the first prompts exactly the watermark is left): block
+    sizes 1 to 8; 0 to 5 decoding requests, their newest position now and then the
     first of a block (``n - 1`` a multiple of the block size); 0 to 6 waiting prompts; free blocks
     that cover the growth, a watermark from 0 to a few blocks; one case whose growth does not fit and
     one with a negative watermark."""
@@ -896,7 +909,17 @@ def draw_watermarks(rng) -> list[dict]:
             "watermark": watermark,
         }
 
-    cases = [step() for _ in range(8)] + [step(bad_growth=True), step(bad_watermark=True)]
+    def tight() -> dict:  # after the first prompts, exactly the watermark is left
+        case = step()
+        case["waiting"] = case["waiting"] or [rng.randint(1, 9)]
+        size, first = case["block_size"], rng.randint(1, len(case["waiting"]))
+        growth = sum((n - 1) % size == 0 for n in case["running"])
+        taken = sum(-(-p // size) for p in case["waiting"][:first])
+        case["watermark"] = rng.randint(1, 4)
+        case["num_free"] = growth + taken + case["watermark"]
+        return case
+
+    cases = [step() for _ in range(6)] + [tight(), tight(), step(bad_growth=True), step(bad_watermark=True)]
     rng.shuffle(cases)
     return cases
 
@@ -994,7 +1017,7 @@ def exhaustive_most_victims(computed, need, block_size) -> dict:
 
 def draw_preemption_costs(rng) -> list[dict]:
     """Eight cases: four small (up to 10 running requests) and four of 40 to 60 running requests with
-    up to 1,000 computed tokens each (too many for trying every set); block sizes 1 to 16; some
+    up to 500 computed tokens each (too many for trying every set); block sizes 1 to 16; some
     requests with 0 tokens, some with exactly full blocks, ties made likely by repeated lengths; ``need``
     from 0 to everything held, and one case that asks for more than everything (ValueError)."""
 
@@ -1006,7 +1029,7 @@ def draw_preemption_costs(rng) -> list[dict]:
     for k in range(8):
         big = k >= 4
         block_size = rng.choice([4, 8, 16] if big else [1, 2, 4, 8, 16])
-        computed = costs(rng.randint(40, 60) if big else rng.randint(1, 10), 1000 if big else 60, block_size)
+        computed = costs(rng.randint(40, 60) if big else rng.randint(1, 10), 500 if big else 60, block_size)
         held = sum(-(-c // block_size) for c in computed)
         need = rng.randint(0, held) if k != 3 else held + rng.randint(1, 3)
         cases.append({"computed": computed, "need": need, "block_size": block_size})
@@ -1082,7 +1105,9 @@ def how_wrong(want, got) -> str | None:
     if not isinstance(got, list):
         return f"{type(got).__name__}, not a list"
     if len(got) != len(want):
-        return f"{len(got)} entries: not the number of entries the run gives"
+        return (
+            f"{len(got)} {'entry' if len(got) == 1 else 'entries'}: not the number of entries the run gives"
+        )
     wrong = sum(g != w for g, w in zip(got, want, strict=True))
     return f"{wrong} of {len(want)} entries differ"
 
