@@ -265,6 +265,17 @@ def always_fails(Scheduler):  # noqa: N803
     raise AssertionError("nothing passes")
 
 
+def test_a_test_that_prints_prints_nothing_into_the_check(capsys):
+    def chatty(Scheduler):  # noqa: N803
+        print("debugging")
+        answers.test_scheduler(Scheduler)
+
+    checks.check_catch_scheduler(chatty)
+    lines = graded_lines(capsys)
+    assert "debugging" not in "\n".join(lines)
+    assert_passes(lines)
+
+
 def test_a_test_that_always_raises_fails_the_correct_version(capsys):
     checks.check_catch_scheduler(always_fails)
     lines = graded_lines(capsys)

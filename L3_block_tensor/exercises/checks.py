@@ -37,6 +37,8 @@ retry loop around it).
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 
 from kvcourse.grading.bugs import catch_cases, catch_hidden, version
@@ -1068,7 +1070,8 @@ def check_catch_scheduler(test_scheduler: Callable) -> None:
     stub (it raises NotImplementedError) raises in every case, so it reads as not done yet rather than
     as a test that catches the bugs."""
     try:
-        test_scheduler(version(SCHEDULER))
+        with contextlib.redirect_stdout(io.StringIO()):  # the learner's prints, dropped as run_cases does
+            test_scheduler(version(SCHEDULER))
         stub = None
     except NotImplementedError as e:
         stub = e
