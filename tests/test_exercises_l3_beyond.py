@@ -201,6 +201,16 @@ def test_cheapest_preemption_right_answers_pass(capsys, fn):
     assert_hidden_passes("L3.6", fn)
 
 
+def test_floats_are_named_as_such(capsys):
+    def as_floats(computed, need, block_size):
+        lost, victims = answers.cheapest_preemption(computed, need, block_size)
+        return float(lost), victims
+
+    checks.check_cheapest_preemption(as_floats)
+    named_line(graded_lines(capsys), "one request frees enough", "ints, not floats")
+    assert_fails_hidden(PACKAGE, "L3.6", as_floats)
+
+
 def test_the_exhaustive_search_and_the_answer_agree():
     """Every set of victims tried, against the answer's knapsack, on small random cases."""
     rng = random.Random(37)
@@ -240,7 +250,7 @@ def test_the_answer_keys_test_catches_every_bug(capsys, fn):
     assert_hidden_passes("L3.7", fn)
 
 
-def only_max_num_seqs(Scheduler):  # noqa: N803 - as the notebook names it
+def only_max_num_seqs(Scheduler):
     """A weak test: it checks max_num_seqs and nothing else."""
     sched = Scheduler(BlockAllocator(8, 2), max_num_seqs=1, max_num_batched_tokens=32)
     for i in range(2):
@@ -261,12 +271,12 @@ def test_a_weak_test_is_told_which_bugs_it_misses(capsys):
     assert_fails_hidden(PACKAGE, "L3.7", only_max_num_seqs)
 
 
-def always_fails(Scheduler):  # noqa: N803
+def always_fails(Scheduler):
     raise AssertionError("nothing passes")
 
 
 def test_a_test_that_prints_prints_nothing_into_the_check(capsys):
-    def chatty(Scheduler):  # noqa: N803
+    def chatty(Scheduler):
         print("debugging")
         answers.test_scheduler(Scheduler)
 

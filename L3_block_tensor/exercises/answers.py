@@ -148,7 +148,7 @@ def cheapest_preemption(computed, need, block_size):
     return best[need]
 
 
-def test_scheduler(Scheduler):  # noqa: N803 - the class handed in, named as the notebook names it
+def test_scheduler(Scheduler):
     """Three short scenarios on a small pool, each checked step by step with ``check_invariants``."""
     from ..allocator import BlockAllocator
     from ..sequence import Sequence, Status

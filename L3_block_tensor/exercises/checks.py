@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from collections.abc import Callable
 
 from kvcourse.grading.bugs import catch_cases, catch_hidden, version
 from kvcourse.grading.cases import Case, named_mistake, run_cases
-from kvcourse.grading.hidden import Hidden
+from kvcourse.grading.hidden import CaseTimeout, Hidden
 
 from ..allocator import BlockAllocator
 from ..scheduler import Scheduler
@@ -777,6 +778,8 @@ def returned_or_raised(fn, *args) -> dict:
     only: the message is the learner's)."""
     try:
         got = fn(*args)
+    except CaseTimeout:
+        raise  # the hidden cases' time is up: the grader reports it and stops
     except Exception as e:  # noqa: BLE001 - compared with what the reference raises
         return {"raised": type(e).__name__}
     ok = isinstance(got, list | tuple) and len(got) == 2
@@ -792,6 +795,12 @@ def said(observation: dict) -> str:
         return f"raised {observation['raised']}"
     value = observation["returned"]
     return f"({value[0]}, {value[1]})" if isinstance(value, list) else value
+
+
+def float_pair(observation: dict) -> bool:
+    """True when a call returned a pair of whole numbers as floats (``(34.0, 1)``): a dtype mistake."""
+    value = observation.get("returned")
+    return isinstance(value, str) and re.fullmatch(r"[(\[]\d+(\.0)?, \d+(\.0)?[)\]]", value) is not None
 
 
 def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> dict:
@@ -862,6 +871,8 @@ def check_watermark(admit_with_watermark: Callable) -> None:
             if got == want:
                 return None
             problem = f"got {said(got)}, expected {said(want)}"
+            if float_pair(got):
+                return f"{problem} (admitted and free_after are ints, not floats)"
             return named_mistake(problem, said(got), watermark_mistakes(*args))
 
         return run
@@ -928,12 +939,8 @@ def draw_watermarks(rng) -> list[dict]:
 
 def observe_watermark(fn, case) -> list[dict]:
     args = (list(case["running"]), list(case["waiting"]), case["num_free"], case["block_size"])
-    return [
-        {
-            "call": f"admit_with_watermark({describe_watermark(case)})",
-            **returned_or_raised(fn, *args, case["watermark"]),
-        }
-    ]
+    got = returned_or_raised(fn, *args, case["watermark"])
+    return [{"call": f"admit_with_watermark({describe_watermark(case)})", "result": said(got)}]
 
 
 def describe_watermark(case: dict) -> str:
@@ -988,7 +995,10 @@ def check_cheapest_preemption(cheapest_preemption: Callable) -> None:
                     said(exhaustive_preemption(computed, need, block_size, lambda c: c // block_size))
                 ),
             }
-            return named_mistake(f"got {said(got)}, expected {said(want)}", said(got), mistakes)
+            problem = f"got {said(got)}, expected {said(want)}"
+            if float_pair(got):
+                return f"{problem} (tokens_lost and victims are ints, not floats)"
+            return named_mistake(problem, said(got), mistakes)
 
         return run
 
@@ -1041,7 +1051,7 @@ def draw_preemption_costs(rng) -> list[dict]:
 
 def observe_preemption_cost(fn, case) -> list[dict]:
     got = returned_or_raised(fn, list(case["computed"]), case["need"], case["block_size"])
-    return [{"call": f"cheapest_preemption({describe_preemption_cost(case)})", **got}]
+    return [{"call": f"cheapest_preemption({describe_preemption_cost(case)})", "result": said(got)}]
 
 
 def describe_preemption_cost(case: dict) -> str:
