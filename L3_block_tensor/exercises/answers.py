@@ -12,7 +12,10 @@ Tests check that the stage and these answers agree on many drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
-(``Scheduler.schedule`` as ``plan_step``, ``Scheduler._preempt`` as ``preempt``), for the tests. The
+(``Scheduler.schedule`` as ``plan_step``, ``Scheduler._preempt`` as ``preempt``; for L3.5 the
+stage's ``Scheduler`` on the pool less the watermark, for L3.7 a test that compares with the stage's
+``Scheduler``, for L3.8 a run of the stage), for the tests. L3.6 has none: the stage has no such
+code. The
 grader imports this file; a submission's sandbox cannot read it.
 
 Left out on purpose: error messages (only the error's type is graded).
@@ -22,9 +25,10 @@ from __future__ import annotations
 
 import math
 
+from ..allocator import BlockAllocator
 from ..scheduler import Scheduler
-from ..sequence import Status
-from .checks import HIDDEN, scheduler_admitted, scheduler_plan
+from ..sequence import Sequence, Status
+from .checks import HIDDEN, run_predicted_steps, scheduler_admitted, scheduler_plan, scheduler_watermark
 
 
 def slots(block_table, start, end, block_size):
@@ -150,8 +154,6 @@ def cheapest_preemption(computed, need, block_size):
 
 def test_scheduler(Scheduler):
     """Three short scenarios on a small pool, each checked step by step with ``check_invariants``."""
-    from ..allocator import BlockAllocator
-    from ..sequence import Sequence, Status
 
     def step(sched):
         batch = sched.schedule()
@@ -225,4 +227,60 @@ ANSWERS = {
     "L3.8": predict,
 }
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
-STAGE_ADAPTERS = {"L3.2": scheduler_plan, "L3.3": scheduler_preempt, "L3.4": scheduler_admitted}
+
+
+def scheduler_watermark_answer(running, waiting, num_free, block_size, watermark):
+    """``checks.scheduler_watermark`` (the stage's ``Scheduler``) as ``admit_with_watermark``."""
+    got = scheduler_watermark(running, waiting, num_free, block_size, watermark)
+    if "raised" in got:
+        raise ValueError(f"the stage's Scheduler: {got['raised']}")
+    return tuple(got["returned"])
+
+
+def oracle_test(Subject):
+    """A test that runs the stage's own ``Scheduler`` beside the one handed in and compares every step
+    (block tables, computed tokens, statuses, free list, preemptions): what the watch flags in a
+    learner's test. Three scenarios: a seat limit and finishing, a preemption by priority, a newcomer
+    in a step that preempts."""
+
+    def run(cls, num_blocks, max_num_seqs, requests, late=None):
+        sched = cls(BlockAllocator(num_blocks, 2), max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+        seqs = [
+            Sequence(i, [1 + i] * n, m, ignore_eos=True, priority=p) for i, (n, m, p) in enumerate(requests)
+        ]
+        for seq in seqs:
+            sched.add(seq)
+        seen = []
+        for step in range(12):
+            if late and step == 1:
+                seqs.append(Sequence(len(seqs), [9] * late[0], late[1], ignore_eos=True, priority=late[2]))
+                sched.add(seqs[-1])
+            batch = sched.schedule()
+            ends = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+            sched.update(batch, [7] * len(ends))
+            seen.append(
+                (
+                    [(seq.request_id, n) for seq, n in batch],
+                    [(list(s.block_table), s.num_computed_tokens, s.status.value) for s in seqs],
+                    list(sched.allocator.free_blocks),
+                    sched.num_preemptions,
+                )
+            )
+        return seen
+
+    for scenario in (
+        (8, 2, [(2, 2, 0)] * 3),
+        (4, 4, [(2, 6, -1), (2, 6, 1)]),
+        (4, 2, [(2, 6, 0), (2, 6, 0)], (1, 1, 5)),
+    ):
+        assert run(Subject, *scenario) == run(Scheduler, *scenario), scenario
+
+
+STAGE_ADAPTERS = {
+    "L3.2": scheduler_plan,
+    "L3.3": scheduler_preempt,
+    "L3.4": scheduler_admitted,
+    "L3.5": scheduler_watermark_answer,
+    "L3.7": oracle_test,
+    "L3.8": run_predicted_steps,
+}
