@@ -179,6 +179,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)\n",
         (P + "test_the_smallest_pool_preempts_and_changes_no_token[L3]",),
     ),
+    Mutation(
+        "L3 admission ignores max_num_seqs",
+        "L3_block_tensor/scheduler.py",
+        "while self.waiting and len(self.running) < self.max_num_seqs:",
+        "while self.waiting:",
+        ("tests/test_l3.py::test_max_num_seqs_caps_the_running_set",),
+    ),
     # ---- sharing: refcounts, clones, copies
     Mutation(
         "L5 clone shares the partial block instead of copying it",
