@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvcourse.config import ModelConfig
-from kvcourse.grading.cases import CallLimit, Case, first_line, run_cases, tensor_problem
+from kvcourse.grading.cases import CallLimit, Case, first_line, named_mistake, run_cases, tensor_problem
 from kvcourse.grading.hidden import Hidden
 from kvcourse.harness.prompts import Prompt, encode
 
@@ -55,9 +55,11 @@ def check_write_kv(write_kv: Callable) -> None:
             ref.k[0, :filled] = torch.randn(filled, heads, dim, generator=gen)  # earlier tokens' K
             ref.v[0, :filled] = torch.randn(filled, heads, dim, generator=gen)
             k_cache, v_cache = ref.k[0].clone(), ref.v[0].clone()  # (S_max, H_kv, D) each
+            before = k_cache.clone(), v_cache.clone()
             ref.write(0, start, k, v)
             write_kv(k_cache, v_cache, start, k.clone(), v.clone())
-            return tensor_problem("K", ref.k[0], k_cache) or tensor_problem("V", ref.v[0], v_cache)
+            problem = tensor_problem("K", ref.k[0], k_cache) or tensor_problem("V", ref.v[0], v_cache)
+            return named_mistake(problem, (k_cache, v_cache), write_mistakes(before, start, k, v), same_pair)
 
         return run
 
@@ -80,6 +82,29 @@ def check_write_kv(write_kv: Callable) -> None:
             Case("overflow: 3 tokens at start 15 of 16 must raise ValueError naming 15..17 and 16", overflow),
         ]
     )
+
+
+def write_mistakes(before, start: int, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """What known wrong writes leave in a cache that held ``before`` (K, V), by the rule each breaks."""
+
+    def written(at: int, new_k: torch.Tensor, new_v: torch.Tensor):
+        k_cache, v_cache = before[0].clone(), before[1].clone()  # (S_max, H_kv, D) each
+        end = min(at + len(new_k), len(k_cache))
+        k_cache[max(at, 0) : end] = new_k[max(-at, 0) : end - at]
+        v_cache[max(at, 0) : end] = new_v[max(-at, 0) : end - at]
+        return k_cache, v_cache
+
+    return {
+        "off by one: the tokens land one position late (start + 1)": lambda: written(start + 1, k, v),
+        "off by one: the tokens land one position early (start - 1)": lambda: written(start - 1, k, v),
+        "K and V are swapped": lambda: written(start, v, k),
+        "K is written into both caches": lambda: written(start, k, k),
+    }
+
+
+def same_pair(a, b) -> bool:
+    """Two (K, V) pairs of tensors are equal."""
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def overflow_message_problem(message: str, first: int, last: int, max_model_len: int) -> str | None:
@@ -141,6 +166,10 @@ def check_decode_loop(decode_loop: Callable, engine) -> None:
                 min(len(got), len(expected)),
             )
             hint = position_hint(pos, len(got), len(expected))
+            if got == expected[:-1] and expected[-1] in engine.model.cfg.eos_token_ids:
+                hint = "; the eos token is not kept: HF appends it, then stops"
+            elif len(got) > len(expected) and got[: len(expected)] == expected:
+                hint = "; the loop does not stop after the eos token"
             return (
                 f"first difference at new token {pos} (expected {len(expected)} tokens, got {len(got)}){hint}"
             )
@@ -171,7 +200,22 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, cfg: ModelConfig) -> 
     def case(c: ModelConfig, dtype_bytes: int) -> Callable[[], str | None]:
         def run() -> str | None:
             expected, got = c.kv_bytes_per_token(dtype_bytes), kv_bytes_per_token(c, dtype_bytes)
-            return None if got == expected else f"expected {expected:,} bytes, got {got!r}"
+            problem = None if got == expected else f"expected {expected:,} bytes, got {got!r}"
+            per_vector = c.num_kv_heads * c.head_dim * dtype_bytes  # one K (or V) vector of one layer
+            return named_mistake(
+                problem,
+                got,
+                {
+                    "K only: the factor 2 for K and V is missing": lambda: c.num_layers * per_vector,
+                    "query heads counted: K and V are stored per KV head": lambda: (
+                        2 * c.num_layers * c.num_heads * c.head_dim * dtype_bytes
+                    ),
+                    "numbers counted, not bytes: dtype_bytes is missing": lambda: (
+                        2 * c.num_layers * per_vector // dtype_bytes
+                    ),
+                    "one layer only: every layer keeps its own K and V": lambda: 2 * per_vector,
+                },
+            )
 
         return run
 

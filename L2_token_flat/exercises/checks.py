@@ -38,25 +38,75 @@ def run_free_list_cases(allocator_cls: Callable, cases: list[tuple[str, int, lis
             ref, got = BlockAllocator(num_blocks, 4), allocator_cls(num_blocks, 4)
             for op, arg in ops:
                 call = f"{op}({arg!r})" if op == "free" else f"alloc_blocks({arg})"
+                before, owned = list(ref.free_blocks), set(ref.owned)  # both allocators agree so far
                 want = outcome(getattr(ref, op), list(arg) if op == "free" else arg)
                 have = outcome(getattr(got, op), list(arg) if op == "free" else arg)
+                problem = None
                 if want[0] == "raised":
                     expected = OutOfBlocksError if isinstance(want[1], OutOfBlocksError) else ValueError
                     if have[0] != "raised" or not isinstance(have[1], expected):
-                        return f"{call}: expected {expected.__name__}, {describe(have)}"
+                        problem = f"{call}: expected {expected.__name__}, {describe(have)}"
                 elif have[0] == "raised":
-                    return f"{call}: expected {want[1]!r}, raised {type(have[1]).__name__}: {have[1]}"
+                    problem = f"{call}: expected {want[1]!r}, raised {type(have[1]).__name__}: {have[1]}"
                 elif op == "alloc_blocks" and (not isinstance(have[1], list) or have[1] != want[1]):
-                    return f"{call}: expected {want[1]!r}, {describe(have)}"
-                if list(got.free_blocks) != list(ref.free_blocks):
-                    return (
+                    problem = f"{call}: expected {want[1]!r}, {describe(have)}"
+                if problem is None and list(got.free_blocks) != list(ref.free_blocks):
+                    problem = (
                         f"after {call}: free list {list(got.free_blocks)}, expected {list(ref.free_blocks)}"
+                    )
+                if problem:
+                    return problem + free_list_rule(
+                        op, arg, before, owned, num_blocks, have, list(got.free_blocks)
                     )
             return None
 
         return run
 
     run_cases([Case(name, case(num_blocks, ops)) for name, num_blocks, ops in cases])
+
+
+def free_list_rule(op: str, arg, before: list[int], owned: set[int], num_blocks: int, have, after) -> str:
+    """The rule a wrong call broke, when its result is what a known mistake gives (``" (...)"``), else "".
+
+    ``before`` and ``owned`` are the books before the call (both allocators agreed on them), ``have`` the
+    call's ``outcome`` and ``after`` the free list it left. Example: ``alloc_blocks(2)`` on free list
+    [0, 1, 2] returning [2, 1] -> ``" (blocks taken from the back of the free list: the front is handed
+    out next)"``.
+    """
+    returned = have[1] if have[0] == "ok" else None
+    raised = have[0] == "raised"
+    if op == "alloc_blocks":
+        if arg <= len(before):
+            if arg >= 1 and returned == before[::-1][:arg]:
+                rule = "blocks taken from the back of the free list: the front is handed out next"
+            elif arg > 1 and returned == before[:arg][::-1]:
+                rule = "blocks taken from the front, but in the wrong order"
+            else:
+                rule = None
+        elif after != before:
+            rule = "a failed allocation took blocks: all or nothing, OutOfBlocksError takes none"
+        else:
+            rule = None
+        return f" ({rule})" if rule else ""
+    blocks = list(arg)
+    if not raised:
+        if any(b not in range(num_blocks) for b in blocks):
+            rule = "an id outside the pool was accepted"
+        elif len(set(blocks)) != len(blocks):
+            rule = "an id repeated in one call was accepted: it would be on the free list twice"
+        elif not set(blocks) <= owned:
+            rule = "a double free was accepted: a block that is already free was freed again"
+        elif after == blocks[::-1] + before or after == blocks + before:
+            rule = "freed blocks went to the front of the free list: they go to the back"
+        elif sorted(after) == sorted(before + blocks):
+            rule = "the freed blocks are in the wrong order: they go to the back, in the order given"
+        else:
+            rule = None
+    elif after != before:
+        rule = "free changed the free list before it found the bad id: check every id first"
+    else:
+        rule = None
+    return f" ({rule})" if rule else ""
 
 
 def check_alloc_blocks(alloc_blocks: Callable) -> None:
@@ -116,6 +166,32 @@ def check_free(free: Callable) -> None:
     )
 
 
+def reserve_rule(seq, ref_seq, block_size: int, target: int) -> str:
+    """The rule a wrong ``reserve`` broke, as ``" (...)"``, when its tables show a known mistake; else "".
+
+    Example: block_size 4, target_len 6, block table [0] where [0, 2] was expected -> ``" (one block
+    too few: target_len positions need ceil(target_len / block_size) blocks)"``.
+    """
+    have, want = len(seq.block_table), len(ref_seq.block_table)
+    if have == want - 1:
+        rule = "one block too few: target_len positions need ceil(target_len / block_size) blocks"
+    elif have == want + 1:
+        rule = "one block too many: a block is needed only when a position falls past the last one"
+    elif have > want:
+        rule = "blocks added for positions already covered: allocate only the missing blocks"
+    elif seq.block_table == ref_seq.block_table and seq.slot_indices == [
+        b + row for b in seq.block_table for row in range(block_size)
+    ]:
+        rule = (
+            "block ids used as slots: block b holds slots b * block_size .. b * block_size + block_size - 1"
+        )
+    elif seq.block_table == ref_seq.block_table:
+        rule = "the slots do not follow the block table: one entry per slot of every block, in table order"
+    else:
+        rule = None
+    return f" ({rule})" if rule else ""
+
+
 def check_reserve(reserve: Callable) -> None:
     """Grade ``reserve(seq, allocator, target_len)`` against this stage's ``reserve``.
 
@@ -143,11 +219,20 @@ def check_reserve(reserve: Callable) -> None:
                 if want[0] == "raised":
                     if have[0] != "raised" or not isinstance(have[1], OutOfBlocksError):
                         return f"{call}: expected OutOfBlocksError, {describe(have)}"
+                    if list(allocator.free_blocks) != list(ref_alloc.free_blocks):
+                        return (
+                            f"after {call}: free list {list(allocator.free_blocks)}, expected "
+                            f"{list(ref_alloc.free_blocks)} (blocks were taken before OutOfBlocksError: "
+                            "ask for all the missing blocks in one alloc_blocks call)"
+                        )
                 elif have[0] == "raised":
                     return f"{call}: raised {type(have[1]).__name__}: {first_line(str(have[1]))}"
                 for what in ("block_table", "slot_indices"):
                     if getattr(seq, what) != getattr(ref_seq, what):
-                        return f"after {call}: {what} {getattr(seq, what)}, expected {getattr(ref_seq, what)}"
+                        problem = (
+                            f"after {call}: {what} {getattr(seq, what)}, expected {getattr(ref_seq, what)}"
+                        )
+                        return problem + reserve_rule(seq, ref_seq, allocator.block_size, target)
                 if list(allocator.free_blocks) != list(ref_alloc.free_blocks):
                     return (
                         f"after {call}: free list {list(allocator.free_blocks)}, "
@@ -160,7 +245,9 @@ def check_reserve(reserve: Callable) -> None:
     run_cases(
         [
             Case("block_size 4: 4 then 6 positions", case(4, 8, 2, [0], [4, 6])),
-            Case("block_size 4: target 0 allocates nothing", case(4, 8, 0, [], [0, 1])),
+            Case(
+                "block_size 4: target 0 allocates nothing, then target 1 one block", case(4, 8, 0, [], [0, 1])
+            ),
             Case("block_size 1: a block per position", case(1, 8, 5, [3, 1], [2, 3, 5])),
             Case("block_size 7: 15, 21, 22 positions", case(7, 6, 3, [2, 0], [15, 21, 22])),
             Case("block_size 4: a prompt of 9 in one call", case(4, 8, 4, [1, 3], [9, 10])),
