@@ -406,7 +406,7 @@ def run_problem(got) -> str | None:
 # (its policy is what the exercise asks for, so a second implementation here would be an answer key;
 # tests/test_exercises_l2_beyond.py checks these values against answers.py).
 ADJACENT_CASES = [
-    ("extends the table's last block", [5, 6, 7, 0, 1], [4], 2, [5, 6]),
+    ("extends the table's last block", [0, 5, 1, 6, 7], [4], 2, [5, 6]),
     ("an empty table takes the first run that fits", [9, 2, 3, 6, 7, 8], [], 3, [6, 7, 8]),
     ("extends, then the first run that fits the rest", [3, 4, 10, 11, 12, 0], [1, 2], 4, [3, 4, 10, 11]),
     ("no run fits: the longest first, then again", [0, 2, 3, 5, 6, 7, 9], [], 5, [5, 6, 7, 2, 3]),
@@ -456,18 +456,23 @@ def check_pick_adjacent(pick_adjacent: Callable) -> None:
 
 
 def draw_adjacent(rng) -> list[dict]:
-    """Pools of 4 to 16 blocks with some held (a table among them, now and then empty), the free list
-    shuffled, n from 0 to one more than is free."""
+    """Pools of 6 to 16 blocks, a third to nearly all of them free (shuffled), a table of held blocks
+    whose last one is often followed by a free block; n from 1 to one more than is free, and one case of
+    n = 0."""
     cases = []
     for _ in range(10):
-        num_blocks = rng.randint(4, 16)
+        num_blocks = rng.randint(6, 16)
         ids = list(range(num_blocks))
-        free = sorted(rng.sample(ids, rng.randint(1, num_blocks - 1)))
+        free = sorted(rng.sample(ids, rng.randint(num_blocks // 3, num_blocks - 1)))
         held = [b for b in ids if b not in free]
         table = rng.sample(held, rng.randint(0, len(held)))
+        before_free = [b for b in held if b + 1 in free and b not in table]
+        if table and before_free and rng.random() < 0.6:
+            table[-1] = rng.choice(before_free)  # the table can be extended
         rng.shuffle(free)
-        n = rng.choice([0, 1, rng.randint(1, len(free)), len(free), len(free) + 1])
+        n = rng.choice([1, 2, rng.randint(1, len(free)), rng.randint(1, len(free)), len(free), len(free) + 1])
         cases.append({"free": free, "table": table, "n": n})
+    cases[rng.randrange(len(cases))]["n"] = 0
     return cases
 
 
