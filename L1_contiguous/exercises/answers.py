@@ -17,7 +17,8 @@ pool prompt once, to ``POOL_BUDGET`` new tokens, and a case with a smaller budge
 grader imports this file; a submission's sandbox cannot read it.
 
 ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures (``KvCache.write``
-as ``write_kv``, ``Engine.generate`` as ``decode_loop``); ``CONTEXT`` builds what L1.2's check cell
+as ``write_kv``, ``Engine.generate`` as ``decode_loop``, the request check and ``KvCache`` as
+``contiguous_bytes``; L1.4 has no stage implementation); ``CONTEXT`` builds what L1.2's check cell
 passes after the function, an engine on the course model. Both are for the tests.
 
 Left out on purpose: error messages (only the error's type is graded).
@@ -122,6 +123,16 @@ def engine_generate(engine, prompt, max_new_tokens):
     return engine.generate([prompt], max_new_tokens)[0]
 
 
+def contiguous_by_simulation(requests, max_model_len, bytes_per_token, block_size):
+    """The stage's ``KvCache`` and ``check_requests`` run request by request (``simulate_contiguous``
+    of ``checks.py``), as ``contiguous_bytes``."""
+    from .checks import simulate_contiguous
+
+    if min(max_model_len, bytes_per_token, block_size) < 1:
+        raise ValueError(f"sizes must be >= 1: {max_model_len}, {bytes_per_token}, {block_size}")
+    return simulate_contiguous(requests, max_model_len, bytes_per_token, block_size)
+
+
 def course_engine() -> tuple:
     """The L1.2 check cell's context: an engine on the course model (a short cache is enough)."""
     from ..engine import Engine
@@ -143,5 +154,5 @@ EXPECT = {
     "L1.4": lambda case: HIDDEN["L1.4"].observe(ring_positions, case),
     "L1.5": lambda case: HIDDEN["L1.5"].observe(contiguous_bytes, case),
 }
-STAGE_ADAPTERS = {"L1.1": kvcache_write, "L1.2": engine_generate}
+STAGE_ADAPTERS = {"L1.1": kvcache_write, "L1.2": engine_generate, "L1.5": contiguous_by_simulation}
 CONTEXT = {"L1.2": course_engine}

@@ -9,7 +9,9 @@ hand. Tests check
 that the stage and these answers agree on many drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
-run on the answer. The grader imports this file; a submission's sandbox cannot read it.
+run on the answer. ``STAGE_ADAPTERS`` give L2.6 and L2.7 answers made of the stage's own code (a test
+that compares with the stage's allocator; the operations run), for the tests; L2.4 and L2.5 have no
+stage implementation. The grader imports this file; a submission's sandbox cannot read it.
 
 Left out on purpose: error messages (only the error's type is graded).
 """
@@ -163,6 +165,32 @@ def predict():
     }
 
 
+def oracle_test(Subject):
+    """L2.6 as the stage's code answers it: the subject run beside the stage's ``BlockAllocator`` on one
+    sequence of calls, comparing results and books after each."""
+    from ..allocator import BlockAllocator
+
+    ours, stage = Subject(5, 4), BlockAllocator(5, 4)
+    calls = [("alloc_blocks", 2), ("free", [0]), ("alloc_blocks", 4), ("free", [1, 3]), ("free", [0, 0]),
+             ("free", [1]), ("free", [2, 7]), ("free", [2, 3]), ("alloc_blocks", 3)]  # fmt: skip
+    for op, arg in calls:
+        results = []
+        for allocator in (ours, stage):
+            try:
+                results.append(("returned", getattr(allocator, op)(arg)))
+            except (OutOfBlocksError, ValueError) as e:
+                results.append(("raised", type(e)))
+        assert results[0] == results[1], (op, arg, results)
+        assert (list(ours.free_blocks), ours.owned) == (list(stage.free_blocks), stage.owned), (op, arg)
+
+
+def predict_by_running():
+    """L2.7 as the stage's code answers it: the operations run (``prediction_state`` of ``checks.py``)."""
+    from .checks import prediction_state
+
+    return prediction_state()
+
+
 ANSWERS = {
     "L2.1": alloc_blocks,
     "L2.2": free,
@@ -173,3 +201,4 @@ ANSWERS = {
     "L2.7": predict,
 }
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
+STAGE_ADAPTERS = {"L2.6": oracle_test, "L2.7": predict_by_running}
