@@ -160,7 +160,7 @@ def predict():
         "a block_table": [0, 1, 3],
         "c block_table": [4, 5, 2],
         "slot of c's position 5": 21,
-        "reserve(a, 13) raised": "OutOfBlocksError",
+        "exception of reserve(a, 13)": "OutOfBlocksError",
         "free list": [0, 1, 3],
     }
 

@@ -649,7 +649,7 @@ def prediction_state() -> dict:
         "a block_table": a_table,
         "c block_table": list(c.block_table),
         "slot of c's position 5": c.slot_indices[5],
-        "reserve(a, 13) raised": raised,
+        "exception of reserve(a, 13)": raised,
         "free list": list(allocator.free_blocks),
     }
 
