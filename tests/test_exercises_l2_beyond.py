@@ -84,6 +84,11 @@ def pick_no_extend(free_blocks, table, n):
     return answers.pick_adjacent(free_blocks, [], n)
 
 
+def pick_sorted(free_blocks, table, n):
+    """Right ids, returned in ascending order rather than the order they join the table."""
+    return sorted(answers.pick_adjacent(free_blocks, table, n))
+
+
 def pick_popping(free_blocks, table, n):
     """Right picks, but it removes them from the caller's list."""
     picked = answers.pick_adjacent(free_blocks, table, n)
@@ -106,6 +111,7 @@ def test_adjacent_right_answers_pass(capsys, fn):
         (pick_front, "extends the table's last block", "the free list's front, as alloc_blocks takes it"),
         (pick_no_extend, "extends the table's last block", "picked [0, 1], expected [5, 6]"),
         (pick_popping, "extends the table's last block", "the arguments were changed"),
+        (pick_sorted, "no run fits", "the right ids, in the wrong order"),
         (stub, "extends the table's last block", "NotImplementedError"),
     ],
 )
