@@ -3,10 +3,12 @@
 Each function has the signature the notebook asks for and is written apart from the stage's own
 code (``cache.py``, ``engine.py``, ``kvcourse/config.py``), so a bug in the stage cannot make a wrong
 answer pass: ``write_kv`` copies one token's row at a time, ``decode_loop`` keeps its position as
-the length of prompt plus output, ``kv_bytes_per_token`` adds up the K and V vectors layer by layer.
+the length of prompt plus output, ``kv_bytes_per_token`` adds up the K and V vectors layer by layer,
+``ring_positions`` counts whole laps of the ring, and ``contiguous_bytes`` adds up each request's
+positions.
 Tests check that the stage and these answers agree on many drawn cases.
 
-``EXPECT`` maps each exercise to ``case -> observation``. For L1.1 and L1.3 it is the exercise's
+``EXPECT`` maps each exercise to ``case -> observation``. For L1.1, L1.3, L1.4 and L1.5 it is the exercise's
 ``observe`` (``checks.py``) run on the answer. L1.2's observation needs the notebook's engine, which
 the grader does not build: its expected tokens are Hugging Face's greedy output
 (``kvcourse/harness/reference.py``, cached on disk) for the same prompt on the same checkpoint. HF runs each
@@ -15,7 +17,8 @@ pool prompt once, to ``POOL_BUDGET`` new tokens, and a case with a smaller budge
 grader imports this file; a submission's sandbox cannot read it.
 
 ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures (``KvCache.write``
-as ``write_kv``, ``Engine.generate`` as ``decode_loop``); ``CONTEXT`` builds what L1.2's check cell
+as ``write_kv``, ``Engine.generate`` as ``decode_loop``, the request check and ``KvCache`` as
+``contiguous_bytes``; L1.4 has no stage implementation); ``CONTEXT`` builds what L1.2's check cell
 passes after the function, an engine on the course model. Both are for the tests.
 
 Left out on purpose: error messages (only the error's type is graded).
@@ -24,6 +27,7 @@ Left out on purpose: error messages (only the error's type is graded).
 from __future__ import annotations
 
 import functools
+import math
 
 from kvcourse.harness.prompts import encode
 from kvcourse.model_store import resolve_model_dir
@@ -59,6 +63,38 @@ def kv_bytes_per_token(cfg, dtype_bytes=4):
     return total
 
 
+def ring_positions(window, length):
+    """Row r holds the newest position p < length with p % window == r: r plus whole laps of window."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    rows = []
+    for r in range(window):
+        laps = (length - 1 - r) // window  # full turns of the ring after position r
+        rows.append(r + laps * window if r < length else -1)
+    return rows
+
+
+def contiguous_bytes(requests, max_model_len, bytes_per_token, block_size):
+    """Accepted requests each hold max_model_len positions, fill P + N - 1 of them, and would hold
+    ceil((P + N - 1) / block_size) blocks in a paged pool."""
+    for name, value in (("max_model_len", max_model_len), ("bytes_per_token", bytes_per_token),
+                        ("block_size", block_size)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    out = {"reserved": 0, "used": 0, "paged": 0, "refused": []}
+    for i, (prompt_len, new_tokens) in enumerate(requests):
+        if prompt_len < 1 or new_tokens < 1 or prompt_len + new_tokens > max_model_len:
+            out["refused"].append(i)
+            continue
+        cached = prompt_len + new_tokens - 1
+        out["reserved"] += max_model_len * bytes_per_token
+        out["used"] += cached * bytes_per_token
+        out["paged"] += math.ceil(cached / block_size) * block_size * bytes_per_token
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def hf_tokens(prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
     """HF's greedy new tokens for a prompt, up to ``POOL_BUDGET`` (eos included when HF stops on it)."""
@@ -87,6 +123,16 @@ def engine_generate(engine, prompt, max_new_tokens):
     return engine.generate([prompt], max_new_tokens)[0]
 
 
+def contiguous_by_simulation(requests, max_model_len, bytes_per_token, block_size):
+    """The stage's ``KvCache`` and ``check_requests`` run request by request (``simulate_contiguous``
+    of ``checks.py``), as ``contiguous_bytes``."""
+    from .checks import simulate_contiguous
+
+    if min(max_model_len, bytes_per_token, block_size) < 1:
+        raise ValueError(f"sizes must be >= 1: {max_model_len}, {bytes_per_token}, {block_size}")
+    return simulate_contiguous(requests, max_model_len, bytes_per_token, block_size)
+
+
 def course_engine() -> tuple:
     """The L1.2 check cell's context: an engine on the course model (a short cache is enough)."""
     from ..engine import Engine
@@ -94,11 +140,19 @@ def course_engine() -> tuple:
     return (Engine(max_model_len=256),)
 
 
-ANSWERS = {"L1.1": write_kv, "L1.2": decode_loop, "L1.3": kv_bytes_per_token}
+ANSWERS = {
+    "L1.1": write_kv,
+    "L1.2": decode_loop,
+    "L1.3": kv_bytes_per_token,
+    "L1.4": ring_positions,
+    "L1.5": contiguous_bytes,
+}
 EXPECT = {
     "L1.1": lambda case: HIDDEN["L1.1"].observe(write_kv, case),
     "L1.2": expect_decode,
     "L1.3": lambda case: HIDDEN["L1.3"].observe(kv_bytes_per_token, case),
+    "L1.4": lambda case: HIDDEN["L1.4"].observe(ring_positions, case),
+    "L1.5": lambda case: HIDDEN["L1.5"].observe(contiguous_bytes, case),
 }
-STAGE_ADAPTERS = {"L1.1": kvcache_write, "L1.2": engine_generate}
+STAGE_ADAPTERS = {"L1.1": kvcache_write, "L1.2": engine_generate, "L1.5": contiguous_by_simulation}
 CONTEXT = {"L1.2": course_engine}

@@ -5,12 +5,18 @@
 - ``check_decode_loop``: the greedy prefill-then-decode loop, against ``Engine.generate``
   (``engine.py``), which matches HF ``generate`` token for token;
 - ``check_kv_bytes_per_token``: K/V bytes per token, against ``ModelConfig.kv_bytes_per_token``
-  (``kvcourse/config.py``).
+  (``kvcourse/config.py``);
+- beyond the stage, ``check_ring_positions`` (L1.4, a sliding-window ring buffer) against a
+  position-by-position simulation, and ``check_contiguous_bytes`` (L1.5, what contiguous caches reserve
+  and use) against a simulation with ``KvCache`` and ``kvcourse.limits.check_requests``.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed, seeded cases and prints
 one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception),
 then ``k/n passed``. The reference notebook stores those lines as the check cell's output and
-``make grade`` compares them. The references are the stage's own code, never a copy kept here.
+``make grade`` compares them. The references are the stage's own code, never a copy kept here (L1.4's
+two huge cases, which no simulation reaches, store their expected rows as data). When a wrong answer
+gives what a known mistake gives (an off-by-one, K and V swapped, the factor 2 missing), its line says
+which rule it breaks.
 
 Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
 (``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
@@ -21,15 +27,18 @@ Left out on purpose: partial credit and hints; a loop that never stops is cut of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
+import signal
+import threading
 from collections.abc import Callable
 
 import torch
 
 from kvcourse.config import ModelConfig
-from kvcourse.grading.cases import CallLimit, Case, first_line, run_cases, tensor_problem
+from kvcourse.grading.cases import CallLimit, Case, first_line, named_mistake, run_cases, tensor_problem
 from kvcourse.grading.hidden import Hidden
 from kvcourse.harness.prompts import Prompt, encode
 
@@ -55,9 +64,11 @@ def check_write_kv(write_kv: Callable) -> None:
             ref.k[0, :filled] = torch.randn(filled, heads, dim, generator=gen)  # earlier tokens' K
             ref.v[0, :filled] = torch.randn(filled, heads, dim, generator=gen)
             k_cache, v_cache = ref.k[0].clone(), ref.v[0].clone()  # (S_max, H_kv, D) each
+            before = k_cache.clone(), v_cache.clone()
             ref.write(0, start, k, v)
             write_kv(k_cache, v_cache, start, k.clone(), v.clone())
-            return tensor_problem("K", ref.k[0], k_cache) or tensor_problem("V", ref.v[0], v_cache)
+            problem = tensor_problem("K", ref.k[0], k_cache) or tensor_problem("V", ref.v[0], v_cache)
+            return named_mistake(problem, (k_cache, v_cache), write_mistakes(before, start, k, v), same_pair)
 
         return run
 
@@ -80,6 +91,29 @@ def check_write_kv(write_kv: Callable) -> None:
             Case("overflow: 3 tokens at start 15 of 16 must raise ValueError naming 15..17 and 16", overflow),
         ]
     )
+
+
+def write_mistakes(before, start: int, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """What known wrong writes leave in a cache that held ``before`` (K, V), by the rule each breaks."""
+
+    def written(at: int, new_k: torch.Tensor, new_v: torch.Tensor):
+        k_cache, v_cache = before[0].clone(), before[1].clone()  # (S_max, H_kv, D) each
+        end = min(at + len(new_k), len(k_cache))
+        k_cache[max(at, 0) : end] = new_k[max(-at, 0) : end - at]
+        v_cache[max(at, 0) : end] = new_v[max(-at, 0) : end - at]
+        return k_cache, v_cache
+
+    return {
+        "off by one: the tokens land one position late (start + 1)": lambda: written(start + 1, k, v),
+        "off by one: the tokens land one position early (start - 1)": lambda: written(start - 1, k, v),
+        "K and V are swapped": lambda: written(start, v, k),
+        "K is written into both caches": lambda: written(start, k, k),
+    }
+
+
+def same_pair(a, b) -> bool:
+    """Two (K, V) pairs of tensors are equal."""
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def overflow_message_problem(message: str, first: int, last: int, max_model_len: int) -> str | None:
@@ -141,6 +175,10 @@ def check_decode_loop(decode_loop: Callable, engine) -> None:
                 min(len(got), len(expected)),
             )
             hint = position_hint(pos, len(got), len(expected))
+            if got == expected[:-1] and expected[-1] in engine.model.cfg.eos_token_ids:
+                hint = "; the eos token is not kept: HF appends it, then stops"
+            elif len(got) > len(expected) and got[: len(expected)] == expected:
+                hint = "; the loop does not stop after the eos token"
             return (
                 f"first difference at new token {pos} (expected {len(expected)} tokens, got {len(got)}){hint}"
             )
@@ -171,7 +209,22 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, cfg: ModelConfig) -> 
     def case(c: ModelConfig, dtype_bytes: int) -> Callable[[], str | None]:
         def run() -> str | None:
             expected, got = c.kv_bytes_per_token(dtype_bytes), kv_bytes_per_token(c, dtype_bytes)
-            return None if got == expected else f"expected {expected:,} bytes, got {got!r}"
+            problem = None if got == expected else f"expected {expected:,} bytes, got {got!r}"
+            per_vector = c.num_kv_heads * c.head_dim * dtype_bytes  # one K (or V) vector of one layer
+            return named_mistake(
+                problem,
+                got,
+                {
+                    "K only: the factor 2 for K and V is missing": lambda: c.num_layers * per_vector,
+                    "query heads counted: K and V are stored per KV head": lambda: (
+                        2 * c.num_layers * c.num_heads * c.head_dim * dtype_bytes
+                    ),
+                    "numbers counted, not bytes: dtype_bytes is missing": lambda: (
+                        2 * c.num_layers * per_vector // dtype_bytes
+                    ),
+                    "one layer only: every layer keeps its own K and V": lambda: 2 * per_vector,
+                },
+            )
 
         return run
 
@@ -423,6 +476,70 @@ def describe_config(case: dict) -> str:
     )
 
 
+def draw_ring(rng) -> list[dict]:
+    """Windows of 1 to 9 rows and lengths before, at and past the first wrap, two huge ones, and a bad
+    window or length."""
+    cases = []
+    for _ in range(8):
+        window = rng.randint(1, 9)
+        length = rng.choice([0, rng.randint(1, window), window, window + 1, rng.randint(window, 6 * window)])
+        cases.append({"window": window, "length": length})
+    cases += [{"window": rng.randint(1, 64), "length": rng.randint(10**12, 10**18)} for _ in range(2)]
+    cases.insert(rng.randint(0, len(cases)), rng.choice([{"window": rng.randint(-2, 0), "length": 4},
+                                                          {"window": 3, "length": rng.randint(-5, -1)}]))  # fmt: skip
+    return cases
+
+
+def observe_ring(fn, case) -> dict:
+    try:
+        got = fn(case["window"], case["length"])
+    except ValueError:
+        return {"raised": "ValueError"}
+    return {"returned": list(got) if isinstance(got, list | tuple) else repr(got)}
+
+
+def describe_ring(case: dict) -> str:
+    return f"ring_positions(window={case['window']}, length={case['length']})"
+
+
+def draw_contiguous(rng) -> list[dict]:
+    """Batches of up to 6 requests under a small max_model_len: some end exactly at the limit, some one
+    past it, some with an empty prompt or no new token; block sizes 1 to 16; one bad argument."""
+    cases = []
+    for _ in range(7):
+        limit = rng.randint(1, 64)
+        requests = []
+        for _ in range(rng.randint(0, 6)):
+            p = rng.randint(0, limit)
+            kind = rng.choice(["fits", "fits", "exact", "past", "zero"])
+            n = {"fits": rng.randint(1, max(1, limit - p)), "exact": limit - p, "past": limit - p + 1,
+                 "zero": 0}[kind]  # fmt: skip
+            requests.append([p, n])
+        cases.append({"requests": requests, "max_model_len": limit, "bytes_per_token": rng.choice([1, 8, 46_080]),
+                      "block_size": rng.randint(1, 16)})  # fmt: skip
+    bad = rng.choice(["max_model_len", "bytes_per_token", "block_size"])
+    cases.insert(rng.randint(0, len(cases)), {**cases[0], bad: rng.randint(-1, 0)})
+    return cases
+
+
+def observe_contiguous(fn, case) -> dict:
+    args = (case["max_model_len"], case["bytes_per_token"], case["block_size"])
+    try:
+        got = fn([tuple(r) for r in case["requests"]], *args)
+    except ValueError:
+        return {"raised": "ValueError"}
+    if not isinstance(got, dict):
+        return {"returned": repr(got)}
+    return {k: list(v) if isinstance(v, list | tuple) else v for k, v in got.items()}
+
+
+def describe_contiguous(case: dict) -> str:
+    return (
+        f"requests {case['requests']}, max_model_len {case['max_model_len']}, "
+        f"{case['bytes_per_token']} bytes per token, block_size {case['block_size']}"
+    )
+
+
 HIDDEN = {
     "L1.1": Hidden(
         draw_writes, observe_writes, describe_writes, answers=("L1_contiguous.cache:KvCache.write",)
@@ -436,4 +553,247 @@ HIDDEN = {
         describe_config,
         answers=("kvcourse.config:ModelConfig.kv_bytes_per_token",),
     ),
+    "L1.4": Hidden(draw_ring, observe_ring, describe_ring),
+    "L1.5": Hidden(
+        draw_contiguous,
+        observe_contiguous,
+        describe_contiguous,
+        answers=("kvcourse.limits:check_requests",),
+    ),
 }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Beyond the stage: L1.4 (a sliding-window ring buffer) and L1.5 (what contiguous caches reserve).
+# Their visible references are brute-force simulations (write position after position; run the
+# stage's KvCache and its request check), which the exercises ask the learner not to need.
+
+RING_HUGE = 10**15  # a length no loop over positions can reach
+
+
+def simulate_ring(window: int, length: int) -> list[int]:
+    """Rows of a ring of ``window`` rows after writing positions 0 .. length - 1 one by one (small
+    lengths only): the brute-force reference of L1.4."""
+    rows = [-1] * window
+    for p in range(length):
+        rows[p % window] = p
+    return rows
+
+
+# L1.4's huge cases cannot be simulated: their expected rows were computed once with answers.py's
+# ring_positions and are stored here as data (tests/test_exercises_l1_beyond.py checks them).
+RING_HUGE_ROWS = {
+    (5, RING_HUGE): [999_999_999_999_995, 999_999_999_999_996, 999_999_999_999_997, 999_999_999_999_998,
+                     999_999_999_999_999],
+    (7, RING_HUGE + 3): [1_000_000_000_000_001, 1_000_000_000_000_002, 999_999_999_999_996,
+                         999_999_999_999_997, 999_999_999_999_998, 999_999_999_999_999,
+                         1_000_000_000_000_000],
+}  # fmt: skip
+
+
+def check_ring_positions(ring_positions: Callable) -> None:
+    """Grade ``ring_positions(window, length) -> list[int]``: for each row of a ring buffer of
+    ``window`` rows, the position whose K/V it holds after positions 0 .. length - 1 were written in
+    order (position p into row p % window), -1 for a row never written; ``ValueError`` for
+    window < 1 or length < 0. Two cases use a length no loop over positions can reach."""
+
+    def case(window: int, length: int) -> Callable[[], str | None]:
+        def run() -> str | None:
+            expected = RING_HUGE_ROWS.get((window, length)) or simulate_ring(window, length)
+            with seconds_limit(5, "no loop over positions can reach this length: compute each row directly"):
+                got = ring_positions(window, length)
+            if isinstance(got, tuple):
+                got = list(got)
+            if got == expected:
+                return None
+            problem = f"rows {short_rows(got)}, expected {len(expected)} rows: {short_rows(expected)}"
+            if (window, length) in RING_HUGE_ROWS:
+                return problem
+            return named_mistake(
+                problem,
+                got,
+                {
+                    "each row holds the oldest position written there, not the newest": lambda: [
+                        r if r < length else -1 for r in range(window)
+                    ],
+                    "off by one: length positions are 0 .. length - 1": lambda: simulate_ring(
+                        window, length + 1
+                    ),
+                    "off by one: one position too few": lambda: simulate_ring(window, length - 1),
+                    "a row never written must read -1": lambda: [max(p, 0) for p in expected],
+                },
+            )
+
+        return run
+
+    def refused(window: int, length: int, names: str) -> Callable[[], str | None]:
+        def run() -> str | None:
+            try:
+                got = ring_positions(window, length)
+            except ValueError as e:
+                if str(window if names == "window" else length) in str(e):
+                    return None
+                return f"the ValueError says {first_line(str(e))!r}: name the bad {names} and its value"
+            return f"no ValueError for {names} {window if names == 'window' else length}, returned {got!r}"
+
+        return run
+
+    run_cases(
+        [
+            Case("window 4, 3 positions: not yet wrapped", case(4, 3)),
+            Case("window 4, 4 positions: exactly full", case(4, 4)),
+            Case("window 4, 10 positions: wrapped twice", case(4, 10)),
+            Case("window 1, 6 positions", case(1, 6)),
+            Case("window 3, nothing written", case(3, 0)),
+            Case(f"window 5, {RING_HUGE:,} positions", case(5, RING_HUGE)),
+            Case(f"window 7, {RING_HUGE + 3:,} positions", case(7, RING_HUGE + 3)),
+            Case("window 0 is refused with a ValueError naming it", refused(0, 5, "window")),
+            Case("length -3 is refused with a ValueError naming it", refused(4, -3, "length")),
+        ]
+    )
+
+
+@contextlib.contextmanager
+def seconds_limit(seconds: int, hint: str):
+    """Raise TimeoutError(hint) in the block after ``seconds`` (a learner's loop over 10**15 positions
+    would otherwise hang the notebook); main thread only, elsewhere no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: {hint}")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def short_rows(rows) -> str:
+    """A list of rows in at most 80 characters."""
+    text = repr(rows)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def simulate_contiguous(
+    requests: list[tuple[int, int]], max_model_len: int, bytes_per_token: int, block_size: int
+) -> dict:
+    """L1.5's brute-force reference: each request goes through ``kvcourse.limits.check_requests`` (the
+    engines' own refusal), gets a one-layer ``KvCache`` of its own, and writes its prompt and then one
+    decode token at a time as the engine does; the written rows are counted, and the blocks of
+    ``block_size`` rows they touch. Bytes scale the cache's own ``nbytes``."""
+    from kvcourse.limits import check_requests
+
+    reserved = used = paged = 0
+    refused = []
+    for i, (prompt_len, new_tokens) in enumerate(requests):
+        try:
+            check_requests([[0] * prompt_len], new_tokens, 1, max_model_len)
+        except ValueError:
+            refused.append(i)
+            continue
+        cache = KvCache(1, max_model_len, 1, 1)  # one number per position and tensor: 8 bytes a row
+        ones = torch.ones(prompt_len, 1, 1)  # (P, H_kv, D)
+        cache.write(0, 0, ones, ones)  # the prefill
+        for pos in range(prompt_len, prompt_len + new_tokens - 1):  # decode steps feed tokens back
+            cache.write(0, pos, ones[:1], ones[:1])
+        rows = torch.nonzero(cache.k[0, :, 0, 0]).flatten().tolist()
+        reserved += cache.nbytes // 8 * bytes_per_token
+        used += len(rows) * bytes_per_token
+        paged += len({r // block_size for r in rows}) * block_size * bytes_per_token
+    return {"reserved": reserved, "used": used, "paged": paged, "refused": refused}
+
+
+def check_contiguous_bytes(contiguous_bytes: Callable) -> None:
+    """Grade ``contiguous_bytes(requests, max_model_len, bytes_per_token, block_size) -> dict`` against
+    a simulation with this stage's ``KvCache`` and the engines' request check (see the notebook)."""
+
+    def case(requests, max_model_len: int, bytes_per_token: int, block_size: int) -> Callable[[], str | None]:
+        def run() -> str | None:
+            expected = simulate_contiguous(requests, max_model_len, bytes_per_token, block_size)
+            got = contiguous_bytes([tuple(r) for r in requests], max_model_len, bytes_per_token, block_size)
+            if not isinstance(got, dict) or set(got) != set(expected):
+                return f"returned {short_rows(got)}, expected a dict with keys {sorted(expected)}"
+            for key in ("refused", "reserved", "used", "paged"):
+                have = list(got[key]) if key == "refused" and isinstance(got[key], list | tuple) else got[key]
+                if have != expected[key]:
+                    problem = f"{key} is {have!r}, expected {expected[key]!r}"
+                    return named_mistake(
+                        problem,
+                        have,
+                        contiguous_mistakes(key, requests, max_model_len, bytes_per_token, block_size),
+                    )
+            return None
+
+        return run
+
+    def refused(args, names: str) -> Callable[[], str | None]:
+        def run() -> str | None:
+            try:
+                got = contiguous_bytes(*args)
+            except ValueError as e:
+                value = str(args[{"max_model_len": 1, "bytes_per_token": 2, "block_size": 3}[names]])
+                return (
+                    None
+                    if value in str(e)
+                    else f"the ValueError says {first_line(str(e))!r}: name {names} and its value"
+                )
+            return f"no ValueError for {names} = {args[{'max_model_len': 1, 'bytes_per_token': 2, 'block_size': 3}[names]]}, returned {short_rows(got)}"
+
+        return run
+
+    run_cases(
+        [
+            Case("one short chat in a cache of 64", case([(10, 5)], 64, 8, 16)),
+            Case(
+                "three requests, one ends exactly at max_model_len",
+                case([(20, 12), (30, 34), (1, 1)], 64, 8, 16),
+            ),
+            Case("one past max_model_len is refused", case([(40, 25), (8, 8)], 64, 100, 4)),
+            Case("empty prompt and zero tokens are refused", case([(0, 5), (6, 0), (7, 3)], 32, 46_080, 16)),
+            Case(
+                "block_size 7, lengths across block edges", case([(7, 1), (7, 2), (13, 2), (1, 14)], 16, 3, 7)
+            ),
+            Case("no requests", case([], 16, 8, 4)),
+            Case(
+                "max_model_len 0 is refused with a ValueError naming it",
+                refused(([(1, 1)], 0, 8, 4), "max_model_len"),
+            ),
+            Case(
+                "block_size 0 is refused with a ValueError naming it",
+                refused(([(1, 1)], 16, 8, 0), "block_size"),
+            ),
+        ]
+    )
+
+
+def contiguous_mistakes(
+    key: str, requests, max_model_len: int, bytes_per_token: int, block_size: int
+) -> dict:
+    """What known wrong accounts give for ``key`` on these requests, by the rule each breaks: each is
+    the simulation run on a changed question (one more token per request, a limit one lower)."""
+
+    def simulated(extra_token: int, limit: int) -> dict:
+        grown = [(p, n + extra_token if n >= 1 else n) for p, n in requests]
+        return simulate_contiguous(grown, limit + extra_token, bytes_per_token, block_size)
+
+    last_token = "the last new token counted: it is never fed back, so a request fills P + N - 1 positions"
+    if key == "used":
+        return {last_token: lambda: simulated(1, max_model_len)["used"]}
+    if key == "paged":
+        return {last_token: lambda: simulated(1, max_model_len)["paged"]}
+    if key == "refused":
+        exact = "a request that ends exactly at max_model_len was refused: P + N <= max_model_len fits"
+        return {exact: lambda: simulated(0, max_model_len - 1)["refused"]}
+    return {
+        "refused requests counted: a refused request gets no cache": lambda: (
+            len(requests) * max_model_len * bytes_per_token
+        ),
+        "the used positions counted: a contiguous cache reserves max_model_len positions": lambda: simulated(
+            0, max_model_len
+        )["used"],
+    }

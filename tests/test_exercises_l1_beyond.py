@@ -1,0 +1,242 @@
+"""L1's exercises beyond the stage (L1.4 a sliding-window ring buffer, L1.5 what contiguous caches
+reserve and use), and the rules L1's checkers name (issue 37).
+
+For each new exercise: the independent answer (``answers.py``) and the reference notebook's solution
+pass the visible checker and the hidden cases of three seeds; the untouched stub fails; plausible wrong
+answers fail both the visible check, with the broken rule named in the line, and the hidden cases; the
+hidden cases differ from seed to seed. The data the visible checker keeps for cases no simulation reaches
+(L1.4's huge lengths) equals what the answer gives. No model is loaded: everything runs on small lists.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from checker_asserts import assert_fails, assert_passes, graded_lines, hidden_problems
+
+from kvcourse.grading import exercises, hidden
+from L1_contiguous.exercises import answers, checks
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L1_contiguous.ipynb"
+SEEDS = (0, 1, 2)
+
+
+def solution(name: str):
+    """The function ``name`` as the reference notebook's solution cell defines it."""
+    nb = exercises.read(NOTEBOOK)
+    (source,) = [c.source for c in nb.cells if c.cell_type == "code" and f"def {name}(" in c.source]
+    namespace: dict = {}
+    exec(compile(source, f"{NOTEBOOK.name}:{name}", "exec"), namespace)  # noqa: S102
+    return namespace[name]
+
+
+def stub(*args):
+    raise NotImplementedError("Exercise L1.4")
+
+
+def assert_hidden_passes(exercise: str, fn) -> None:
+    for seed in SEEDS:
+        assert hidden_problems("L1_contiguous", exercise, fn, seed=seed) == [], (exercise, seed)
+
+
+def assert_hidden_fails(exercise: str, fn) -> None:
+    for seed in SEEDS:
+        assert hidden_problems("L1_contiguous", exercise, fn, seed=seed), (exercise, seed)
+
+
+# ---- L1.4 ring_positions ----
+
+
+def ring_oldest(window, length):
+    """Each row keeps the first position written there, as if the ring never overwrote."""
+    if window < 1 or length < 0:
+        raise ValueError(f"window {window}, length {length}")
+    return [r if r < length else -1 for r in range(window)]
+
+
+def ring_one_past(window, length):
+    """Counts position ``length`` as written too."""
+    if window < 1 or length < 0:
+        raise ValueError(f"window {window}, length {length}")
+    return answers.ring_positions(window, length + 1)
+
+
+def ring_loop(window, length):
+    """Right, by writing every position: fine for small lengths, never finishes for 10**15 (here it
+    gives up at once instead of hanging the test)."""
+    if window < 1 or length < 0:
+        raise ValueError(f"window {window}, length {length}")
+    if length > 10**6:
+        raise TimeoutError("still looping")
+    return checks.simulate_ring(window, length)
+
+
+@pytest.mark.parametrize("fn", [answers.ring_positions, "notebook"])
+def test_ring_right_answers_pass(capsys, fn):
+    fn = solution("ring_positions") if fn == "notebook" else fn
+    checks.check_ring_positions(fn)
+    assert_passes(graded_lines(capsys))
+    assert_hidden_passes("L1.4", fn)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name", "rule"),
+    [
+        (ring_oldest, "window 4, 10 positions", "each row holds the oldest position written there"),
+        (ring_one_past, "window 4, 3 positions", "off by one: length positions are 0 .. length - 1"),
+        (stub, "window 4, 3 positions", "NotImplementedError"),
+    ],
+)
+def test_ring_wrong_answers_fail_with_their_rule(capsys, wrong, case_name, rule):
+    checks.check_ring_positions(wrong)
+    lines = graded_lines(capsys)
+    assert_fails(lines, case_name)
+    assert any(case_name in line and rule in line for line in lines), lines
+    assert_hidden_fails("L1.4", wrong)
+
+
+def test_ring_a_loop_over_positions_fails_the_huge_cases(capsys):
+    checks.check_ring_positions(ring_loop)
+    lines = graded_lines(capsys)
+    assert_fails(lines, "1,000,000,000,000,000 positions")
+    assert lines[-1] == "7/9 passed", lines
+    assert_hidden_fails("L1.4", ring_loop)
+
+
+def test_ring_huge_rows_are_the_answers():
+    """The visible checker's stored rows for the huge lengths are what the independent answer gives,
+    and the simulation agrees with the answer wherever it can run."""
+    for (window, length), rows in checks.RING_HUGE_ROWS.items():
+        assert rows == answers.ring_positions(window, length)
+    for window in range(1, 7):
+        for length in range(0, 20):
+            assert checks.simulate_ring(window, length) == answers.ring_positions(window, length)
+
+
+def test_ring_time_limit_stops_a_loop():
+    with pytest.raises(TimeoutError, match="still running after 1 s"):
+        with checks.seconds_limit(1, "stop"):
+            while True:
+                pass
+
+
+# ---- L1.5 contiguous_bytes ----
+
+
+def bytes_last_token_cached(requests, max_model_len, bytes_per_token, block_size):
+    """Counts P + N positions per request: the last new token's K/V as if it were written."""
+    out = answers.contiguous_bytes(requests, max_model_len, bytes_per_token, block_size)
+    fits = [(p, n) for p, n in requests if p >= 1 and n >= 1 and p + n <= max_model_len]
+    out["used"] = sum(p + n for p, n in fits) * bytes_per_token
+    return out
+
+
+def bytes_exact_fit_refused(requests, max_model_len, bytes_per_token, block_size):
+    """Refuses a request that ends exactly at max_model_len (>= instead of >)."""
+    out = answers.contiguous_bytes(requests, max(max_model_len - 1, 1), bytes_per_token, block_size)
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len {max_model_len}")
+    kept = [r for i, r in enumerate(requests) if i not in out["refused"]]
+    out["reserved"] = len(kept) * max_model_len * bytes_per_token
+    return out
+
+
+@pytest.mark.parametrize("fn", [answers.contiguous_bytes, "notebook"])
+def test_contiguous_right_answers_pass(capsys, fn):
+    fn = solution("contiguous_bytes") if fn == "notebook" else fn
+    checks.check_contiguous_bytes(fn)
+    assert_passes(graded_lines(capsys))
+    assert_hidden_passes("L1.5", fn)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case_name", "rule"),
+    [
+        (bytes_last_token_cached, "one short chat", "the last new token counted"),
+        (
+            bytes_exact_fit_refused,
+            "one ends exactly at max_model_len",
+            "ends exactly at max_model_len was refused",
+        ),
+        (stub, "one short chat", "NotImplementedError"),
+    ],
+)
+def test_contiguous_wrong_answers_fail_with_their_rule(capsys, wrong, case_name, rule):
+    checks.check_contiguous_bytes(wrong)
+    lines = graded_lines(capsys)
+    assert_fails(lines, case_name)
+    assert any(case_name in line and rule in line for line in lines), lines
+    assert_hidden_fails("L1.5", wrong)
+
+
+def test_contiguous_simulation_matches_the_worked_example():
+    """The notebook's example, and a hand-computed one: (10, 5) in a cache of 64 positions fills
+    10 + 5 - 1 = 14 positions; at block_size 16 that is one block."""
+    assert checks.simulate_contiguous([(9, 1)], 8, 10, 4) == {
+        "reserved": 0,
+        "used": 0,
+        "paged": 0,
+        "refused": [0],
+    }
+    assert checks.simulate_contiguous([(10, 5)], 64, 8, 16) == {
+        "reserved": 64 * 8, "used": 14 * 8, "paged": 16 * 8, "refused": []
+    }  # fmt: skip
+
+
+# ---- both ----
+
+
+@pytest.mark.parametrize("exercise", ["L1.4", "L1.5"])
+def test_hidden_cases_differ_between_seeds(exercise):
+    draw = checks.HIDDEN[exercise].draw
+    drawn = [json.dumps(draw(hidden.rng_for(seed, exercise))) for seed in SEEDS]
+    assert len(set(drawn)) == len(SEEDS)
+    assert draw(random.Random("x")) == draw(random.Random("x"))
+
+
+# ---- rules the warm-up checkers name (item 6) ----
+
+
+def write_kv_swapped(k_cache, v_cache, start, k, v):
+    end = start + k.shape[0]
+    if end > k_cache.shape[0]:
+        raise ValueError(f"positions {start}..{end - 1} overflow max_model_len={k_cache.shape[0]}")
+    k_cache[start:end] = v
+    v_cache[start:end] = k
+
+
+def write_kv_late(k_cache, v_cache, start, k, v):
+    end = start + k.shape[0]
+    if end > k_cache.shape[0]:
+        raise ValueError(f"positions {start}..{end - 1} overflow max_model_len={k_cache.shape[0]}")
+    k_cache[start + 1 : end + 1] = k
+    v_cache[start + 1 : end + 1] = v
+
+
+@pytest.mark.parametrize(
+    ("wrong", "rule"),
+    [(write_kv_swapped, "K and V are swapped"), (write_kv_late, "one position late (start + 1)")],
+)
+def test_write_kv_names_the_rule(capsys, wrong, rule):
+    checks.check_write_kv(wrong)
+    lines = graded_lines(capsys)
+    assert any("decode: 1 token at start 5" in line and rule in line for line in lines), lines
+
+
+def test_kv_bytes_names_the_rule(capsys):
+    from kvcourse.config import ModelConfig
+
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+        tie_word_embeddings=True, max_position_embeddings=2048, eos_token_ids=(2,),
+    )  # fmt: skip
+    checks.check_kv_bytes_per_token(lambda c, b=4: c.num_layers * c.num_kv_heads * c.head_dim * b, cfg)
+    lines = graded_lines(capsys)
+    assert "(K only: the factor 2 for K and V is missing)" in lines[0], lines
+    checks.check_kv_bytes_per_token(lambda c, b=4: 2 * c.num_layers * c.num_heads * c.head_dim * b, cfg)
+    lines = graded_lines(capsys)
+    assert "(query heads counted: K and V are stored per KV head)" in lines[0], lines
