@@ -1,22 +1,24 @@
 """A class of L2 submissions as an instructor meets them, for the grading tests.
 
-``write_class(folder)`` writes eight notebooks, each a copy of the L2 exercise notebook:
+``write_class(folder)`` writes eight notebooks, each a copy of the L2 exercise notebook
+(its N exercises; the class is about L2.1 to L2.3, the others stay untouched unless said):
 
-- ``untouched``: nothing done (0/3);
-- ``correct``: the reference solutions, each printing a debugging line (3/3: what a learner's code
+- ``untouched``: nothing done (none pass);
+- ``correct``: the reference solutions, each printing a debugging line (all N pass: what a learner's code
   prints is not graded);
-- ``crashing``: L2.1 solved, then ``os._exit(1)`` in the cell of L2.2: the kernel dies (1/3, and the
-  note says where);
-- ``hanging``: L2.1 and L2.2 solved, L2.3 loops forever (2/3, and the note says it timed out);
-- ``check_edited``: the solutions, and a check cell changed to print its expected text (3/3: the
+- ``crashing``: L2.1 solved, then ``os._exit(1)`` in the cell of L2.2: the kernel dies (L2.1 passes, and
+  the note says where);
+- ``hanging``: L2.1 and L2.2 solved, L2.3 loops forever (two pass, and the note says it
+  timed out);
+- ``check_edited``: the solutions, and a check cell changed to print its expected text (all N pass: the
   key's check cell is run, and the note says so);
-- ``cheat_patch``: replaces the three checkers by functions that print the expected text (0/3);
-- ``cheat_rebind``: rebinds ``checks`` to a namespace of such functions (0/3);
-- ``cheat_alias``: answers with the stage's own code (0/3).
+- ``cheat_patch``: replaces the three checkers by functions that print the expected text (none pass);
+- ``cheat_rebind``: rebinds ``checks`` to a namespace of such functions (none pass);
+- ``cheat_alias``: answers with the stage's own code (none pass).
 
 ``EXPECTED`` holds each one's row: marks, and a piece of its note ("" for none). Given ``escape``
 (a path in the repository and a port on the host's loopback), a ninth, ``escaping``, solves L2.1 in a
-cell that also tries to write that file and to connect to that port (``ESCAPING``: 1/3, no note).
+cell that also tries to write that file and to connect to that port (``ESCAPING``: L2.1 passes, no note).
 """
 
 from __future__ import annotations
@@ -29,17 +31,25 @@ from kvcourse.grading import exercises
 REFERENCE = exercises.NOTEBOOKS / "L2_token_flat.ipynb"
 CHECKERS = {1: "check_alloc_blocks", 2: "check_free", 3: "check_reserve"}
 
+N = len(exercises.solutions(exercises.read(REFERENCE)))  # the notebook's exercises, L2.1 .. L2.N
+
+
+def marks(*passing: int) -> list[str]:
+    """A row's marks: ``marks(1, 2)`` -> ``["pass", "pass", "fail", ...]``, one per exercise."""
+    return ["pass" if k in passing else "fail" for k in range(1, N + 1)]
+
+
 EXPECTED = {
-    "untouched": (["fail", "fail", "fail"], ""),
-    "correct": (["pass", "pass", "pass"], ""),
-    "crashing": (["pass", "fail", "fail"], "kernel died in the cell of L2.2"),
-    "hanging": (["pass", "pass", "fail"], "L2.3 timed out after"),
-    "check_edited": (["pass", "pass", "pass"], "check cell 2 edited"),
-    "cheat_patch": (["fail", "fail", "fail"], "changes the grader"),
-    "cheat_rebind": (["fail", "fail", "fail"], "changes the grader"),
-    "cheat_alias": (["fail", "fail", "fail"], "L2.1 not credited"),
+    "untouched": (marks(), ""),
+    "correct": (marks(*range(1, N + 1)), ""),
+    "crashing": (marks(1), "kernel died in the cell of L2.2"),
+    "hanging": (marks(1, 2), "L2.3 timed out after"),
+    "check_edited": (marks(*range(1, N + 1)), "check cell 2 edited"),
+    "cheat_patch": (marks(), "changes the grader"),
+    "cheat_rebind": (marks(), "changes the grader"),
+    "cheat_alias": (marks(), "L2.1 not credited"),
 }
-ESCAPING = (["pass", "fail", "fail"], "")
+ESCAPING = (marks(1), "")
 
 
 def expected_texts(exercise) -> dict[int, str]:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from kvcourse.grading.bugs import catch_cases, catch_hidden
 from kvcourse.grading.cases import Case, describe, first_line, named_mistake, outcome, run_cases
-from kvcourse.grading.hidden import Hidden
+from kvcourse.grading.hidden import Hidden, unrevealed
 
 from ..allocator import BlockAllocator, OutOfBlocksError
 from ..sequence import Sequence
@@ -708,4 +708,5 @@ HIDDEN["L2.7"] = Hidden(
         "L2_token_flat.allocator:BlockAllocator.free",
         "L2_token_flat.sequence:reserve",
     ),
+    explain=unrevealed,  # the report says which keys are wrong, never their right values
 )

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 from kvcourse.grading.bugs import catch_cases, catch_hidden, version
 from kvcourse.grading.cases import Case, named_mistake, run_cases
-from kvcourse.grading.hidden import CaseTimeout, Hidden
+from kvcourse.grading.hidden import CaseTimeout, Hidden, unrevealed
 
 from ..allocator import BlockAllocator
 from ..scheduler import Scheduler
@@ -1201,6 +1201,7 @@ HIDDEN.update(
                 "L3_block_tensor.scheduler:Scheduler.schedule",
                 "L3_block_tensor.scheduler:Scheduler.update",
             ),
+            explain=unrevealed,  # the report says which keys are wrong, never their right values
         ),
     }
 )

@@ -763,7 +763,7 @@ HELD_CASES = [  # (name, prompts, block_size); a None prompt list: the case must
         4,
     ),
     ("the same 8 tokens twice", [_S, _S], 4),
-    ("the same 4 tokens after another prefix", [[*_S, 9], [9, 9, 9, 9, 5, 6, 7, 8, 9]], 4),
+    ("an earlier prompt's second block of tokens, at the start of a prompt", [[*_S, 9], [5, 6, 7, 8, 9]], 4),
     (
         "a prompt agrees longest with an earlier request, not the one just before",
         [list(range(10, 22)), [10, 11, 12, 13, 30, 31, 32, 33, 34], list(range(10, 18)) + [40, 41, 42]],

@@ -95,7 +95,11 @@ class Sandbox:
         """What a run reads that may live under /tmp, which the box replaces by an empty one: the
         repository (a clone in /tmp), the Python environment and the model cache."""
         paths = [self.repo, Path(sys.prefix), Path(sys.base_prefix), cache_root()]
-        found = {Path(os.path.realpath(p)) for p in paths} | {p.absolute() for p in paths}
+        # a link (a venv linked into a clone in /tmp) comes in with the folder that holds it; its target
+        # is what must be brought back, and bwrap cannot bind onto the link itself
+        found = {Path(os.path.realpath(p)) for p in paths} | {
+            p.absolute() for p in paths if not p.is_symlink()
+        }
         return sorted(p for p in found if p.is_relative_to("/tmp") and p.exists())
 
     def _bwrap(self, workdir: Path) -> list[str]:
