@@ -41,7 +41,8 @@ def allocate(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_
     dests = [
         table[s][p // page_size] * page_size + p % page_size for s, p in zip(slot_ids, positions, strict=True)
     ]
-    return np.array(refs), np.array(table), np.array(lens), np.array(dests, dtype=np.int64)
+    i32 = np.int32
+    return np.array(refs, i32), np.array(table, i32), np.array(lens, i32), np.array(dests, i32)
 
 
 def free_finished(page_ref_counts, page_indices, seq_lens, used_mask, finished_mask):
@@ -58,7 +59,8 @@ def free_finished(page_ref_counts, page_indices, seq_lens, used_mask, finished_m
                 if page >= 0:
                     refs[page] -= 1
             table[s], lens[s], used[s] = [-1] * len(table[s]), 0, False
-    return np.array(refs), np.array(table), np.array(lens), np.array(used, dtype=bool)
+    i32 = np.int32
+    return np.array(refs, i32), np.array(table, i32), np.array(lens, i32), np.array(used, dtype=bool)
 
 
 def write_kv_pages(kv_pages, dests, k, v):

@@ -46,9 +46,9 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from kvcourse.grading.cases import Case, arrays_problem, run_cases
+from kvcourse.grading.cases import Case, arrays_problem, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from ..kv_cache import update_kv
@@ -80,15 +80,100 @@ def _tables(refs, page_indices, seq_lens, page_size, used=None) -> tuple[Sequenc
     return seqs, PageTable(jnp.asarray(refs, jnp.int32))
 
 
+def dtype_problem(names: tuple[str, ...], got, dtypes: tuple) -> str | None:
+    """None when each returned array has its dtype, else the first that does not, with the rule.
+
+    Example: ``dtype_problem(("new_token_dests",), [np.zeros(2)], (np.int32,))`` ->
+    ``'new_token_dests is float64, expected int32: page ids, lengths and destinations are int32 (an
+    index array; JAX's default integer)'``.
+    """
+    for name, have, want in zip(names, got, dtypes, strict=True):
+        have = np.asarray(have).dtype
+        if have != want:
+            rule = (
+                "used flags are bool"
+                if want is bool
+                else "page ids, lengths and destinations are int32 (an index array; JAX's default integer)"
+            )
+            return f"{name} is {have}, expected {np.dtype(want).name}: {rule}"
+    return None
+
+
+def _matches_mistake(expected) -> Callable:
+    """``same(mistake, got)`` for ``named_mistake``: a mistake is a tuple of arrays, None where it says
+    nothing (``(None, table)``: only the second array); it matches when every array it gives equals
+    what was returned, and it gives something other than the right answer (else it names nothing)."""
+
+    def same(mistake, got) -> bool:
+        pairs = [
+            (np.asarray(m), np.asarray(g), e)
+            for m, g, e in zip(mistake, got, expected, strict=False)
+            if m is not None
+        ]
+        return any(not np.array_equal(m, e) for m, _, e in pairs) and all(
+            m.shape == g.shape and np.array_equal(g.astype(m.dtype), m) for m, g, _ in pairs
+        )
+
+    return same
+
+
+def _stage_allocate(refs, table, lens, slots, pos, page_size) -> tuple[np.ndarray, ...]:
+    """``allocate_for_seq`` on NumPy arrays, jit'd: (page_ref_counts, page_indices, seq_lens, dests)."""
+    seqs, pages = _tables(refs, table, lens, page_size)
+    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.asarray(slots), jnp.asarray(pos))
+    arrays = (pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, info.new_token_dests)
+    return tuple(np.asarray(a) for a in arrays)
+
+
+def allocate_mistakes(refs, table, lens, slots, pos, page_size, expected) -> dict[str, Callable]:
+    """What known mistakes of L6.1 return on this input, each by the rule it breaks (for
+    ``named_mistake``). Each is the right answer changed, or ``allocate_for_seq`` run on relabelled
+    inputs (pages numbered backwards: the highest free page first; slots renumbered in batch order:
+    pages handed out in batch order), so no second allocator is written here.
+    Example: page_size 4, a token at position 3 of an empty slot -> "one row off" gives destination
+    page * 4 + 0 where the right one is page * 4 + 3."""
+    n_pages = len(refs)
+    dests = expected[3]
+
+    def highest_free_first():
+        back = np.where(table >= 0, n_pages - 1 - table, -1)  # page p is called n_pages - 1 - p
+        r, tb, ln, d = _stage_allocate(refs[::-1].copy(), back, lens, slots, pos, page_size)
+        page, row = d // page_size, d % page_size
+        return r[::-1], np.where(tb >= 0, n_pages - 1 - tb, -1), ln, (n_pages - 1 - page) * page_size + row
+
+    def in_batch_order():
+        first = list(dict.fromkeys(slots.tolist()))
+        order = np.array(
+            first + [s for s in range(len(lens)) if s not in first]
+        )  # new slot i is old order[i]
+        rename = np.argsort(order).astype(np.int32)  # old slot -> new slot
+        r, tb, ln, d = _stage_allocate(refs, table[order], lens[order], rename[slots], pos, page_size)
+        return r, tb[rename], ln[rename], d
+
+    return {
+        "a token's row is pos % page_size: new_token_dests is one row off": lambda: (
+            None, None, None, dests // page_size * page_size + (dests % page_size + 1) % page_size
+        ),
+        "a slot grows to its largest position + 1, not to the position": lambda: _stage_allocate(
+            refs, table, lens, slots, pos - 1, page_size
+        )[:3],
+        "each new page's refcount becomes 1": lambda: (refs,),
+        "free pages go out lowest id first": highest_free_first,
+        "pages go to the slots in ascending slot order, not in batch order": in_batch_order,
+    }  # fmt: skip
+
+
 def check_allocate(allocate: Callable) -> None:
     """Grade ``allocate(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size)
     -> (page_ref_counts, page_indices, seq_lens, new_token_dests)`` against ``allocate_for_seq``.
 
-    NumPy in, arrays out (NumPy or jax.numpy), inputs left unchanged. ``slot_ids``/``positions`` (T,)
-    are each new token's slot and absolute position (one slot's tokens contiguous, ascending). Each
-    slot grows to its largest position + 1 and gets new pages up to ceil(length / page_size), the
-    lowest free page ids first, in slot order; ``new_token_dests[t] = page * page_size + pos % page_size``.
-    Every case has enough free pages.
+    NumPy in, arrays out (NumPy or jax.numpy, all four int32), inputs left unchanged.
+    ``slot_ids``/``positions`` (T,) are each new token's slot and absolute position (one slot's tokens
+    contiguous, ascending). Each slot grows to its largest position + 1 and gets new pages up to
+    ceil(length / page_size), the lowest free page ids first, in slot order;
+    ``new_token_dests[t] = page * page_size + pos % page_size``. Every case has enough free pages. A
+    wrong answer that gives what a known mistake gives (``allocate_mistakes``) is told the rule it
+    breaks; right values in another dtype are told the dtype.
     """
 
     def case(refs, table, lens, slots, pos, page_size) -> Callable[[], str | None]:
@@ -107,9 +192,12 @@ def check_allocate(allocate: Callable) -> None:
             )
             inputs = [a.copy() for a in (refs_a, table_a, lens_a, slots_a, pos_a)]
             got = allocate(*inputs, page_size)
-            return arrays_problem(
-                ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests"), expected, got
-            )
+            names = ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests")
+            problem = arrays_problem(names, expected, got)
+            if problem:
+                mistakes = allocate_mistakes(refs_a, table_a, lens_a, slots_a, pos_a, page_size, expected)
+                return named_mistake(problem, got, mistakes, same=_matches_mistake(expected))
+            return dtype_problem(names, got, (np.int32,) * 4)
 
         return run
 
@@ -154,8 +242,38 @@ def check_allocate(allocate: Callable) -> None:
                 "page_size 16, slot 1 decodes at position 31 (last slot of its 2nd page)",
                 case([1, 1, 0, 0], [[e, e], [0, 1]], [0, 31], [1], [31], 16),
             ),
+            Case(
+                "page_size 2, the batch lists slot 2 before slot 0: pages still go in slot order",
+                case([0, 1, 0, 0, 0, 0], [[e, e], [1, e], [e, e]], [0, 1, 0], [2, 2, 2, 0], [0, 1, 2, 0], 2),
+            ),
         ]
     )
+
+
+def free_mistakes(refs, table, lens, used, finished, expected) -> dict[str, Callable]:
+    """What known mistakes of L6.2 return on this input, by the rule each breaks (for ``named_mistake``),
+    each the right answer changed. Example: slot 0 [3, 5] finishes, its clone [3, 6] lives, p3 = 2:
+    "shared page set to 0" gives p3 = 0 where the right answer keeps p3 = 1."""
+    rows = table[finished]  # (finished slots, pages_per_seq)
+
+    def shared_to_zero():
+        r = expected[0].copy()
+        r[rows[rows >= 0]] = 0
+        return (r,)
+
+    def minus_one_is_a_page():
+        r = expected[0].copy()
+        r[-1] -= np.sum(rows < 0)  # refs[-1] is the last page's count
+        return (r,)
+
+    return {
+        "each finished slot gives back one reference per page it holds": lambda: (refs,),
+        "a page a live clone still holds drops by one, not to 0": shared_to_zero,
+        "-1 in a row is no page (refs[-1] is the last page's count)": minus_one_is_a_page,
+        "a finished slot's row becomes all -1": lambda: (None, table),
+        "a finished slot's length becomes 0": lambda: (None, None, lens),
+        "a finished slot's used flag becomes False": lambda: (None, None, None, used),
+    }
 
 
 def check_free_finished(free_finished: Callable) -> None:
@@ -164,7 +282,8 @@ def check_free_finished(free_finished: Callable) -> None:
 
     Each finished slot gives one refcount back per page it holds (a page shared with a live clone
     stays in use), its row becomes all -1, its length 0 and its used flag False; other slots keep
-    everything. NumPy in, arrays out, inputs left unchanged.
+    everything. NumPy in, arrays out (int32, and bool for ``used_mask``), inputs left unchanged. A
+    wrong answer that gives what a known mistake gives (``free_mistakes``) is told the rule it breaks.
     """
 
     def case(refs, table, lens, used, finished, page_size=4) -> Callable[[], str | None]:
@@ -185,7 +304,12 @@ def check_free_finished(free_finished: Callable) -> None:
                 np.asarray(seqs.used_mask),
             )
             got = free_finished(*[a.copy() for a in arrays])
-            return arrays_problem(("page_ref_counts", "page_indices", "seq_lens", "used_mask"), expected, got)
+            names = ("page_ref_counts", "page_indices", "seq_lens", "used_mask")
+            problem = arrays_problem(names, expected, got)
+            if problem:
+                mistakes = free_mistakes(*arrays, expected)
+                return named_mistake(problem, got, mistakes, same=_matches_mistake(expected))
+            return dtype_problem(names, got, (np.int32, np.int32, np.int32, bool))
 
         return run
 
@@ -369,6 +493,34 @@ def check_write_kv_pages(write_kv_pages: Callable) -> None:
     )
 
 
+def mesh_rules(specs: dict) -> str:
+    """The rules of L6.4 a dict of ``PartitionSpec``s breaks, in words ('' when it keeps them all).
+
+    Example: ``{"params": P(), "decode_state": P(), "kv_pages": P()}`` -> ``'kv_pages: each device
+    holds one range of pages, so the pool is cut along axis 0 (the pages) over data'``.
+    """
+    from ..multihost import DATA
+
+    def axes(spec) -> tuple:
+        spec = tuple(spec) if isinstance(spec, PartitionSpec) else (spec,)
+        while spec and spec[-1] is None:  # P("data") == P("data", None, None, None)
+            spec = spec[:-1]
+        return spec
+
+    broken = []
+    if axes(specs["params"]):
+        broken.append("params: every device runs the whole model, so the weights are whole (P())")
+    if axes(specs["decode_state"]):
+        broken.append(
+            "decode_state: every device computes the whole batch's allocation, so the tables are whole (P())"
+        )
+    if axes(specs["kv_pages"]) != (DATA,):
+        broken.append(
+            "kv_pages: each device holds one range of pages, so the pool is cut along axis 0 (the pages) over data"
+        )
+    return "; ".join(broken)
+
+
 MESH_DEVICES = 4  # CPU devices the notebook asks XLA for, before JAX starts (its first cell)
 
 
@@ -414,19 +566,29 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
             specs = mesh_specs()
             if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
                 return f"returned {specs!r}, expected a dict with keys params, decode_state, kv_pages"
+            rules = mesh_rules(specs)
             options = dict(max_num_seqs=8, max_model_len=48, num_pages=8 * devices)
-            engine = MeshEngine(tiny, data_mesh(jax.devices()[:devices]), **options, specs=specs)
+            try:
+                engine = MeshEngine(tiny, data_mesh(jax.devices()[:devices]), **options, specs=specs)
+            except Exception as e:
+                if not rules:
+                    raise
+                return f"the engine could not be built ({type(e).__name__}): {rules}"
             held = engine.kv_pages[0].addressable_shards[0].data.shape[0]
             share = engine.num_pages // devices
             if held != share:
                 return (
                     f"each device holds {held} of {engine.num_pages} pages per layer (its share is {share})"
+                    + (f": {rules}" if rules else "")
                 )
             got = engine.generate_samples(prompts, budgets, n=n)
             expected = [clones[:n] for clones in one_device()]
             wrong = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
             if wrong:
-                return f"prompts {wrong} differ from one device, first: {got[wrong[0]]} instead of {expected[wrong[0]]}"
+                return (
+                    f"prompts {wrong} differ from one device, first: {got[wrong[0]]} instead of {expected[wrong[0]]}"
+                    + (f": {rules}" if rules else "")
+                )
             return None
 
         return run
@@ -512,13 +674,15 @@ def draw_allocate(rng) -> list[dict]:
 
 def _ints(arrays, names: tuple[str, ...], dtypes: tuple) -> dict:
     """What a NumPy exercise returned, as plain lists in the stage's dtypes (as ``arrays_problem``
-    compares them), by name; a return value that is not one array per name raises TypeError."""
+    compares them), by name, and the dtypes it returned them in (``"dtypes"``); a return value that is
+    not one array per name raises TypeError."""
     if not isinstance(arrays, list | tuple) or len(arrays) != len(names):
         raise TypeError(f"returned {type(arrays).__name__}, expected {len(names)} arrays")
-    return {
+    values = {
         name: np.asarray(a).astype(dtype).tolist()
         for name, a, dtype in zip(names, arrays, dtypes, strict=True)
     }
+    return {**values, "dtypes": [np.asarray(a).dtype.name for a in arrays]}
 
 
 def _batch_words(slots: list[int], pos: list[int]) -> str:
