@@ -1253,11 +1253,12 @@ def describe_mesh(case: dict) -> str:
 def draw_cow(rng) -> list[dict]:
     """Tables of parents and their lazy clones (a clone holds its parent's whole row, the partial last
     page too, every page's refcount raised), other slots alone or empty; then 1 or 2 batches in a row,
-    each appending 1 to 5 tokens to some slots (decodes and chunks). Every fourth case has a tight
-    pool (one free page) and one batch, which often needs more than that (the answer raises)."""
+    each appending 1 to 5 tokens to some slots (decodes and chunks). Cases 4 and 8 have a tight pool
+    (no free page, or one) and one batch of page_size tokens per slot: case 4's always needs a page it
+    cannot have, case 8's often (the answer raises)."""
     cases = []
     for k in range(8):
-        page_size = rng.choice([1, 2, 3, 4])
+        page_size = rng.choice([1, 2, 3, 4, 4])  # a partial page to share, mostly
         n_seqs, per_seq = rng.randint(2, 5), rng.randint(2, 4)
         n_pages = rng.randint(n_seqs + 2, 3 * n_seqs + 3)
         order = rng.sample(range(n_pages), n_pages)
@@ -1271,17 +1272,22 @@ def draw_cow(rng) -> list[dict]:
             elif kind == "alone" and len(order) > per_seq:
                 lens[s] = rng.randint(1, (per_seq - 1) * page_size)
                 table[s][: cdiv(lens[s], page_size)] = [order.pop() for _ in range(cdiv(lens[s], page_size))]
-        if k % 4 == 3:  # a tight pool: the pages in use, renumbered, and one free page; one batch
+        if k % 4 == 3:  # a tight pool: the pages in use, renumbered, and no free page (k = 3) or one
             used = sorted({page for row in table for page in row if page >= 0})
-            ids = dict(zip(used, rng.sample(range(len(used) + 1), len(used)), strict=False))
+            n_pages = len(used) + k // 7
+            ids = dict(zip(used, rng.sample(range(n_pages), len(used)), strict=True))
             table = [[ids.get(page, INVALID) for page in row] for row in table]
-            n_pages = len(used) + 1
         refs = [sum(row.count(page) for row in table) for page in range(n_pages)]
         batches, grown, spare = [], list(lens), refs.count(0)
         for _ in range(1 if k % 4 == 3 else rng.randint(1, 2)):
             slots, pos = [], []
-            for s in sorted(rng.sample(range(n_seqs), rng.randint(1, n_seqs))):
+            chosen = (
+                range(n_seqs) if k % 4 == 3 else sorted(rng.sample(range(n_seqs), rng.randint(1, n_seqs)))
+            )
+            for s in chosen:
                 grow = min(rng.choice([1, 1, rng.randint(1, 5)]), per_seq * page_size - grown[s])
+                if k % 4 == 3:  # slot 0 holds no more than pages_per_seq - 1 pages: it takes a new one
+                    grow = min(page_size, per_seq * page_size - grown[s])
                 if k % 4 != 3:  # enough pages for sure: a slot takes at most ceil(grow / page_size) + 1
                     while grow and cdiv(grow, page_size) + 2 > spare:
                         grow -= 1
