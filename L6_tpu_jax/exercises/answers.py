@@ -5,7 +5,10 @@ code (``page_table.py``, ``kv_cache.py``, ``mesh_engine.py``), so a bug in the s
 answer pass: the allocation and the free step work on plain Python lists (a sorted list of free
 pages, a loop over the slots), the KV write puts one token at a time into the pool in a
 ``lax.fori_loop`` (Levanter's first version; the stage scatters all tokens at once), and the specs
-are spelled out axis by axis.
+are spelled out axis by axis. The exercises beyond the stage have no stage code to differ from: their
+answers here (``allocate_cow``, ``compact``) are the only implementations, held by ``checks.py`` to
+literal values and to rules; ``test_allocate`` is L6.7's key (it catches every bug of ``CATCH_ALL``) and
+``predict`` L6.8's, worked by hand.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
 run on the answer. L6.4's observation needs no devices (the specs are laid on an abstract mesh), so

@@ -7,7 +7,20 @@
 - ``check_write_kv_pages``: the vectorized KV write into the page pool, run under ``jax.jit``, against
   ``update_kv`` (``kv_cache.py``);
 - ``check_mesh_specs``: the ``PartitionSpec``s of the mesh engine's inputs over a ``data`` mesh, by
-  sharded runs against the engine on one device (``mesh_engine.py``, ``SPECS``; ``engine.py``).
+  sharded runs against the engine on one device (``mesh_engine.py``, ``SPECS``; ``engine.py``);
+- ``check_allocate_cow`` (beyond the stage): copy-on-write allocation, against expected values stored
+  here as data (computed once with the answer key, which does not ship) and rules checked from the
+  output alone (``cow_rules``);
+- ``check_compact`` (beyond the stage): compaction of the pool, by its rules alone (``compact_rules``:
+  ids, order, refcounts, and the moves run on a labelled pool);
+- ``check_catch_allocate`` (catch the bug): a learner's test of ``allocate_for_seq``, run on the stage's
+  version and on versions with a bug of the mutation list put in (``kvcourse/grading/bugs.py``);
+- ``check_predict`` (predict): the tables after five operations, against those operations run on the
+  stage (``predict_steps``), one line per array that never shows the expected values.
+
+Where a warm-up's wrong answer gives what a known mistake gives (a destination one row off, the highest
+free page first, a shared page freed to 0, ...), its line names the rule (``allocate_mistakes``,
+``free_mistakes``, ``mesh_rules``); right values in the wrong dtype are told the dtype.
 
 For the first two the learner writes plain NumPy on small arrays; each case builds a real
 ``SequenceTable`` and ``PageTable`` holding the same arrays, runs the stage's function on them, and
