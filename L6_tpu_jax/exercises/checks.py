@@ -36,7 +36,7 @@ line. The fourth runs the mesh engine over a simulated mesh with the learner's `
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
 ``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
-compares them. The references are the stage's own code, never a copy kept here.
+compares them. The warm-ups' references are the stage's own code, never a copy kept here.
 
 The hidden cases (``HIDDEN``, at the end; ``kvcourse/grading/hidden.py``) run the learner's function on cases
 drawn per grading run (batches in a row on tables of a few shapes, KV writes through one jit, specs
