@@ -7,7 +7,20 @@
 - ``check_write_kv_pages``: the vectorized KV write into the page pool, run under ``jax.jit``, against
   ``update_kv`` (``kv_cache.py``);
 - ``check_mesh_specs``: the ``PartitionSpec``s of the mesh engine's inputs over a ``data`` mesh, by
-  sharded runs against the engine on one device (``mesh_engine.py``, ``SPECS``; ``engine.py``).
+  sharded runs against the engine on one device (``mesh_engine.py``, ``SPECS``; ``engine.py``);
+- ``check_allocate_cow`` (beyond the stage): copy-on-write allocation, against expected values stored
+  here as data (computed once with the answer key, which does not ship) and rules checked from the
+  output alone (``cow_rules``);
+- ``check_compact`` (beyond the stage): compaction of the pool, by its rules alone (``compact_rules``:
+  ids, order, refcounts, and the moves run on a labelled pool);
+- ``check_catch_allocate`` (catch the bug): a learner's test of ``allocate_for_seq``, run on the stage's
+  version and on versions with a bug of the mutation list put in (``kvcourse/grading/bugs.py``);
+- ``check_predict`` (predict): the tables after five operations, against those operations run on the
+  stage (``predict_steps``), one line per array that never shows the expected values.
+
+Where a warm-up's wrong answer gives what a known mistake gives (a destination one row off, the highest
+free page first, a shared page freed to 0, ...), its line names the rule (``allocate_mistakes``,
+``free_mistakes``, ``mesh_rules``); right values in the wrong dtype are told the dtype.
 
 For the first two the learner writes plain NumPy on small arrays; each case builds a real
 ``SequenceTable`` and ``PageTable`` holding the same arrays, runs the stage's function on them, and
@@ -23,7 +36,7 @@ line. The fourth runs the mesh engine over a simulated mesh with the learner's `
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
 ``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
-compares them. The references are the stage's own code, never a copy kept here.
+compares them. The warm-ups' references are the stage's own code, never a copy kept here.
 
 The hidden cases (``HIDDEN``, at the end; ``kvcourse/grading/hidden.py``) run the learner's function on cases
 drawn per grading run (batches in a row on tables of a few shapes, KV writes through one jit, specs
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -46,13 +60,22 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from kvcourse.grading.cases import Case, arrays_problem, run_cases
+from kvcourse.grading.bugs import catch_cases, catch_hidden, outcome_of, version
+from kvcourse.grading.cases import Case, arrays_problem, first_line, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden
 
 from ..kv_cache import update_kv
-from ..page_table import INVALID, PageTable, SequenceTable, allocate_for_seq, cdiv, free_pages_for_finished
+from ..page_table import (
+    INVALID,
+    PageTable,
+    SequenceTable,
+    allocate_for_seq,
+    cdiv,
+    clone_pages_from,
+    free_pages_for_finished,
+)
 
 # What JAX raises when Python code needs the value of a traced array: ``if x > 0``, ``int(x)``,
 # ``np.asarray(x)``, ``x[x >= 0]``. Under jit each one is a case failure, named, not a crash.
@@ -80,15 +103,100 @@ def _tables(refs, page_indices, seq_lens, page_size, used=None) -> tuple[Sequenc
     return seqs, PageTable(jnp.asarray(refs, jnp.int32))
 
 
+def dtype_problem(names: tuple[str, ...], got, dtypes: tuple) -> str | None:
+    """None when each returned array has its dtype, else the first that does not, with the rule.
+
+    Example: ``dtype_problem(("new_token_dests",), [np.zeros(2)], (np.int32,))`` ->
+    ``'new_token_dests is float64, expected int32: page ids, lengths and destinations are int32 (an
+    index array; JAX's default integer)'``.
+    """
+    for name, have, want in zip(names, got, dtypes, strict=True):
+        have = np.asarray(have).dtype
+        if have != want:
+            rule = (
+                "used flags are bool"
+                if want is bool
+                else "page ids, lengths and destinations are int32 (an index array; JAX's default integer)"
+            )
+            return f"{name} is {have}, expected {np.dtype(want).name}: {rule}"
+    return None
+
+
+def _matches_mistake(expected) -> Callable:
+    """``same(mistake, got)`` for ``named_mistake``: a mistake is a tuple of arrays, None where it says
+    nothing (``(None, table)``: only the second array); it matches when every array it gives equals
+    what was returned, and it gives something other than the right answer (else it names nothing)."""
+
+    def same(mistake, got) -> bool:
+        pairs = [
+            (np.asarray(m), np.asarray(g), e)
+            for m, g, e in zip(mistake, got, expected, strict=False)
+            if m is not None
+        ]
+        return any(not np.array_equal(m, e) for m, _, e in pairs) and all(
+            m.shape == g.shape and np.array_equal(g.astype(m.dtype), m) for m, g, _ in pairs
+        )
+
+    return same
+
+
+def _stage_allocate(refs, table, lens, slots, pos, page_size) -> tuple[np.ndarray, ...]:
+    """``allocate_for_seq`` on NumPy arrays, jit'd: (page_ref_counts, page_indices, seq_lens, dests)."""
+    seqs, pages = _tables(refs, table, lens, page_size)
+    seqs, pages, info = jax.jit(allocate_for_seq)(seqs, pages, jnp.asarray(slots), jnp.asarray(pos))
+    arrays = (pages.page_ref_counts, seqs.page_indices, seqs.seq_lens, info.new_token_dests)
+    return tuple(np.asarray(a) for a in arrays)
+
+
+def allocate_mistakes(refs, table, lens, slots, pos, page_size, expected) -> dict[str, Callable]:
+    """What known mistakes of L6.1 return on this input, each by the rule it breaks (for
+    ``named_mistake``). Each is the right answer changed, or ``allocate_for_seq`` run on relabelled
+    inputs (pages numbered backwards: the highest free page first; slots renumbered in batch order:
+    pages handed out in batch order), so no second allocator is written here.
+    Example: page_size 4, a token at position 3 of an empty slot -> "one row off" gives destination
+    page * 4 + 0 where the right one is page * 4 + 3."""
+    n_pages = len(refs)
+    dests = expected[3]
+
+    def highest_free_first():
+        back = np.where(table >= 0, n_pages - 1 - table, -1)  # page p is called n_pages - 1 - p
+        r, tb, ln, d = _stage_allocate(refs[::-1].copy(), back, lens, slots, pos, page_size)
+        page, row = d // page_size, d % page_size
+        return r[::-1], np.where(tb >= 0, n_pages - 1 - tb, -1), ln, (n_pages - 1 - page) * page_size + row
+
+    def in_batch_order():
+        first = list(dict.fromkeys(slots.tolist()))
+        order = np.array(
+            first + [s for s in range(len(lens)) if s not in first]
+        )  # new slot i is old order[i]
+        rename = np.argsort(order).astype(np.int32)  # old slot -> new slot
+        r, tb, ln, d = _stage_allocate(refs, table[order], lens[order], rename[slots], pos, page_size)
+        return r, tb[rename], ln[rename], d
+
+    return {
+        "a token's row is pos % page_size: new_token_dests is one row off": lambda: (
+            None, None, None, dests // page_size * page_size + (dests % page_size + 1) % page_size
+        ),
+        "a slot grows to its largest position + 1, not to the position": lambda: _stage_allocate(
+            refs, table, lens, slots, pos - 1, page_size
+        )[:3],
+        "each new page's refcount becomes 1": lambda: (refs,),
+        "free pages go out lowest id first": highest_free_first,
+        "pages go to the slots in ascending slot order, not in batch order": in_batch_order,
+    }  # fmt: skip
+
+
 def check_allocate(allocate: Callable) -> None:
     """Grade ``allocate(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size)
     -> (page_ref_counts, page_indices, seq_lens, new_token_dests)`` against ``allocate_for_seq``.
 
-    NumPy in, arrays out (NumPy or jax.numpy), inputs left unchanged. ``slot_ids``/``positions`` (T,)
-    are each new token's slot and absolute position (one slot's tokens contiguous, ascending). Each
-    slot grows to its largest position + 1 and gets new pages up to ceil(length / page_size), the
-    lowest free page ids first, in slot order; ``new_token_dests[t] = page * page_size + pos % page_size``.
-    Every case has enough free pages.
+    NumPy in, arrays out (NumPy or jax.numpy, all four int32), inputs left unchanged.
+    ``slot_ids``/``positions`` (T,) are each new token's slot and absolute position (one slot's tokens
+    contiguous, ascending). Each slot grows to its largest position + 1 and gets new pages up to
+    ceil(length / page_size), the lowest free page ids first, in slot order;
+    ``new_token_dests[t] = page * page_size + pos % page_size``. Every case has enough free pages. A
+    wrong answer that gives what a known mistake gives (``allocate_mistakes``) is told the rule it
+    breaks; right values in another dtype are told the dtype.
     """
 
     def case(refs, table, lens, slots, pos, page_size) -> Callable[[], str | None]:
@@ -107,9 +215,12 @@ def check_allocate(allocate: Callable) -> None:
             )
             inputs = [a.copy() for a in (refs_a, table_a, lens_a, slots_a, pos_a)]
             got = allocate(*inputs, page_size)
-            return arrays_problem(
-                ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests"), expected, got
-            )
+            names = ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests")
+            problem = arrays_problem(names, expected, got)
+            if problem:
+                mistakes = allocate_mistakes(refs_a, table_a, lens_a, slots_a, pos_a, page_size, expected)
+                return named_mistake(problem, got, mistakes, same=_matches_mistake(expected))
+            return dtype_problem(names, got, (np.int32,) * 4)
 
         return run
 
@@ -154,8 +265,38 @@ def check_allocate(allocate: Callable) -> None:
                 "page_size 16, slot 1 decodes at position 31 (last slot of its 2nd page)",
                 case([1, 1, 0, 0], [[e, e], [0, 1]], [0, 31], [1], [31], 16),
             ),
+            Case(
+                "page_size 2, the batch lists slot 2 before slot 0: pages still go in slot order",
+                case([0, 1, 0, 0, 0, 0], [[e, e], [1, e], [e, e]], [0, 1, 0], [2, 2, 2, 0], [0, 1, 2, 0], 2),
+            ),
         ]
     )
+
+
+def free_mistakes(refs, table, lens, used, finished, expected) -> dict[str, Callable]:
+    """What known mistakes of L6.2 return on this input, by the rule each breaks (for ``named_mistake``),
+    each the right answer changed. Example: slot 0 [3, 5] finishes, its clone [3, 6] lives, p3 = 2:
+    "shared page set to 0" gives p3 = 0 where the right answer keeps p3 = 1."""
+    rows = table[finished]  # (finished slots, pages_per_seq)
+
+    def shared_to_zero():
+        r = expected[0].copy()
+        r[rows[rows >= 0]] = 0
+        return (r,)
+
+    def minus_one_is_a_page():
+        r = expected[0].copy()
+        r[-1] -= np.sum(rows < 0)  # refs[-1] is the last page's count
+        return (r,)
+
+    return {
+        "each finished slot gives back one reference per page it holds": lambda: (refs,),
+        "a page a live clone still holds drops by one, not to 0": shared_to_zero,
+        "-1 in a row is no page (refs[-1] is the last page's count)": minus_one_is_a_page,
+        "a finished slot's row becomes all -1": lambda: (None, table),
+        "a finished slot's length becomes 0": lambda: (None, None, lens),
+        "a finished slot's used flag becomes False": lambda: (None, None, None, used),
+    }
 
 
 def check_free_finished(free_finished: Callable) -> None:
@@ -164,7 +305,8 @@ def check_free_finished(free_finished: Callable) -> None:
 
     Each finished slot gives one refcount back per page it holds (a page shared with a live clone
     stays in use), its row becomes all -1, its length 0 and its used flag False; other slots keep
-    everything. NumPy in, arrays out, inputs left unchanged.
+    everything. NumPy in, arrays out (int32, and bool for ``used_mask``), inputs left unchanged. A
+    wrong answer that gives what a known mistake gives (``free_mistakes``) is told the rule it breaks.
     """
 
     def case(refs, table, lens, used, finished, page_size=4) -> Callable[[], str | None]:
@@ -185,7 +327,12 @@ def check_free_finished(free_finished: Callable) -> None:
                 np.asarray(seqs.used_mask),
             )
             got = free_finished(*[a.copy() for a in arrays])
-            return arrays_problem(("page_ref_counts", "page_indices", "seq_lens", "used_mask"), expected, got)
+            names = ("page_ref_counts", "page_indices", "seq_lens", "used_mask")
+            problem = arrays_problem(names, expected, got)
+            if problem:
+                mistakes = free_mistakes(*arrays, expected)
+                return named_mistake(problem, got, mistakes, same=_matches_mistake(expected))
+            return dtype_problem(names, got, (np.int32, np.int32, np.int32, bool))
 
         return run
 
@@ -369,6 +516,34 @@ def check_write_kv_pages(write_kv_pages: Callable) -> None:
     )
 
 
+def mesh_rules(specs: dict) -> str:
+    """The rules of L6.4 a dict of ``PartitionSpec``s breaks, in words ('' when it keeps them all).
+
+    Example: ``{"params": P(), "decode_state": P(), "kv_pages": P()}`` -> ``'kv_pages: each device
+    holds one range of pages, so the pool is cut along axis 0 (the pages) over data'``.
+    """
+    from ..multihost import DATA
+
+    def axes(spec) -> tuple:
+        spec = tuple(spec) if isinstance(spec, PartitionSpec) else (spec,)
+        while spec and spec[-1] is None:  # P("data") == P("data", None, None, None)
+            spec = spec[:-1]
+        return spec
+
+    broken = []
+    if axes(specs["params"]):
+        broken.append("params: every device runs the whole model, so the weights are whole (P())")
+    if axes(specs["decode_state"]):
+        broken.append(
+            "decode_state: every device computes the whole batch's allocation, so the tables are whole (P())"
+        )
+    if axes(specs["kv_pages"]) != (DATA,):
+        broken.append(
+            "kv_pages: each device holds one range of pages, so the pool is cut along axis 0 (the pages) over data"
+        )
+    return "; ".join(broken)
+
+
 MESH_DEVICES = 4  # CPU devices the notebook asks XLA for, before JAX starts (its first cell)
 
 
@@ -414,19 +589,29 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
             specs = mesh_specs()
             if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
                 return f"returned {specs!r}, expected a dict with keys params, decode_state, kv_pages"
+            rules = mesh_rules(specs)
             options = dict(max_num_seqs=8, max_model_len=48, num_pages=8 * devices)
-            engine = MeshEngine(tiny, data_mesh(jax.devices()[:devices]), **options, specs=specs)
+            try:
+                engine = MeshEngine(tiny, data_mesh(jax.devices()[:devices]), **options, specs=specs)
+            except Exception as e:
+                if not rules:
+                    raise
+                return f"the engine could not be built ({type(e).__name__}): {rules}"
             held = engine.kv_pages[0].addressable_shards[0].data.shape[0]
             share = engine.num_pages // devices
             if held != share:
                 return (
                     f"each device holds {held} of {engine.num_pages} pages per layer (its share is {share})"
+                    + (f": {rules}" if rules else "")
                 )
             got = engine.generate_samples(prompts, budgets, n=n)
             expected = [clones[:n] for clones in one_device()]
             wrong = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
             if wrong:
-                return f"prompts {wrong} differ from one device, first: {got[wrong[0]]} instead of {expected[wrong[0]]}"
+                return (
+                    f"prompts {wrong} differ from one device, first: {got[wrong[0]]} instead of {expected[wrong[0]]}"
+                    + (f": {rules}" if rules else "")
+                )
             return None
 
         return run
@@ -437,6 +622,304 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
             Case("4 devices, 2 clones of each prompt sharing their full pages", case(4, 2)),
         ]
     )
+
+
+# ---- beyond the stage: copy-on-write (L6.5) and compaction (L6.6); catch the bug (L6.7); predict (L6.8)
+
+COW_NAMES = ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests")
+
+
+def cow_rules(refs, table, slots, pos, page_size, got) -> str | None:
+    """The first copy-on-write rule a returned ``(refs, table, lens, dests, copies)`` breaks, found from
+    the input and the output alone (no answer): refcounts that are not the number of holders, a token
+    written into a page another slot still holds, a page copied by every holder (the last one writes in
+    place), a held page replaced without a copy. None when it keeps them all. Example: clones slot 0
+    and 1 on [3, 5], p5 = 2, slot 1 writes position 6 into page 5 with no copy -> "slot 1 writes page
+    5, which 2 slots hold: a shared page is copied before it is written"."""
+    new_refs, new_table, _, dests = (np.asarray(a) for a in got[:4])
+    copies = list(got[4])
+    holders = Counter(int(p) for p in new_table.reshape(-1) if p >= 0)
+    for page, count in enumerate(new_refs.tolist()):
+        if count != holders[page]:
+            return f"page_ref_counts[{page}] is {count} but {holders[page]} slots hold page {page}"
+    for s, d in zip(slots.tolist(), dests.tolist(), strict=True):
+        if d >= 0 and holders[d // page_size] > 1:
+            return (
+                f"slot {s} writes page {d // page_size}, which {holders[d // page_size]} slots hold: "
+                "a shared page is copied before it is written"
+            )
+    pairs = {(int(a), int(b)) for a, b in copies}
+    for src, _ in sorted(pairs):
+        if refs[src] > 0 and holders[src] == 0:
+            return (
+                f"page {src} was copied by every slot that held it and is now free: once a page's "
+                "refcount is 1, its last holder writes in place"
+            )
+    for s, j in zip(*np.nonzero((table >= 0) & (new_table != table)), strict=True):
+        old, new = int(table[s, j]), int(new_table[s, j])
+        if (old, new) not in pairs:
+            return (
+                f"slot {s}'s page {j} changed from {old} to {new} with no copy ({old}, {new}): "
+                "the rows it already holds would be lost"
+            )
+    return None
+
+
+def check_allocate_cow(allocate_cow: Callable) -> None:
+    """Grade ``allocate_cow(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size)
+    -> (page_ref_counts, page_indices, seq_lens, new_token_dests, copies)`` on fixed cases.
+
+    The expected values below were computed once with the answer key (``answers.py``, which does not
+    ship with the exercises) and are stored here as data: this file holds no copy-on-write allocator.
+    A wrong answer is first held to the rules it can be checked against without one (``cow_rules``),
+    and a line names the rule it breaks; then the values are compared; then the dtypes (int32).
+    """
+
+    def case(refs, table, lens, slots, pos, page_size, want) -> Callable[[], str | None]:
+        def run() -> str | None:
+            arrays = [np.asarray(a, np.int32) for a in (refs, table, lens, slots, pos)]
+            copies_in = [a.copy() for a in arrays]
+            try:
+                got = allocate_cow(*copies_in, page_size)
+            except ValueError as e:
+                if isinstance(want, tuple):
+                    raise
+                named = all(re.search(rf"\b{n}\b", str(e)) for n in want["names"])
+                return None if named else f"the ValueError says {first_line(str(e), 60)!r}: {want['says']}"
+            if not isinstance(want, tuple):
+                return f"returned, but the batch needs more pages than are free: {want['says']}"
+            if any(not np.array_equal(a, b) for a, b in zip(arrays, copies_in, strict=True)):
+                return "changed its inputs (return new arrays)"
+            if not isinstance(got, list | tuple) or len(got) != 5:
+                return f"returned {type(got).__name__}, expected 4 arrays and a list of copies"
+            expected = tuple(np.asarray(w, np.int32) for w in want[:4])
+            problem = arrays_problem(COW_NAMES, expected, got[:4])
+            copies = [tuple(int(x) for x in pair) for pair in got[4]]
+            if not problem and copies != [tuple(c) for c in want[4]]:
+                problem = f"copies is {copies}, expected {[tuple(c) for c in want[4]]}"
+            if problem:
+                rule = cow_rules(arrays[0], arrays[1], arrays[3], arrays[4], page_size, got)
+                return f"{problem} ({rule})" if rule else problem
+            return dtype_problem(COW_NAMES, got[:4], (np.int32,) * 4)
+
+        return run
+
+    e = -1
+    short = {"names": (3, 1), "says": "raise ValueError naming what it needs (3 pages) and what is free (1)"}
+    run_cases(
+        [
+            Case(
+                "page_size 4, slot 1 (a lazy clone of slot 0, both on [3, 5]) decodes at 6",
+                case([0, 0, 0, 2, 0, 2, 0], [[3, 5], [3, 5]], [6, 6], [1], [6], 4,
+                     ([1, 0, 0, 2, 0, 1, 0], [[3, 5], [3, 0]], [6, 7], [2], [(5, 0)])),
+            ),
+            Case(
+                "page_size 4, both clones on [3, 5] decode at 6 in one batch",
+                case([0, 0, 0, 2, 0, 2, 0], [[3, 5], [3, 5]], [6, 6], [0, 1], [6, 6], 4,
+                     ([1, 0, 0, 2, 0, 1, 0], [[3, 0], [3, 5]], [7, 7], [2, 22], [(5, 0)])),
+            ),
+            Case(
+                "page_size 4, clones of 8 tokens on [1, 2]: slot 1's token 8 starts a page",
+                case([0, 2, 2, 0], [[1, 2, e], [1, 2, e]], [8, 8], [1], [8], 4,
+                     ([1, 2, 2, 0], [[1, 2, e], [1, 2, 0]], [8, 9], [0], [])),
+            ),
+            Case(
+                "page_size 4, three slots share page 2; slots 0, 1 and 3 write, slot 2 waits",
+                case([1, 0, 3, 0, 0, 0, 0], [[0, e], [2, e], [2, e], [2, e]], [3, 2, 2, 2],
+                     [0, 1, 1, 3], [3, 2, 3, 2], 4,
+                     ([1, 1, 1, 1, 0, 0, 0], [[0, e], [1, e], [2, e], [3, e]], [4, 4, 2, 3],
+                      [3, 6, 7, 14], [(2, 1), (2, 3)])),
+            ),
+            Case(
+                "page_size 2, slot 1 (a clone on [4, 1]) writes 3 tokens: a copy, then a new page",
+                case([0, 2, 0, 0, 2, 0], [[4, 1, e, e], [4, 1, e, e]], [3, 3], [1, 1, 1], [3, 4, 5], 2,
+                     ([1, 1, 1, 0, 2, 0], [[4, 1, e, e], [4, 0, 2, e]], [3, 6], [1, 4, 5], [(1, 0)])),
+            ),
+            Case(
+                "page_size 4, the batch needs 3 pages and 1 is free: all or nothing",
+                case([2, 1, 1, 0], [[0, e, e], [0, e, e], [1, e, e], [2, e, e]], [2, 2, 4, 4],
+                     [0, 2, 3], [2, 4, 4], 4, short),
+            ),
+        ]
+    )  # fmt: skip
+
+
+def compact_rules(refs, table, got) -> str | None:
+    """Whether a returned ``(page_ref_counts, page_indices, moves)`` is the compaction of these tables,
+    checked rule by rule (no answer needed): None when right, else the first rule broken.
+
+    The pages in use must get ids 0 .. n - 1 in their old order, every entry of a page the same new
+    id, -1 kept, refcounts moved with their pages, each page that changes id moved once, and the moves,
+    run one after the other on a pool whose page p holds "p", must leave each new page holding its
+    old page's K/V. Example: refs [0, 1, 1], table [[1, 2]], moves [(2, 1), (1, 0)] -> "after the moves
+    page 0 holds old page 2's K/V, not old page 1's: a move overwrote page 1 before it was copied
+    away (order the moves)".
+    """
+    if not isinstance(got, list | tuple) or len(got) != 3:
+        return f"returned {type(got).__name__}, expected 2 arrays and a list of moves"
+    new_refs, new_table = np.asarray(got[0]), np.asarray(got[1])
+    if new_refs.shape != refs.shape or new_table.shape != table.shape:
+        return f"shapes {new_refs.shape} and {new_table.shape}, expected {refs.shape} and {table.shape}"
+    if not np.array_equal(new_table < 0, table < 0) or np.any(new_table[table < 0] != -1):
+        return "page_indices: -1 (no page) stays -1, and every page stays a page"
+    live = [p for p, count in enumerate(refs.tolist()) if count > 0]
+    became = {}
+    for old, new in zip(table[table >= 0].tolist(), new_table[table >= 0].tolist(), strict=True):
+        if became.setdefault(old, new) != new:
+            return f"page {old} became both {became[old]} and {new}: every entry of a page gets one new id"
+    ids = [became.get(old) for old in live]
+    if sorted(i for i in ids if i is not None) != list(range(len(live))):
+        return f"the {len(live)} pages in use have ids {sorted(set(ids) - {None})}, expected 0 .. {len(live) - 1}"
+    if ids != sorted(ids):
+        return "the pages in use keep their order (the lowest old id gets 0)"
+    want_refs = [int(refs[old]) for old in live] + [0] * (len(refs) - len(live))
+    if new_refs.tolist() != want_refs:
+        return f"page_ref_counts is {new_refs.tolist()}: each refcount moves with its page, free pages 0"
+    moves = [tuple(int(x) for x in move) for move in got[2]]
+    if sorted(moves) != sorted((old, became[old]) for old in live if became[old] != old):
+        return f"moves {moves}: move each page whose id changes, once, from its old id to its new one"
+    pool = list(range(len(refs)))  # page p holds the K/V of old page p
+    for src, dst in moves:
+        pool[dst] = pool[src]
+    for old in live:
+        if pool[became[old]] != old:
+            return (
+                f"after the moves page {became[old]} holds old page {pool[became[old]]}'s K/V, not old "
+                f"page {old}'s: a move overwrote page {old} before it was copied away (order the moves)"
+            )
+    return dtype_problem(("page_ref_counts", "page_indices"), got[:2], (np.int32, np.int32))
+
+
+def check_compact(compact: Callable) -> None:
+    """Grade ``compact(page_ref_counts, page_indices) -> (page_ref_counts, page_indices, moves)`` by its
+    rules (``compact_rules``): this file holds no compaction, only what a right one must satisfy. A
+    table whose refcounts disagree with its holders must raise ValueError naming the page."""
+
+    def case(refs, table, bad_page=None) -> Callable[[], str | None]:
+        def run() -> str | None:
+            refs_a, table_a = np.asarray(refs, np.int32), np.asarray(table, np.int32)
+            copies = [refs_a.copy(), table_a.copy()]
+            try:
+                got = compact(*copies)
+            except ValueError as e:
+                if bad_page is None:
+                    raise
+                if re.search(rf"\b{bad_page}\b", str(e)):
+                    return None
+                return f"the ValueError says {first_line(str(e), 60)!r}: name the page ({bad_page})"
+            if bad_page is not None:
+                return (
+                    f"returned, but page {bad_page}'s refcount is not its number of holders: raise ValueError"
+                )
+            if not (np.array_equal(copies[0], refs_a) and np.array_equal(copies[1], table_a)):
+                return "changed its inputs (return new arrays)"
+            return compact_rules(refs_a, table_a, got)
+
+        return run
+
+    e = -1
+    run_cases(
+        [
+            Case("pages 1, 3 and 4 in use, 0 and 2 free", case([0, 1, 0, 1, 1], [[1, 3], [4, e]])),
+            Case("pages 0 and 1 in use: already compact, nothing moves", case([1, 1, 0, 0], [[0, 1]])),
+            Case("clones share page 2 (refcount 2): both rows follow it", case([0, 0, 2, 1, 0, 1], [[2, 3], [2, 5]])),
+            Case("pages 1, 2, 3 in one row: each moves down by one", case([0, 1, 1, 1], [[1, 2, 3]])),
+            Case("no page in use", case([0, 0, 0], [[e, e], [e, e]])),
+            Case("page 2 has refcount 1 and two holders: ValueError", case([1, 0, 1], [[0, 2], [2, e]], bad_page=2)),
+        ]
+    )  # fmt: skip
+
+
+ALLOCATE = "L6_tpu_jax.page_table:allocate_for_seq"
+CATCH_VISIBLE = [
+    "L6 allocate_for_seq grants the pages it can (not all or nothing)",
+    "L6 allocate_for_seq takes no reference on a new page",
+]
+CATCH_ALL = [
+    *CATCH_VISIBLE,
+    "L6 allocate_for_seq grows a slot to its last position, one token short",
+    "L6 allocate_for_seq hands out the highest free page first",
+    "L6 allocate_for_seq does not count page 0 among the pages a slot holds",
+    "L6 allocate_for_seq counts the pages a slot needs with floor division",
+]
+
+
+def check_catch_allocate(test: Callable) -> None:
+    """Grade a learner's ``test(allocate_for_seq)``: it must pass the stage's ``allocate_for_seq`` and
+    fail it with each bug of ``CATCH_VISIBLE`` put in (``kvcourse/grading/bugs.py``); the hidden cases
+    hand it every bug of ``CATCH_ALL``."""
+    run_cases(catch_cases(test, ALLOCATE, CATCH_VISIBLE, "allocate_for_seq"))
+
+
+def observe_catch(test: Callable, case: dict) -> str:
+    """``"passes"`` or ``"fails"``: the learner's test on one version of ``allocate_for_seq`` (the bug
+    ``case["bug"]`` put in; None: the stage's), jit'd. The grader clears JAX's caches before each hidden
+    case, and one jit of the whole function compiles several times faster than its ~40 ops run eagerly
+    for the first time, so the seven cases fit their time on a busy 2-core machine."""
+    return outcome_of(test, jax.jit(version(ALLOCATE, case["bug"])))
+
+
+def predict_steps() -> list[tuple[str, dict]]:
+    """The five operations of exercise L6.8 run on the stage's functions, with the state after each:
+    ``[(what was done, {"page_ref_counts": [...], "page_indices": [...], "seq_lens": [...],
+    "new_token_dests": [...]}), ...]`` (``new_token_dests`` of the step's allocation; [] otherwise)."""
+    seqs = replace(SequenceTable.init(3, 3, 4), used_mask=jnp.ones(3, bool))
+    pages = PageTable.init(6)
+    steps = []
+
+    def state(dests) -> dict:
+        return {
+            "page_ref_counts": np.asarray(pages.page_ref_counts).tolist(),
+            "page_indices": np.asarray(seqs.page_indices).tolist(),
+            "seq_lens": np.asarray(seqs.seq_lens).tolist(),
+            "new_token_dests": dests,
+        }
+
+    def allocate(what, slots, pos):
+        nonlocal seqs, pages
+        seqs, pages, info = allocate_for_seq(
+            seqs, pages, jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32)
+        )
+        steps.append((what, state(np.asarray(info.new_token_dests).tolist())))
+
+    allocate("1. slot 0 prefills 6 tokens", [0] * 6, list(range(6)))
+    allocate("2. slot 1 prefills 3 tokens", [1] * 3, list(range(3)))
+    seqs, pages, *_ = clone_pages_from(seqs, pages, jnp.int32(0), jnp.int32(2))
+    steps.append(("3. slot 2 starts as a clone of slot 0", state([])))
+    seqs, pages = free_pages_for_finished(seqs, pages, jnp.array([True, False, False]))
+    steps.append(("4. slot 0 finishes", state([])))
+    allocate("5. slot 1 at positions 3, 4 and slot 2 at 6, 7, 8", [1, 1, 2, 2, 2], [3, 4, 6, 7, 8])
+    return steps
+
+
+PREDICT_KEYS = ("page_ref_counts", "page_indices", "seq_lens", "new_token_dests")
+
+
+def check_predict(predict: Callable) -> None:
+    """Grade ``predict() -> {"page_ref_counts": [...], "page_indices": [...], "seq_lens": [...],
+    "new_token_dests": [...]}`` against the state after the last of ``predict_steps()``, one line per
+    key. A line never shows the expected value, only how many entries differ: ``page_indices: WRONG —
+    2 of 9 entries differ``."""
+    want = predict_steps()[-1][1]
+
+    def case(key: str) -> Callable[[], str | None]:
+        def run() -> str | None:
+            got = predict()
+            if not isinstance(got, dict) or key not in got:
+                return f"predict() returned no {key!r} (a dict with keys {', '.join(PREDICT_KEYS)})"
+            expected = np.asarray(want[key])
+            try:
+                have = np.asarray(got[key], dtype=np.int64)
+            except (TypeError, ValueError):
+                return f"{key} is not a list of ints"
+            if have.shape != expected.shape:
+                return f"{key} has shape {tuple(have.shape)}, expected {tuple(expected.shape)}"
+            wrong = int(np.sum(have != expected))
+            return None if wrong == 0 else f"{wrong} of {expected.size} entries differ"
+
+        return run
+
+    run_cases([Case(f"{key} after step 5", case(key)) for key in PREDICT_KEYS])
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
@@ -512,13 +995,15 @@ def draw_allocate(rng) -> list[dict]:
 
 def _ints(arrays, names: tuple[str, ...], dtypes: tuple) -> dict:
     """What a NumPy exercise returned, as plain lists in the stage's dtypes (as ``arrays_problem``
-    compares them), by name; a return value that is not one array per name raises TypeError."""
+    compares them), by name, and the dtypes it returned them in (``"dtypes"``); a return value that is
+    not one array per name raises TypeError."""
     if not isinstance(arrays, list | tuple) or len(arrays) != len(names):
         raise TypeError(f"returned {type(arrays).__name__}, expected {len(names)} arrays")
-    return {
+    values = {
         name: np.asarray(a).astype(dtype).tolist()
         for name, a, dtype in zip(names, arrays, dtypes, strict=True)
     }
+    return {**values, "dtypes": [np.asarray(a).dtype.name for a in arrays]}
 
 
 def _batch_words(slots: list[int], pos: list[int]) -> str:
@@ -778,6 +1263,143 @@ def describe_mesh(case: dict) -> str:
     )
 
 
+def draw_cow(rng) -> list[dict]:
+    """Tables of parents and their lazy clones (a clone holds its parent's whole row, the partial last
+    page too, every page's refcount raised), other slots alone or empty; then 1 or 2 batches in a row,
+    each appending 1 to 5 tokens to some slots (decodes and chunks). Cases 4 and 8 have a tight pool
+    (no free page, or one) and one batch of page_size tokens per slot: case 4's always needs a page it
+    cannot have, case 8's often (the answer raises)."""
+    cases = []
+    for k in range(8):
+        page_size = rng.choice([1, 2, 3, 4, 4])  # a partial page to share, mostly
+        n_seqs, per_seq = rng.randint(2, 5), rng.randint(2, 4)
+        n_pages = rng.randint(n_seqs + 2, 3 * n_seqs + 3)
+        order = rng.sample(range(n_pages), n_pages)
+        table, lens = [[INVALID] * per_seq for _ in range(n_seqs)], [0] * n_seqs
+        for s in range(n_seqs):
+            parents = [p for p in range(s) if lens[p] > 0]
+            kind = rng.choice(["alone", "clone", "clone", "empty"]) if s else "alone"
+            if kind == "clone" and parents:
+                parent = rng.choice(parents)
+                table[s], lens[s] = list(table[parent]), lens[parent]
+            elif kind == "alone" and len(order) > per_seq:
+                lens[s] = rng.randint(1, (per_seq - 1) * page_size)
+                table[s][: cdiv(lens[s], page_size)] = [order.pop() for _ in range(cdiv(lens[s], page_size))]
+        if k % 4 == 3:  # a tight pool: the pages in use, renumbered, and no free page (k = 3) or one
+            used = sorted({page for row in table for page in row if page >= 0})
+            n_pages = len(used) + k // 7
+            ids = dict(zip(used, rng.sample(range(n_pages), len(used)), strict=True))
+            table = [[ids.get(page, INVALID) for page in row] for row in table]
+        refs = [sum(row.count(page) for row in table) for page in range(n_pages)]
+        batches, grown, spare = [], list(lens), refs.count(0)
+        for _ in range(1 if k % 4 == 3 else rng.randint(1, 2)):
+            slots, pos = [], []
+            chosen = (
+                range(n_seqs) if k % 4 == 3 else sorted(rng.sample(range(n_seqs), rng.randint(1, n_seqs)))
+            )
+            for s in chosen:
+                grow = min(rng.choice([1, 1, rng.randint(1, 5)]), per_seq * page_size - grown[s])
+                if k % 4 == 3:  # slot 0 holds no more than pages_per_seq - 1 pages: it takes a new one
+                    grow = min(page_size, per_seq * page_size - grown[s])
+                if k % 4 != 3:  # enough pages for sure: a slot takes at most ceil(grow / page_size) + 1
+                    while grow and cdiv(grow, page_size) + 2 > spare:
+                        grow -= 1
+                    spare -= cdiv(grow, page_size) + 2 if grow else 0
+                slots += [s] * grow
+                pos += range(grown[s], grown[s] + grow)
+            batches.append({"slots": slots, "pos": pos})
+            for s, p in zip(slots, pos, strict=True):
+                grown[s] = max(grown[s], p + 1)
+        cases.append({"page_size": page_size, "refs": refs, "table": table, "lens": lens, "batches": batches})
+    return cases
+
+
+def observe_cow(fn, case) -> list[dict]:
+    """Each batch in turn through ``fn``, which gets the tables it returned for the batch before; after
+    each, what it returned (or that it raised ValueError), the dtypes, and whether it left its inputs
+    alone."""
+    refs, table, lens = (np.asarray(case[key], np.int32) for key in ("refs", "table", "lens"))
+    steps = []
+    for batch in case["batches"]:
+        slots, pos = np.asarray(batch["slots"], np.int32), np.asarray(batch["pos"], np.int32)
+        inputs = (refs, table, lens, slots, pos)
+        copies = [a.copy() for a in inputs]
+        step = {"call": f"allocate_cow({_batch_words(batch['slots'], batch['pos'])})", "raised": None}
+        try:
+            got = fn(*copies, case["page_size"])
+        except ValueError:
+            got = None
+            step["raised"] = "ValueError"
+        step["inputs unchanged"] = all(np.array_equal(a, b) for a, b in zip(inputs, copies, strict=True))
+        if got is not None:
+            if not isinstance(got, list | tuple) or len(got) != 5:
+                raise TypeError(f"returned {type(got).__name__}, expected 4 arrays and a list of copies")
+            step.update(_ints(got[:4], COW_NAMES, (np.int32,) * 4))
+            step["copies"] = [[int(x) for x in pair] for pair in got[4]]
+            refs, table, lens = (np.asarray(step[name], np.int32) for name in COW_NAMES[:3])
+        steps.append(step)
+    return steps
+
+
+def describe_cow(case: dict) -> str:
+    batches = "; ".join(_batch_words(b["slots"], b["pos"]) for b in case["batches"])
+    return f"{describe_tables(case)}, refcounts {case['refs']}; batches: {batches}"
+
+
+def draw_compact(rng) -> list[dict]:
+    """Tables of 1 to 5 slots over 3 to 12 pages, clones sharing pages, pages in use anywhere (none,
+    all, already compact, scattered); now and then a refcount one off its number of holders."""
+    cases = []
+    for k in range(8):
+        n_pages, n_seqs, per_seq = rng.randint(3, 12), rng.randint(1, 5), rng.randint(1, 4)
+        pool = rng.sample(range(n_pages), rng.randint(0, n_pages)) if k != 1 else list(range(n_pages))
+        table = []
+        for s in range(n_seqs):
+            if s and table[-1][0] >= 0 and rng.random() < 0.4:  # a clone: shares its neighbour's first pages
+                row = table[-1][: rng.randint(1, per_seq)]
+            else:
+                row = [pool.pop() for _ in range(min(len(pool), rng.randint(0, per_seq)))]
+            table.append(row + [INVALID] * (per_seq - len(row)))
+        refs = [sum(row.count(page) for row in table) for page in range(n_pages)]
+        if k % 4 == 3:
+            page = rng.randrange(n_pages)
+            refs[page] += rng.choice([-1, 1]) if refs[page] else 1
+        cases.append({"refs": refs, "table": table})
+    return cases
+
+
+def observe_compact(fn, case) -> dict:
+    """What ``fn`` returned on one table: the refcounts and table, the moves (sorted: any safe order is
+    right), which old page each slot's pages hold after the moves are run in ``fn``'s order on a pool
+    whose page p holds "p", the dtypes, and the exception's type if it raised ValueError."""
+    refs, table = np.asarray(case["refs"], np.int32), np.asarray(case["table"], np.int32)
+    copies = [refs.copy(), table.copy()]
+    try:
+        got = fn(*copies)
+    except ValueError:
+        return {"raised": "ValueError", "inputs unchanged": True}
+    if not isinstance(got, list | tuple) or len(got) != 3:
+        raise TypeError(f"returned {type(got).__name__}, expected 2 arrays and a list of moves")
+    moves = [[int(x) for x in move] for move in got[2]]
+    pool = list(range(len(refs)))
+    for src, dst in moves:
+        pool[dst] = pool[src]
+    new_table = np.asarray(got[1]).astype(np.int32)
+    return {
+        "raised": None,
+        **_ints(got[:2], ("page_ref_counts", "page_indices"), (np.int32, np.int32)),
+        "moves": sorted(moves),
+        "pages hold after the moves": [
+            [pool[p] if 0 <= p < len(pool) else None for p in row] for row in new_table.tolist()
+        ],
+        "inputs unchanged": bool(np.array_equal(copies[0], refs) and np.array_equal(copies[1], table)),
+    }
+
+
+def describe_compact(case: dict) -> str:
+    return f"refcounts {case['refs']}, page_indices {case['table']}"
+
+
 HIDDEN = {
     "L6.1": Hidden(
         draw_allocate,
@@ -798,4 +1420,17 @@ HIDDEN = {
         answers=("L6_tpu_jax.kv_cache:update_kv",),
     ),
     "L6.4": Hidden(draw_mesh, observe_mesh, describe_mesh, answers=("L6_tpu_jax.mesh_engine:SPECS",)),
+    "L6.5": Hidden(draw_cow, observe_cow, describe_cow, answers=(ALLOCATE,)),
+    "L6.6": Hidden(draw_compact, observe_compact, describe_compact),
+    "L6.7": replace(catch_hidden(ALLOCATE, CATCH_ALL, watch=(ALLOCATE,)), observe=observe_catch),
+    "L6.8": Hidden(
+        draw=lambda rng: [{}],
+        observe=lambda fn, case: fn(),
+        describe=lambda case: "the five steps of the notebook",
+        answers=(
+            ALLOCATE,
+            "L6_tpu_jax.page_table:clone_pages_from",
+            "L6_tpu_jax.page_table:free_pages_for_finished",
+        ),
+    ),
 }

@@ -505,6 +505,42 @@ MUTATIONS: tuple[Mutation, ...] = (
         "where = dests",
         ("tests/test_l6_attention.py::test_update_kv_is_one_scatter_to_page_and_row",),
     ),
+    # ---- L6 allocate_for_seq (exercise L6.7 hands a learner's test these)
+    Mutation(
+        "L6 allocate_for_seq takes no reference on a new page",
+        "L6_tpu_jax/page_table.py",
+        'refs = refs.at[jnp.where(want & ok, fresh, n_pages)].add(1, mode="drop")',
+        'refs = refs.at[jnp.where(want & ok, fresh, n_pages)].add(0, mode="drop")',
+        ("tests/test_l6_state.py::test_allocate_for_seq_docstring_example",),
+    ),
+    Mutation(
+        "L6 allocate_for_seq grows a slot to its last position, one token short",
+        "L6_tpu_jax/page_table.py",
+        '.max(token_pos_ids + 1, mode="drop")',
+        '.max(token_pos_ids, mode="drop")',
+        ("tests/test_l6_state.py::test_allocate_for_seq_docstring_example",),
+    ),
+    Mutation(
+        "L6 allocate_for_seq hands out the highest free page first",
+        "L6_tpu_jax/page_table.py",
+        "free_ids = jnp.nonzero(refs == 0, size=n_pages, fill_value=n_pages)[0]",
+        "free_ids = n_pages - 1 - jnp.nonzero(jnp.flip(refs == 0), size=n_pages, fill_value=-1)[0]",
+        ("tests/test_l6_state.py::test_allocate_for_seq_docstring_example",),
+    ),
+    Mutation(
+        "L6 allocate_for_seq does not count page 0 among the pages a slot holds",
+        "L6_tpu_jax/page_table.py",
+        "have = jnp.sum(seq_table.page_indices >= 0, axis=1)",
+        "have = jnp.sum(seq_table.page_indices > 0, axis=1)",
+        ("tests/test_l6_state.py::test_allocate_for_seq_docstring_example",),
+    ),
+    Mutation(
+        "L6 allocate_for_seq counts the pages a slot needs with floor division",
+        "L6_tpu_jax/page_table.py",
+        "need = cdiv(new_lens, ps)  # (S,) pages needed",
+        "need = new_lens // ps  # (S,) pages needed",
+        ("tests/test_l6_state.py::test_allocate_for_seq_docstring_example",),
+    ),
     Mutation(
         "decode graphs' padding rows write their K/V into block 0, which a sequence owns",
         "kvcourse/decode_graphs.py",
