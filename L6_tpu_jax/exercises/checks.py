@@ -64,7 +64,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from kvcourse.grading.bugs import catch_cases, catch_hidden, outcome_of, version
 from kvcourse.grading.cases import Case, arrays_problem, first_line, named_mistake, run_cases
-from kvcourse.grading.hidden import Hidden
+from kvcourse.grading.hidden import Hidden, unrevealed
 
 from ..kv_cache import update_kv
 from ..page_table import (
@@ -1432,5 +1432,6 @@ HIDDEN = {
             "L6_tpu_jax.page_table:clone_pages_from",
             "L6_tpu_jax.page_table:free_pages_for_finished",
         ),
+        explain=unrevealed,  # the report says which arrays are wrong, never their right values
     ),
 }
