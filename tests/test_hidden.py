@@ -44,11 +44,23 @@ def spec(package: str, exercise_id: str) -> hidden.Hidden:
 
 
 def has_stage_code(package: str, exercise_id: str) -> bool:
-    """Whether the stage implements what the exercise asks (a beyond-the-stage exercise may not)."""
+    """Whether the hidden cases watch for stage code (a beyond-the-stage exercise may have none)."""
     return bool(spec(package, exercise_id).answers)
 
 
-STAGED = [(package, ex) for package, ex in EXERCISES if has_stage_code(package, ex)]
+def adapted(package: str, exercise_id: str) -> bool:
+    return exercise_id in getattr(
+        importlib.import_module(f"{package}.exercises.answers"), "STAGE_ADAPTERS", {}
+    )
+
+
+# the exercises the stage's own code answers: every warm-up, catch-the-bug (an oracle test) and prediction
+# (the operations run), and the exercises beyond the stage that the stage can answer through an adapter
+STAGED = [
+    (package, ex)
+    for package, ex in EXERCISES
+    if has_stage_code(package, ex) and (KINDS[ex] != "beyond the stage" or adapted(package, ex))
+]
 
 
 def stage_function(package: str, exercise_id: str):

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ..page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
+from . import checks
 from .checks import HIDDEN
 
 
@@ -252,4 +253,34 @@ ANSWERS = {
     "L6.8": predict,
 }
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
-STAGE_ADAPTERS = {"L6.1": stage_allocate, "L6.2": stage_free_finished, "L6.4": stage_mesh_specs}
+
+
+def stage_test_allocate(subject):
+    """L6.7 as an oracle test: the answer key's two batches on the subject and on the stage's own
+    ``allocate_for_seq``, the results compared (a test the watch must refuse)."""
+    for args in (
+        ([1, 0, 1, 0, 0, 1], [[0, -1, -1], [2, -1, -1]], [3, 4], [0, 1, 1, 1, 1, 1], [3, 4, 5, 6, 7, 8]),
+        ([1, 0, 1, 0, 1, 1], [[0, -1, -1], [2, -1, -1]], [4, 4], [0, 1, 1, 1, 1, 1], [4, 4, 5, 6, 7, 8]),
+    ):
+        seqs = SequenceTable(
+            seq_lens=jnp.asarray(args[2], jnp.int32),
+            page_indices=jnp.asarray(args[1], jnp.int32),
+            used_mask=jnp.asarray([True] * len(args[2])),
+            page_size=4,
+        )
+        pages, slots, pos = (
+            PageTable(jnp.asarray(args[0], jnp.int32)),
+            jnp.asarray(args[3]),
+            jnp.asarray(args[4]),
+        )
+        mine, real = subject(seqs, pages, slots, pos), allocate_for_seq(seqs, pages, slots, pos)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), mine, real))
+
+
+STAGE_ADAPTERS = {
+    "L6.1": stage_allocate,
+    "L6.2": stage_free_finished,
+    "L6.4": stage_mesh_specs,
+    "L6.7": stage_test_allocate,
+    "L6.8": lambda: checks.predict_steps()[-1][1],  # the five steps run on the stage
+}
