@@ -186,7 +186,7 @@ def test_l6_cow_passes_the_answer(capsys):
 
 def test_l6_cow_fails_the_stub(capsys):
     l6.check_allocate_cow(stub)
-    assert graded_lines(capsys)[-1] == "0/6 passed"
+    assert graded_lines(capsys)[-1] == "0/7 passed"
     assert_fails_hidden(PACKAGE, "L6.5", stub)
 
 

@@ -641,7 +641,8 @@ def cow_rules(refs, table, slots, pos, page_size, got) -> str | None:
     holders = Counter(int(p) for p in new_table.reshape(-1) if p >= 0)
     for page, count in enumerate(new_refs.tolist()):
         if count != holders[page]:
-            return f"page_ref_counts[{page}] is {count} but {holders[page]} slots hold page {page}"
+            held = f"{holders[page]} slot{'' if holders[page] == 1 else 's'} hold{'s' if holders[page] == 1 else ''}"
+            return f"page_ref_counts[{page}] is {count} but {held} page {page}"
     for s, d in zip(slots.tolist(), dests.tolist(), strict=True):
         if d >= 0 and holders[d // page_size] > 1:
             return (
@@ -717,6 +718,11 @@ def check_allocate_cow(allocate_cow: Callable) -> None:
                 "page_size 4, both clones on [3, 5] decode at 6 in one batch",
                 case([0, 0, 0, 2, 0, 2, 0], [[3, 5], [3, 5]], [6, 6], [0, 1], [6, 6], 4,
                      ([1, 0, 0, 2, 0, 1, 0], [[3, 0], [3, 5]], [7, 7], [2, 22], [(5, 0)])),
+            ),
+            Case(
+                "page_size 4, both clones on [3, 5] decode at 6 with one page free: one copy is enough",
+                case([1, 1, 1, 2, 1, 2, 0], [[3, 5], [3, 5]], [6, 6], [0, 1], [6, 6], 4,
+                     ([1, 1, 1, 2, 1, 1, 1], [[3, 6], [3, 5]], [7, 7], [26, 22], [(5, 6)])),
             ),
             Case(
                 "page_size 4, clones of 8 tokens on [1, 2]: slot 1's token 8 starts a page",
@@ -1268,7 +1274,8 @@ def draw_cow(rng) -> list[dict]:
     page too, every page's refcount raised), other slots alone or empty; then 1 or 2 batches in a row,
     each appending 1 to 5 tokens to some slots (decodes and chunks). Cases 4 and 8 have a tight pool
     (no free page, or one) and one batch of page_size tokens per slot: case 4's always needs a page it
-    cannot have, case 8's often (the answer raises)."""
+    cannot have, case 8's often (the answer raises). Case 9 has twins: a slot and its clone both write
+    their shared partial page in one batch, with one free page, which is all they need."""
     cases = []
     for k in range(8):
         page_size = rng.choice([1, 2, 3, 4, 4])  # a partial page to share, mostly
@@ -1311,7 +1318,31 @@ def draw_cow(rng) -> list[dict]:
             for s, p in zip(slots, pos, strict=True):
                 grown[s] = max(grown[s], p + 1)
         cases.append({"page_size": page_size, "refs": refs, "table": table, "lens": lens, "batches": batches})
+    cases.append(draw_twins(rng))
     return cases
+
+
+def draw_twins(rng) -> dict:
+    """A slot and its lazy clone on the same pages, the last one partial, both writing their next
+    token; every other page of the pool in use, but one. Example (page_size 4, 6 tokens on pages
+    [3, 5], pool of 7): refs [1, 1, 1, 2, 1, 2, 0], one batch: slot 0 and slot 1 at position 6."""
+    page_size = rng.randint(2, 4)
+    length = rng.randint(1, 3) * page_size + rng.randint(1, page_size - 1)  # ends inside a page
+    n_pages = cdiv(length, page_size) + rng.randint(1, 4)
+    ids = rng.sample(range(n_pages), n_pages)
+    row = ids[: cdiv(length, page_size)]
+    per_seq = len(row) + 1
+    table = [row + [INVALID] * (per_seq - len(row))] * 2
+    refs = [2 if page in row else 1 for page in range(n_pages)]
+    refs[ids[-1]] = 0  # the one free page
+    batch = {"slots": [0, 1], "pos": [length, length]}
+    return {
+        "page_size": page_size,
+        "refs": refs,
+        "table": table,
+        "lens": [length, length],
+        "batches": [batch],
+    }
 
 
 def observe_cow(fn, case) -> list[dict]:
