@@ -74,6 +74,29 @@ def ring_loop(window, length):
     return checks.simulate_ring(window, length)
 
 
+def ring_value_only(window, length):
+    """Right rows; the ValueError gives the bad value but not the argument's name."""
+    for value in (window, length):
+        if value < (1 if value is window else 0):
+            raise ValueError(f"got {value}")
+    return answers.ring_positions(window, length)
+
+
+def ring_last_row_a_lap_behind(window, length):
+    """The last row one lap of the ring too early, once it has been written twice."""
+    rows = answers.ring_positions(window, length)
+    if rows[-1] >= window:
+        rows[-1] -= window
+    return rows
+
+
+def ring_extra_row(window, length):
+    """One row more than the window: row ``window`` as if it were part of the ring."""
+    if window < 1 or length < 0:
+        raise ValueError(f"window {window}, length {length}")
+    return [*answers.ring_positions(window, length), -1]
+
+
 @pytest.mark.parametrize("fn", [answers.ring_positions, "notebook"])
 def test_ring_right_answers_pass(capsys, fn):
     fn = solution("ring_positions") if fn == "notebook" else fn
@@ -87,6 +110,9 @@ def test_ring_right_answers_pass(capsys, fn):
     [
         (ring_oldest, "window 4, 10 positions", "each row holds the oldest position written there"),
         (ring_one_past, "window 4, 3 positions", "off by one: length positions are 0 .. length - 1"),
+        (ring_value_only, "window 0 is refused", "says 'got 0': name the argument window and its value 0"),
+        (ring_last_row_a_lap_behind, "window 4, 10 positions", "rows [8, 9, 6, 3], expected [8, 9, 6, 7]"),
+        (ring_extra_row, "window 1, 6 positions", "rows [5, -1], expected 1 row: [5]"),
         (stub, "window 4, 3 positions", "NotImplementedError"),
     ],
 )
@@ -104,6 +130,36 @@ def test_ring_a_loop_over_positions_fails_the_huge_cases(capsys):
     assert_fails(lines, "1,000,000,000,000,000 positions")
     assert lines[-1] == "7/9 passed", lines
     assert_hidden_fails("L1.4", ring_loop)
+
+
+def test_ring_long_rows_show_the_first_row_that_differs(capsys):
+    """Issue 37: the rows of the huge cases were cut at 80 characters, before the row that differed."""
+    checks.check_ring_positions(ring_last_row_a_lap_behind)
+    lines = graded_lines(capsys)
+    (huge,) = [line for line in lines if "1,000,000,000,000,003 positions" in line]
+    assert huge.endswith("WRONG — row 6 is 999999999999993, expected 1000000000000000"), huge  # 10**15 - 7
+    checks.check_ring_positions(ring_one_past)
+    (huge,) = [line for line in graded_lines(capsys) if "1,000,000,000,000,000 positions" in line]
+    assert huge.endswith("WRONG — row 0 is 1000000000000000, expected 999999999999995"), huge
+    assert checks.rows_problem([0, 5, 6, 7] + [10**15] * 6, [0, 1, 2, 3] + [10**15] * 6) == (
+        "row 1 is 5, expected 1 (the first of 3 rows that differ)"
+    )
+    assert checks.rows_problem([10**15] * 7, [10**15] * 6) == "7 rows, expected 6 rows"
+
+
+def test_ring_no_line_says_1_rows(capsys):
+    for wrong in (ring_oldest, ring_one_past, ring_extra_row, ring_last_row_a_lap_behind, ring_value_only):
+        checks.check_ring_positions(wrong)
+        lines = graded_lines(capsys)
+        assert not any(" 1 rows" in line for line in lines), lines
+
+
+def test_a_value_error_must_name_the_argument_and_its_value():
+    assert checks.names_value("window must be at least 1, got 0", "window", 0)
+    assert checks.names_value("length=-3 is negative", "length", -3)
+    assert not checks.names_value("got 0", "window", 0)  # no name
+    assert not checks.names_value("window must be at least 10", "window", 0)  # 0 only inside 10
+    assert not checks.names_value("length must be >= 0, got 3", "length", -3)  # the sign dropped
 
 
 def test_ring_huge_rows_are_the_answers():
@@ -144,6 +200,20 @@ def bytes_exact_fit_refused(requests, max_model_len, bytes_per_token, block_size
     return out
 
 
+def bytes_no_size_check(requests, max_model_len, bytes_per_token, block_size):
+    """Checks max_model_len and block_size but not bytes_per_token: the sums scale by whatever it is."""
+    out = answers.contiguous_bytes(requests, max_model_len, 1, block_size)
+    return {k: v if k == "refused" else v * bytes_per_token for k, v in out.items()}
+
+
+def bytes_value_only(requests, max_model_len, bytes_per_token, block_size):
+    """Right sums; the ValueError gives the bad value but not the argument's name."""
+    for value in (max_model_len, bytes_per_token, block_size):
+        if value < 1:
+            raise ValueError(f"{value} is below 1")
+    return answers.contiguous_bytes(requests, max_model_len, bytes_per_token, block_size)
+
+
 @pytest.mark.parametrize("fn", [answers.contiguous_bytes, "notebook"])
 def test_contiguous_right_answers_pass(capsys, fn):
     fn = solution("contiguous_bytes") if fn == "notebook" else fn
@@ -160,6 +230,12 @@ def test_contiguous_right_answers_pass(capsys, fn):
             bytes_exact_fit_refused,
             "one ends exactly at max_model_len",
             "ends exactly at max_model_len was refused",
+        ),
+        (bytes_no_size_check, "bytes_per_token -1 is refused", "no ValueError for bytes_per_token = -1"),
+        (
+            bytes_value_only,
+            "max_model_len 0 is refused",
+            "says '0 is below 1': name the argument max_model_len and its value 0",
         ),
         (stub, "one short chat", "NotImplementedError"),
     ],

@@ -89,6 +89,51 @@ def pick_sorted(free_blocks, table, n):
     return sorted(answers.pick_adjacent(free_blocks, table, n))
 
 
+def pick_with(fit, longest):
+    """The exercise's rules, with rule 2's run chosen by ``fit`` among the runs that fit and rule 3's by
+    ``longest`` among all runs (each a list of consecutive ids, in id order)."""
+
+    def pick(free_blocks, table, n):
+        if n < 0:
+            raise ValueError(f"n = {n}")
+        if n > len(free_blocks):
+            raise OutOfBlocksError(needed=n, free=len(free_blocks))
+        left, picked = sorted(free_blocks), []
+        while table + picked and len(picked) < n and (table + picked)[-1] + 1 in left:
+            picked.append((table + picked)[-1] + 1)
+            left.remove(picked[-1])
+        while len(picked) < n:
+            runs = []
+            for b in left:
+                if runs and runs[-1][-1] + 1 == b:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            want = n - len(picked)
+            fits = [r for r in runs if len(r) >= want]
+            taken = (fit(fits) if fits else longest(runs))[:want]
+            picked += taken
+            left = [b for b in left if b not in taken]
+        return picked
+
+    return pick
+
+
+def first_longest(runs):
+    return max(runs, key=len)
+
+
+pick_best_fit = pick_with(lambda fits: min(fits, key=len), first_longest)
+pick_best_fit.__doc__ = "Rule 2 takes the shortest run that fits (best fit), not the first."
+pick_highest_tie = pick_with(lambda fits: fits[0], lambda runs: max(reversed(runs), key=len))
+pick_highest_tie.__doc__ = "Rule 3 breaks a tie between equally long runs by the highest ids."
+
+
+def pick_no_negative_check(free_blocks, table, n):
+    """Right for n >= 0; n < 0 picks nothing instead of raising ValueError."""
+    return [] if n < 0 else answers.pick_adjacent(free_blocks, table, n)
+
+
 def pick_popping(free_blocks, table, n):
     """Right picks, but it removes them from the caller's list."""
     picked = answers.pick_adjacent(free_blocks, table, n)
@@ -112,6 +157,9 @@ def test_adjacent_right_answers_pass(capsys, fn):
         (pick_no_extend, "extends the table's last block", "picked [0, 1], expected [5, 6]"),
         (pick_popping, "extends the table's last block", "the arguments were changed"),
         (pick_sorted, "no run fits", "the right ids, in the wrong order"),
+        (pick_best_fit, "two runs fit: the first", "picked [9, 10], expected [2, 3]"),
+        (pick_highest_tie, "equally long runs: the lowest first", "picked [8, 9, 1], expected [1, 2, 5]"),
+        (pick_no_negative_check, "n < 0 raises ValueError", "expected ValueError, returned []"),
         (stub, "extends the table's last block", "NotImplementedError"),
     ],
 )
@@ -123,11 +171,29 @@ def test_adjacent_wrong_answers_fail_with_their_rule(capsys, wrong, case_name, r
 
 def test_adjacent_stored_picks_are_the_answers():
     for _, free, table, n, want in checks.ADJACENT_CASES:
-        if want is None:
-            with pytest.raises(OutOfBlocksError):
+        if isinstance(want, type):
+            with pytest.raises(want):
                 answers.pick_adjacent(free, table, n)
         else:
             assert answers.pick_adjacent(free, table, n) == want
+
+
+def test_adjacent_a_wrong_tie_break_is_not_called_the_free_list_front(capsys):
+    """Issue 37 (a learner's trial): case 5's free list once began [8, 9, 1], which is also what taking
+    the highest of two equally long runs gives, and the line blamed the free list's front."""
+    checks.check_pick_adjacent(pick_highest_tie)
+    lines = graded_lines(capsys)
+    assert_named(lines, "equally long runs", "picked [8, 9, 1], expected [1, 2, 5]")
+    assert not any("free list's front" in line for line in lines), lines
+
+
+def test_adjacent_a_right_policy_built_from_the_rules_passes(capsys):
+    """``pick_with`` with the rules as the notebook states them is a right answer: the wrong answers built
+    from it differ only where they say."""
+    right = pick_with(lambda fits: fits[0], first_longest)
+    checks.check_pick_adjacent(right)
+    assert_passes(graded_lines(capsys))
+    assert_hidden_passes("L2.4", right)
 
 
 def test_adjacent_answer_on_a_worked_example():
@@ -151,6 +217,44 @@ def moves_one_per_block(tables, num_blocks):
     return moves
 
 
+def moves_by_destination(tables, num_blocks):
+    """The moves outside cycles in order of destination (right for a chain that shifts down, as
+    [[1, 2, 3]]), then each cycle through a spare block: a chain that runs the other way, as [[5], [0]],
+    overwrites block 0 before it is copied."""
+    goal = {b: g for g, b in enumerate(b for table in tables for b in table)}
+    pending = {b: g for b, g in goal.items() if b != g}
+    in_cycle = set()
+    for b in pending:
+        seen, cur = [], b
+        while cur in pending and cur not in seen:
+            seen.append(cur)
+            cur = pending[cur]
+        if cur == b:
+            in_cycle.add(b)
+    moves = sorted(((b, g) for b, g in pending.items() if b not in in_cycle), key=lambda m: m[1])
+    cycles = {b: pending[b] for b in in_cycle}
+    spare = next((b for b in range(num_blocks) if b not in cycles and b not in goal.values()), None)
+    if cycles and spare is None:
+        raise ValueError("no spare block")
+    while cycles:
+        start = min(cycles)
+        moves.append((start, spare))
+        dst = start
+        while (src := next(b for b, g in cycles.items() if g == dst)) != start:
+            moves.append((src, dst))
+            del cycles[src]
+            dst = src
+        moves.append((spare, cycles.pop(start)))
+    return moves
+
+
+def moves_need_a_spare(tables, num_blocks):
+    """Right plans, but a full pool raises ValueError even when nothing is in a cycle."""
+    if sum(len(t) for t in tables) == num_blocks:
+        raise ValueError(f"no spare block among {num_blocks}")
+    return answers.compaction_moves(tables, num_blocks)
+
+
 def moves_every_block(tables, num_blocks):
     """A right plan padded with a copy of a block already in place onto itself."""
     moves = answers.compaction_moves(tables, num_blocks)
@@ -171,6 +275,12 @@ def test_compaction_right_answers_pass(capsys, fn):
     [
         (moves_one_per_block, "two tables swap places", "were overwritten before they were copied"),
         (moves_every_block, "already packed", "a block already in place was copied away"),
+        (moves_by_destination, "a chain backwards", "table 1's entry 0 (block 0) were overwritten"),
+        (
+            moves_need_a_spare,
+            "a full pool with nothing to move",
+            "raised ValueError: no spare block among 2 (a plan exists",
+        ),
         (stub, "one table", "NotImplementedError"),
     ],
 )
@@ -201,6 +311,14 @@ def test_compaction_hidden_cases_hold_cycles_and_full_pools():
     ]
     assert {"raised": "ValueError"} in outcomes
     assert any(o.get("moves", 0) and o["moves"] > 2 for o in outcomes)
+
+
+def test_compaction_wrong_chain_order_passes_the_other_chain(capsys):
+    """``moves_by_destination`` is right on the chain that shifts down: only the backward chain
+    (issue 37's [[5], [0]]) catches it."""
+    checks.check_compaction_moves(moves_by_destination)
+    lines = graded_lines(capsys)
+    assert any("a chain: each move frees" in line and line.endswith(": ok") for line in lines), lines
 
 
 def test_apply_moves_names_the_lost_entry():
@@ -290,6 +408,39 @@ def predict_no_reuse():
 def predict_by_running():
     """Runs the stage instead of predicting: the hidden case sees its code run."""
     return checks.prediction_state()
+
+
+def predict_exception_class():
+    """The right prediction, with the exception given as its class rather than its name."""
+    return {**answers.predict(), "exception of reserve(a, 13)": OutOfBlocksError}
+
+
+def test_predict_an_exception_class_is_told_the_type_expected(capsys):
+    checks.check_predict(predict_exception_class)
+    lines = graded_lines(capsys)
+    assert_named(
+        lines,
+        "exception of reserve(a, 13)",
+        "the class OutOfBlocksError, expected the name of an exception as a str, or None",
+    )
+    assert lines[-1] == "4/5 passed", lines
+    for seed in SEEDS:
+        assert problems("L2.7", predict_exception_class, seed) == [
+            "hidden case 1 (predict()): exception of reserve(a, 13) is wrong"
+        ]
+
+
+@pytest.mark.parametrize("notebook", [NOTEBOOK, NOTEBOOK.parent / "exercises" / NOTEBOOK.name])
+def test_predict_keys_are_stated_in_the_text_and_the_stub(notebook):
+    """Issue 37: a right prediction under other key names got 0/5. The exercise's text and the function
+    the learner fills in (the stub keeps the comment above the solution) name every key the check reads."""
+    nb = exercises.read(notebook)
+    (text,) = [c.source for c in nb.cells if c.cell_type == "markdown" and "## Exercise L2.7" in c.source]
+    (code,) = [c.source for c in nb.cells if c.cell_type == "code" and "def predict():" in c.source]
+    head = code.split("# BEGIN SOLUTION")[0] if "# BEGIN SOLUTION" in code else code
+    for key in checks.prediction_state():
+        assert f'`"{key}"`' in text, key
+        assert f'"{key}"' in head, key
 
 
 def test_predict_wrong_answers_fail_without_showing_the_values(capsys):

@@ -21,7 +21,8 @@ as ``write_kv``, ``Engine.generate`` as ``decode_loop``, the request check and `
 ``contiguous_bytes``; L1.4 has no stage implementation); ``CONTEXT`` builds what L1.2's check cell
 passes after the function, an engine on the course model. Both are for the tests.
 
-Left out on purpose: error messages (only the error's type is graded).
+Left out on purpose: error messages, beyond L1.4's and L1.5's naming the argument and its value (the
+rest is graded by the error's type only).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import math
 from kvcourse.harness.prompts import encode
 from kvcourse.model_store import resolve_model_dir
 
-from .checks import HIDDEN, POOL_BUDGET, _tokenizer, decode_call, decode_observation, prompt_of
+from .checks import HIDDEN, POOL_BUDGET, SIZE_ARGS, _tokenizer, decode_call, decode_observation, prompt_of
 
 
 def write_kv(k_cache, v_cache, start, k, v):
@@ -128,8 +129,9 @@ def contiguous_by_simulation(requests, max_model_len, bytes_per_token, block_siz
     of ``checks.py``), as ``contiguous_bytes``."""
     from .checks import simulate_contiguous
 
-    if min(max_model_len, bytes_per_token, block_size) < 1:
-        raise ValueError(f"sizes must be >= 1: {max_model_len}, {bytes_per_token}, {block_size}")
+    for name, value in zip(SIZE_ARGS, (max_model_len, bytes_per_token, block_size), strict=True):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     return simulate_contiguous(requests, max_model_len, bytes_per_token, block_size)
 
 

@@ -493,8 +493,12 @@ def draw_ring(rng) -> list[dict]:
 def observe_ring(fn, case) -> dict:
     try:
         got = fn(case["window"], case["length"])
-    except ValueError:
-        return {"raised": "ValueError"}
+    except ValueError as e:
+        name = "window" if case["window"] < 1 else "length"
+        return {
+            "raised": "ValueError",
+            "names the argument and its value": names_value(str(e), name, case[name]),
+        }
     return {"returned": list(got) if isinstance(got, list | tuple) else repr(got)}
 
 
@@ -502,9 +506,13 @@ def describe_ring(case: dict) -> str:
     return f"ring_positions(window={case['window']}, length={case['length']})"
 
 
+SIZE_ARGS = ("max_model_len", "bytes_per_token", "block_size")  # L1.5's arguments after requests
+
+
 def draw_contiguous(rng) -> list[dict]:
     """Batches of up to 6 requests under a small max_model_len: some end exactly at the limit, some one
-    past it, some with an empty prompt or no new token; block sizes 1 to 16; one bad argument."""
+    past it, some with an empty prompt or no new token; block sizes 1 to 16; each of the three sizes
+    below 1 once."""
     cases = []
     for _ in range(7):
         limit = rng.randint(1, 64)
@@ -517,8 +525,9 @@ def draw_contiguous(rng) -> list[dict]:
             requests.append([p, n])
         cases.append({"requests": requests, "max_model_len": limit, "bytes_per_token": rng.choice([1, 8, 46_080]),
                       "block_size": rng.randint(1, 16)})  # fmt: skip
-    bad = rng.choice(["max_model_len", "bytes_per_token", "block_size"])
-    cases.insert(rng.randint(0, len(cases)), {**cases[0], bad: rng.randint(-1, 0)})
+    good = cases[0]
+    for bad in SIZE_ARGS:
+        cases.insert(rng.randint(0, len(cases)), {**good, bad: rng.randint(-1, 0)})
     return cases
 
 
@@ -526,8 +535,12 @@ def observe_contiguous(fn, case) -> dict:
     args = (case["max_model_len"], case["bytes_per_token"], case["block_size"])
     try:
         got = fn([tuple(r) for r in case["requests"]], *args)
-    except ValueError:
-        return {"raised": "ValueError"}
+    except ValueError as e:
+        name = next(n for n in SIZE_ARGS if case[n] < 1)
+        return {
+            "raised": "ValueError",
+            "names the argument and its value": names_value(str(e), name, case[name]),
+        }
     if not isinstance(got, dict):
         return {"returned": repr(got)}
     return {k: list(v) if isinstance(v, list | tuple) else v for k, v in got.items()}
@@ -536,7 +549,7 @@ def observe_contiguous(fn, case) -> dict:
 def describe_contiguous(case: dict) -> str:
     return (
         f"requests {case['requests']}, max_model_len {case['max_model_len']}, "
-        f"{case['bytes_per_token']} bytes per token, block_size {case['block_size']}"
+        f"{plural(case['bytes_per_token'], 'byte')} per token, block_size {case['block_size']}"
     )
 
 
@@ -595,7 +608,8 @@ def check_ring_positions(ring_positions: Callable) -> None:
     """Grade ``ring_positions(window, length) -> list[int]``: for each row of a ring buffer of
     ``window`` rows, the position whose K/V it holds after positions 0 .. length - 1 were written in
     order (position p into row p % window), -1 for a row never written; ``ValueError`` for
-    window < 1 or length < 0. Two cases use a length no loop over positions can reach."""
+    window < 1 or length < 0, its message naming the argument and its value. Two cases use a length no
+    loop over positions can reach."""
 
     def case(window: int, length: int) -> Callable[[], str | None]:
         def run() -> str | None:
@@ -604,9 +618,11 @@ def check_ring_positions(ring_positions: Callable) -> None:
                 got = ring_positions(window, length)
             if isinstance(got, tuple):
                 got = list(got)
+            if not isinstance(got, list):
+                return f"returned {short_rows(got)}, expected a list of {plural(len(expected), 'row')}"
             if got == expected:
                 return None
-            problem = f"rows {short_rows(got)}, expected {len(expected)} rows: {short_rows(expected)}"
+            problem = rows_problem(got, expected)
             if (window, length) in RING_HUGE_ROWS:
                 return problem
             return named_mistake(
@@ -628,13 +644,12 @@ def check_ring_positions(ring_positions: Callable) -> None:
 
     def refused(window: int, length: int, names: str) -> Callable[[], str | None]:
         def run() -> str | None:
+            value = window if names == "window" else length
             try:
                 got = ring_positions(window, length)
             except ValueError as e:
-                if str(window if names == "window" else length) in str(e):
-                    return None
-                return f"the ValueError says {first_line(str(e))!r}: name the bad {names} and its value"
-            return f"no ValueError for {names} {window if names == 'window' else length}, returned {got!r}"
+                return unnamed(str(e), names, value)
+            return f"no ValueError for {names} {value}, returned {got!r}"
 
         return run
 
@@ -679,6 +694,53 @@ def short_rows(rows) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def plural(count: int, noun: str) -> str:
+    """``plural(1, "row") -> '1 row'``; ``plural(3, "row") -> '3 rows'``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def rows_problem(got: list, expected: list[int]) -> str:
+    """How returned rows differ from the expected ones, in one line: both lists when they are short,
+    else the first row that differs with both values (a list cut at 80 characters could hide it).
+
+    Examples: ``rows_problem([0, 1], [0, 2]) -> 'rows [0, 1], expected [0, 2]'``;
+    ``rows_problem([0, 1], [0]) -> 'rows [0, 1], expected 1 row: [0]'``; with 15-digit positions,
+    ``'row 2 is 999999999999998, expected 999999999999997 (the first of 3 rows that differ)'``.
+    """
+    count = plural(len(expected), "row")
+    if len(repr(got)) <= 80 and len(repr(expected)) <= 80:
+        shown = repr(expected) if len(got) == len(expected) else f"{count}: {expected!r}"
+        return f"rows {got!r}, expected {shown}"
+    differ = [r for r in range(min(len(got), len(expected))) if got[r] != expected[r]]
+    first = f"row {differ[0]} is {got[differ[0]]!r}, expected {expected[differ[0]]!r}" if differ else ""
+    if len(got) != len(expected):
+        return f"{plural(len(got), 'row')}, expected {count}" + (f"; {first}" if first else "")
+    if len(differ) != 1:
+        return (
+            f"{first} (the first of {len(differ)} rows that differ)" if differ else f"rows {short_rows(got)}"
+        )
+    return first
+
+
+def names_value(message: str, name: str, value: int) -> bool:
+    """Whether an error message names the argument and gives its value (as a whole number, so that 0
+    is not found in 10): ``names_value("window must be >= 1, got 0", "window", 0) -> True``."""
+    return (
+        name in message and re.search(rf"(?<![\w.]){re.escape(str(value))}(?!\w|\.\d)", message) is not None
+    )
+
+
+def unnamed(message: str, name: str, value: int) -> str | None:
+    """None when a ValueError's message names the argument and its value, else what it leaves out.
+
+    Example: ``unnamed("got 0", "window", 0)`` -> ``"the ValueError says 'got 0': name the argument
+    window and its value 0"``.
+    """
+    if names_value(message, name, value):
+        return None
+    return f"the ValueError says {first_line(message)!r}: name the argument {name} and its value {value}"
+
+
 def simulate_contiguous(
     requests: list[tuple[int, int]], max_model_len: int, bytes_per_token: int, block_size: int
 ) -> dict:
@@ -710,7 +772,8 @@ def simulate_contiguous(
 
 def check_contiguous_bytes(contiguous_bytes: Callable) -> None:
     """Grade ``contiguous_bytes(requests, max_model_len, bytes_per_token, block_size) -> dict`` against
-    a simulation with this stage's ``KvCache`` and the engines' request check (see the notebook)."""
+    a simulation with this stage's ``KvCache`` and the engines' request check (see the notebook), and
+    ``ValueError`` naming the argument and its value for each size below 1."""
 
     def case(requests, max_model_len: int, bytes_per_token: int, block_size: int) -> Callable[[], str | None]:
         def run() -> str | None:
@@ -733,16 +796,12 @@ def check_contiguous_bytes(contiguous_bytes: Callable) -> None:
 
     def refused(args, names: str) -> Callable[[], str | None]:
         def run() -> str | None:
+            value = args[SIZE_ARGS.index(names) + 1]
             try:
                 got = contiguous_bytes(*args)
             except ValueError as e:
-                value = str(args[{"max_model_len": 1, "bytes_per_token": 2, "block_size": 3}[names]])
-                return (
-                    None
-                    if value in str(e)
-                    else f"the ValueError says {first_line(str(e))!r}: name {names} and its value"
-                )
-            return f"no ValueError for {names} = {args[{'max_model_len': 1, 'bytes_per_token': 2, 'block_size': 3}[names]]}, returned {short_rows(got)}"
+                return unnamed(str(e), names, value)
+            return f"no ValueError for {names} = {value}, returned {short_rows(got)}"
 
         return run
 
@@ -762,6 +821,10 @@ def check_contiguous_bytes(contiguous_bytes: Callable) -> None:
             Case(
                 "max_model_len 0 is refused with a ValueError naming it",
                 refused(([(1, 1)], 0, 8, 4), "max_model_len"),
+            ),
+            Case(
+                "bytes_per_token -1 is refused with a ValueError naming it",
+                refused(([(1, 1)], 16, -1, 4), "bytes_per_token"),
             ),
             Case(
                 "block_size 0 is refused with a ValueError naming it",

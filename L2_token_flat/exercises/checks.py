@@ -404,35 +404,39 @@ def run_problem(got) -> str | None:
 
 # L2.4's expected picks were computed once with answers.py's pick_adjacent and are stored here as data
 # (its policy is what the exercise asks for, so a second implementation here would be an answer key;
-# tests/test_exercises_l2_beyond.py checks these values against answers.py).
+# tests/test_exercises_l2_beyond.py checks these values against answers.py). An exception class stands
+# for a case that must raise it.
 ADJACENT_CASES = [
     ("extends the table's last block", [0, 5, 1, 6, 7], [4], 2, [5, 6]),
     ("an empty table takes the first run that fits", [9, 2, 3, 6, 7, 8], [], 3, [6, 7, 8]),
     ("extends, then the first run that fits the rest", [3, 4, 10, 11, 12, 0], [1, 2], 4, [3, 4, 10, 11]),
+    ("two runs fit: the first, though a later one is shorter", [10, 4, 0, 9, 2, 5, 3], [7], 2, [2, 3]),
     ("no run fits: the longest first, then again", [0, 2, 3, 5, 6, 7, 9], [], 5, [5, 6, 7, 2, 3]),
-    ("equally long runs: the lowest first", [8, 9, 1, 2, 5], [], 3, [1, 2, 5]),
+    ("equally long runs: the lowest first", [5, 1, 8, 2, 9], [], 3, [1, 2, 5]),
     ("the free list's order does not matter", [12, 3, 11, 4, 10], [0], 2, [3, 4]),
     ("n = 0 takes nothing", [1, 2], [0], 0, []),
-    ("more than is free raises OutOfBlocksError", [1, 2], [0], 3, None),
+    ("more than is free raises OutOfBlocksError", [1, 2], [0], 3, OutOfBlocksError),
+    ("n < 0 raises ValueError", [1, 2], [0], -1, ValueError),
 ]
 
 
 def check_pick_adjacent(pick_adjacent: Callable) -> None:
     """Grade ``pick_adjacent(free_blocks, table, n) -> list[int]`` on fixed cases (see the notebook):
-    its picks, that it changes neither argument, and OutOfBlocksError when n is more than is free."""
+    its picks, that it changes neither argument, OutOfBlocksError when n is more than is free and
+    ValueError when n < 0."""
 
     def case(
-        free: list[int], table: list[int], n: int, expected: list[int] | None
+        free: list[int], table: list[int], n: int, expected: list[int] | type
     ) -> Callable[[], str | None]:
         def run() -> str | None:
             free_arg, table_arg = list(free), list(table)
             have = outcome(pick_adjacent, free_arg, table_arg, n)
             if (free_arg, table_arg) != (free, table):
                 return "the arguments were changed: return the picks and leave free_blocks and table alone"
-            if expected is None:
-                if have[0] == "raised" and isinstance(have[1], OutOfBlocksError):
+            if isinstance(expected, type):  # the exception the case must raise
+                if have[0] == "raised" and isinstance(have[1], expected):
                     return None
-                return f"expected OutOfBlocksError, {describe(have)}"
+                return f"expected {expected.__name__}, {describe(have)}"
             if have[0] == "raised":
                 return f"raised {type(have[1]).__name__}: {first_line(str(have[1]))}"
             problem = run_problem(have[1]) or (
@@ -457,8 +461,9 @@ def check_pick_adjacent(pick_adjacent: Callable) -> None:
 
 def draw_adjacent(rng) -> list[dict]:
     """Pools of 6 to 16 blocks, a third to nearly all of them free (shuffled), a table of held blocks
-    whose last one is often followed by a free block; n from 1 to one more than is free, and one case of
-    n = 0."""
+    whose last one is often followed by a free block; n from 1 to one more than is free. Among them, at
+    random places: n = 0, n < 0, two runs that fit where the first is the longer, and no run that fits
+    with two longest runs of equal length."""
     cases = []
     for _ in range(10):
         num_blocks = rng.randint(6, 16)
@@ -472,8 +477,26 @@ def draw_adjacent(rng) -> list[dict]:
         rng.shuffle(free)
         n = rng.choice([1, 2, rng.randint(1, len(free)), rng.randint(1, len(free)), len(free), len(free) + 1])
         cases.append({"free": free, "table": table, "n": n})
-    cases[rng.randrange(len(cases))]["n"] = 0
+    zero, negative = rng.sample(range(len(cases)), 2)
+    cases[zero]["n"], cases[negative]["n"] = 0, -rng.randint(1, 3)
+    need = rng.randint(2, 4)  # two runs fit; the first is longer, a single block fits nothing
+    cases.insert(rng.randint(0, len(cases)), runs_case(rng, [1, need + rng.randint(1, 3), need], need))
+    longest = rng.randint(2, 4)  # nothing fits; two longest runs and a shorter one, in any order
+    lengths = rng.sample([longest, longest, rng.randint(1, longest - 1)], 3)
+    cases.insert(rng.randint(0, len(cases)), runs_case(rng, lengths, longest + 1))
     return cases
+
+
+def runs_case(rng, lengths: list[int], n: int) -> dict:
+    """A case whose free ids form runs of ``lengths`` in id order, one or two ids apart, shuffled; the
+    table is empty or ends in a block that cannot be extended. ``runs_case(rng, [2, 1], 3)`` may give
+    free [3, 0, 1], table [6], n 3."""
+    free, at = [], rng.randint(0, 3)
+    for length in lengths:
+        free += range(at, at + length)
+        at += length + rng.randint(1, 2)
+    rng.shuffle(free)
+    return {"free": free, "table": rng.choice([[], [at + 1]]), "n": n}
 
 
 def observe_adjacent(fn, case) -> dict:
@@ -534,6 +557,8 @@ COMPACTION_CASES = [
     ("a chain: each move frees the next destination", [[1, 2, 3]], 4, 3),
     ("two tables swap places: a cycle needs a spare block", [[2, 3], [0, 1]], 5, 6),
     ("a block already in place stays", [[0, 4], [2, 5]], 6, 2),
+    ("a chain backwards: 0 -> 1 before 5 -> 0", [[5], [0]], 6, 2),
+    ("a full pool with nothing to move: no spare needed, no error", [[0], [1]], 2, 0),
     ("a full pool with a cycle: no plan, ValueError", [[1], [0]], 2, None),
 ]
 
@@ -551,7 +576,10 @@ def check_compaction_moves(compaction_moves: Callable) -> None:
                     return None
                 return f"expected ValueError (no block is free to break the cycle), {describe(have)}"
             if have[0] == "raised":
-                return f"raised {type(have[1]).__name__}: {first_line(str(have[1]))}"
+                problem = f"raised {type(have[1]).__name__}: {first_line(str(have[1]))}"
+                if isinstance(have[1], ValueError):
+                    problem += " (a plan exists: only a cycle of moves with no spare block has none)"
+                return problem
             problem = apply_moves(tables, num_blocks, have[1])
             if problem:
                 return problem
@@ -581,16 +609,23 @@ def placed_blocks(tables) -> set[int]:
 
 
 def draw_compaction(rng) -> list[dict]:
-    """Pools of 2 to 10 blocks holding 1 to 3 tables: some packed already, some full (a cycle may leave
-    no spare block), tables shuffled across the pool."""
+    """Pools of 2 to 10 blocks holding 1 to 3 tables: some packed already (one of them a full pool),
+    some full (a cycle may leave no spare block), tables shuffled across the pool, and one chain that
+    runs backwards (a table at the pool's front whose blocks move up, to make room for the one before)."""
     cases = []
     for c in range(8):
         num_blocks = rng.randint(2, 10)
-        used = num_blocks if c < 2 else rng.randint(1, num_blocks)
-        ids = rng.sample(range(num_blocks), used) if c != 2 else list(range(used))
+        used = num_blocks if c < 3 else rng.randint(1, num_blocks)
+        ids = rng.sample(range(num_blocks), used) if c not in (2, 3) else list(range(used))
         cuts = sorted(rng.sample(range(1, used), min(rng.randint(0, 2), used - 1))) if used > 1 else []
         tables = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, used], strict=True)]
         cases.append({"tables": tables, "num_blocks": num_blocks})
+    m = rng.randint(1, 3)  # the front table's m blocks move up by m; the other table's fill the front
+    num_blocks = rng.randint(3 * m, 3 * m + 3)
+    cases.append(
+        {"tables": [rng.sample(range(2 * m, num_blocks), m), list(range(m))], "num_blocks": num_blocks}
+    )
+    rng.shuffle(cases)
     return cases
 
 
@@ -675,7 +710,10 @@ def differs(got, want) -> str | None:
     """None when equal, else how ``got`` differs from ``want`` without showing ``want``.
 
     Examples: ``differs([1, 2], [1, 3]) -> '1 of 2 entries differ'``; ``differs([1], [1, 3])`` ->
-    ``'1 entries, not the right number'``; ``differs(5, 6) -> 'not the value the operations give'``.
+    ``'1 entry, not the right number'``; ``differs(5, 6) -> 'not the value the operations give'``;
+    ``differs(KeyError, "KeyError")`` -> ``'the class KeyError, expected the name of an exception as a
+    str, or None'``. A wrong type is named only where the notebook fixes the type (a list, an int), so
+    that a str or None never tells whether an exception was raised.
     """
     if got == want and type(got) is type(want):
         return None
@@ -683,8 +721,13 @@ def differs(got, want) -> str | None:
         if not isinstance(got, list):
             return f"a {type(got).__name__}, expected a list"
         if len(got) != len(want):
-            return f"{len(got)} entries, not the right number"
+            return f"{len(got)} {'entry' if len(got) == 1 else 'entries'}, not the right number"
         return f"{sum(g != w for g, w in zip(got, want, strict=True))} of {len(want)} entries differ"
+    if type(want) is int and type(got) is not int:
+        return f"a {type(got).__name__}, expected an int"
+    if isinstance(want, str | None) and not isinstance(got, str | None):
+        what = f"the class {got.__name__}" if isinstance(got, type) else f"a {type(got).__name__}"
+        return f"{what}, expected the name of an exception as a str, or None"
     return "not the value the operations give"
 
 
