@@ -12,8 +12,8 @@
   own chapter only inside a folded ``<details>`` listing;
 - without the bundle, the course's ``make grade`` grades a learner's notebook on the cases it shows
   (and says the hidden ones are the instructor's) and refuses a class, naming ``KEY=``; with it, an L2
-  notebook with a right, a wrong and an untouched answer gets the same report as in this repository,
-  line for line;
+  notebook's wrong answer gets the same report as in this repository, hidden cases included, line for
+  line;
 - the mutation list names no test that the release leaves out (its ``make mutants`` and
   ``tests/test_mutants.py`` need them);
 - the grading sandbox hides the bundle from the notebooks it runs, wherever the bundle lies.
@@ -159,10 +159,12 @@ def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_pa
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "KEY=" in refused.stderr and "answer key" in refused.stderr, refused.stderr
 
-    here, there = grade(ROOT, notebook), grade(course, notebook, "--key", str(key))
+    # the wrong answer, on the hidden cases too: only the cells L2.2 needs run (two kernels, not the class)
+    here = grade(ROOT, notebook, "--exercise", "L2.2")
+    there = grade(course, notebook, "--exercise", "L2.2", "--key", str(key))
     assert here.stdout.splitlines(), here.stderr
     assert here.stdout == there.stdout, (here.stdout, there.stdout, there.stderr)
-    assert "L2.1 alloc_blocks: PASS" in here.stdout and "L2.2 free: FAIL" in here.stdout, here.stdout
+    assert "L2.2 free: FAIL" in here.stdout and "hidden case" in here.stdout, here.stdout
 
 
 @pytest.mark.skipif(bwrap_works() is not None, reason=f"optional dependency missing: {bwrap_works()}")
