@@ -53,6 +53,13 @@ def test_reference_solutions_are_clean(reference):
         ("from L2_token_flat import answers", "tamper", "imports L2_token_flat.answers"),
         ("text = open('notebooks/L2_token_flat.ipynb').read()", "tamper", "names a notebook file"),
         ("exec('x = 1')", "tamper", "calls exec()"),
+        (  # a catch-the-bug test that compares with the grader's own correct version
+            "def test_allocator(Allocator):\n    Right = checks.version('L2_token_flat.allocator:BlockAllocator')",
+            "tamper",
+            "reads checks.version",
+        ),
+        ("def predict():\n    return checks.predict_steps()[-1]", "tamper", "reads checks.predict_steps"),
+        ("import kvcourse\nversion = kvcourse.grading.bugs.version", "tamper", "reaches kvcourse.grading"),
         ("alloc_blocks = BlockAllocator.alloc_blocks", "alias", "reads BlockAllocator.alloc_blocks"),
         (
             "from L2_token_flat.sequence import reserve",

@@ -6,8 +6,9 @@ that hands the exercise to the stage's own code deserves no credit. ``scan`` rea
 cells (exercise cells and cells the learner added; the other cells are the course's and are run as
 the exercise notebook has them) and returns findings of two kinds:
 
-- **tampering**, anywhere in the learner's code: changing the grader (rebinding ``checks`` or one of
-  its names, importing ``kvcourse.grading.cases``/``hidden``/``grade``), the import machinery (``sys.modules``, ``importlib``,
+- **tampering**, anywhere in the learner's code: changing or using the grader (rebinding ``checks`` or
+  one of its names, reading one that is not a ``check_`` function, importing or reaching
+  ``kvcourse.grading``), the import machinery (``sys.modules``, ``importlib``,
   ``__import__``, ``builtins``), tracing hooks, code objects, ``exec``/``eval``/``compile``, or the
   answer key (a stage's ``answers`` module, a ``.ipynb`` file). The whole notebook is not credited;
 - **aliasing**, per exercise: importing the stage's own implementation of what the exercise asks
@@ -90,8 +91,9 @@ def root_name(node) -> str | None:
 def tampering(node) -> str | None:
     """What in ``node`` reaches for the grader, the import machinery or the answer key, else None.
 
-    Calling a checker (``checks.check_free(free)`` in a scratch cell) is fine; replacing one, or
-    rebinding ``checks``, is not.
+    Calling a checker (``checks.check_free(free)`` in a scratch cell) is fine; replacing one, rebinding
+    ``checks``, or reading anything else of it (``checks.version``: a catch-the-bug exercise's correct
+    version, to compare with; ``checks.predict_steps``: the run a prediction is graded against) is not.
     """
     for name in module_names(node):
         parts = name.split(".")
@@ -107,6 +109,11 @@ def tampering(node) -> str | None:
             return f"calls {node.func.id}()"
         if node.func.id in ("setattr", "delattr") and node.args and root_name(node.args[0]) == "checks":
             return f"calls {node.func.id}() on checks"
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "checks":
+        if not node.attr.startswith("check_"):  # the grader's helpers: a version to compare with, the
+            return f"reads checks.{node.attr}"  # run a prediction is graded against
+    if isinstance(node, ast.Attribute) and node.attr == "grading":
+        return f"reaches {ast.unparse(node)}"
     if isinstance(node, ast.Name) and node.id == "__builtins__":
         return "uses __builtins__"
     if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES:
