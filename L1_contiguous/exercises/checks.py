@@ -27,18 +27,23 @@ Left out on purpose: partial credit and hints; a loop that never stops is cut of
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import re
-import signal
-import threading
 from collections.abc import Callable
 
 import torch
 
 from kvcourse.config import ModelConfig
-from kvcourse.grading.cases import CallLimit, Case, first_line, named_mistake, run_cases, tensor_problem
+from kvcourse.grading.cases import (
+    CallLimit,
+    Case,
+    first_line,
+    named_mistake,
+    run_cases,
+    tensor_problem,
+    time_limit,
+)
 from kvcourse.grading.hidden import Hidden
 from kvcourse.harness.prompts import Prompt, encode
 
@@ -668,24 +673,10 @@ def check_ring_positions(ring_positions: Callable) -> None:
     )
 
 
-@contextlib.contextmanager
 def seconds_limit(seconds: int, hint: str):
     """Raise TimeoutError(hint) in the block after ``seconds`` (a learner's loop over 10**15 positions
     would otherwise hang the notebook); main thread only, elsewhere no limit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: {hint}")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    return time_limit(seconds, TimeoutError(f"still running after {seconds} s: {hint}"))
 
 
 def short_rows(rows) -> str:

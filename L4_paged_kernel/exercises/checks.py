@@ -566,14 +566,22 @@ def _lse_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     return s.softmax(dim=-1) @ v, torch.logsumexp(s, dim=-1)  # softmax of an all -inf row is NaN
 
 
-def _lse_inputs(case: dict):
-    """q, k, v and the visibility of a merge case (``draw_merges``'s dict), and each side's (out, lse)."""
+def merge_tensors(case: dict):
+    """q (R, D), k and v (n1 + n2, D) drawn from a merge case's seed (``draw_merges``), and which key
+    each row sees, (R, n1 + n2) bool: the first n1 keys are side 1's, the rest side 2's."""
     gen = torch.Generator().manual_seed(case["seed"])
-    n1, n = case["n1"], case["n1"] + case["n2"]
+    n = case["n1"] + case["n2"]
     q = torch.randn(case["rows"], case["dim"], generator=gen) * case["size"]  # (R, D)
     k = torch.randn(n, case["dim"], generator=gen)  # (n1 + n2, D)
     v = torch.randn(n, case["dim"], generator=gen)
     visible = torch.tensor(case["visible"], dtype=torch.bool).reshape(case["rows"], n)  # (R, n1 + n2)
+    return q, k, v, visible
+
+
+def _lse_inputs(case: dict):
+    """q, k, v and the visibility of a merge case (``draw_merges``'s dict), and each side's (out, lse)."""
+    q, k, v, visible = merge_tensors(case)
+    n1 = case["n1"]
     side1 = _lse_side(q, k[:n1], v[:n1], visible[:, :n1])
     side2 = _lse_side(q, k[n1:], v[n1:], visible[:, n1:])
     return q, k, v, visible, side1, side2
@@ -866,12 +874,8 @@ def draw_merges(rng) -> list[dict]:
 def observe_merge(fn, case) -> list[dict]:
     """Random q, keys and values from the case's seed; each side's partial (``_partial``) over its
     keys as the case's visibility allows; ``fn`` merges them."""
-    gen = torch.Generator().manual_seed(case["seed"])
-    n1, n = case["n1"], case["n1"] + case["n2"]
-    q = torch.randn(case["rows"], case["dim"], generator=gen) * case["size"]  # (R, D)
-    k = torch.randn(n, case["dim"], generator=gen)  # (n1 + n2, D)
-    v = torch.randn(n, case["dim"], generator=gen)
-    visible = torch.tensor(case["visible"], dtype=torch.bool).reshape(case["rows"], n)  # (R, n1 + n2)
+    q, k, v, visible = merge_tensors(case)
+    n1 = case["n1"]
     m1, l1, acc1 = _partial(q, k[:n1], v[:n1], visible[:, :n1])
     m2, l2, acc2 = _partial(q, k[n1:], v[n1:], visible[:, n1:])
     out = fn(m1, l1, acc1, m2, l2, acc2)

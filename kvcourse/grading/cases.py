@@ -31,6 +31,7 @@ This module knows no stage and imports none. It holds:
 - ``outcome`` / ``describe``: one call's return value or exception, to compare with the reference's;
 - ``named_mistake``: adds the broken rule to a case's line when the answer gives what a known mistake
   gives (a dropped rescale, an off-by-one, a wrong dtype);
+- ``time_limit``: stops a block that runs past its seconds (main thread only);
 - ``CallLimit``: stops a learner's loop that calls a method more often than allowed (instead of
   hanging);
 - ``first_line`` and ``format_positions``: short texts for those lines.
@@ -44,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -222,6 +225,29 @@ def named_mistake(
         except Exception:  # noqa: BLE001, S112 - a mistake that cannot run on this input names nothing
             continue
     return problem
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, error: Exception):
+    """Raise ``error`` in the block once it has run ``seconds`` (a loop that would never end, a hidden
+    case that runs too long). Main thread only: elsewhere the block runs without a limit.
+
+    Example: ``with time_limit(5, TimeoutError("compute each row directly")): ring(10**15)``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise error
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class CallLimit:

@@ -48,15 +48,14 @@ import json
 import math
 import os
 import random
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcourse.grading import cases
 from kvcourse.grading.cases import first_line
 
 SECONDS = 60  # the time all of an exercise's hidden cases may take in the learner's kernel
@@ -168,23 +167,9 @@ def watching(targets: tuple[str, ...], caught: list[str]):
             constant.update(values)
 
 
-@contextlib.contextmanager
 def time_limit(seconds: int):
     """Raise ``CaseTimeout`` in the block after ``seconds`` (main thread only; elsewhere no limit)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise CaseTimeout(f"the hidden cases ran past their {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    return cases.time_limit(seconds, CaseTimeout(f"the hidden cases ran past their {seconds} s"))
 
 
 def load_fresh(package: str, module: str = "exercises.checks"):
