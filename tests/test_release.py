@@ -16,6 +16,7 @@
   line;
 - the mutation list names no test that the release leaves out (its ``make mutants`` and
   ``tests/test_mutants.py`` need them);
+- the release's chapters are what ``make numbers`` draws there, without the git history;
 - the grading sandbox hides the bundle from the notebooks it runs, wherever the bundle lies.
 
 Left out on purpose: running the release's whole ``make test`` (minutes; the closing check of an issue
@@ -192,6 +193,20 @@ def test_a_release_never_overwrites_and_stays_outside_the_course(made, tmp_path,
     assert "inside the course" in capsys.readouterr().err
     assert release.main([]) == 2
     assert "make release DIR=" in capsys.readouterr().err
+
+
+def test_the_release_draws_the_same_tables_without_the_history(made):
+    """make numbers --check passes in the release, whose git history is one commit: a table's
+    provenance line is read from its results file, never from git log."""
+    course, _ = made
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcourse.tools.numbers", "--check"],
+        cwd=course,
+        env={**os.environ, "PYTHONPATH": str(course)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_mutation_list_names_no_test_the_release_leaves_out():

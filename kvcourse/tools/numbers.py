@@ -37,7 +37,6 @@ import importlib.util
 import json
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,24 +177,18 @@ def tables(markdown: str) -> list[list[str]]:
     return found
 
 
-def git(*args: str) -> str:
-    """A git command's output in the repository, stripped ('' where git or the repository is missing)."""
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    return out.stdout.strip()
-
-
 def provenance(source: Source, results: dict) -> str:
-    """The line above a generated table: command, file, commit, machine, date. For a results file written
-    before the commands recorded their commit, the commit that last changed the file."""
+    """The line above a generated table: command, file, commit, machine, date. A results file written
+    before the commands recorded their commit names the commit that added it (``committed_in``, written
+    into the file by hand: the line must not depend on the git history, which a shallow clone or a
+    student release does not have)."""
     commit = results.get("commit")
     if commit:
         where = f"measured at commit {commit}"
+    elif results.get("committed_in"):
+        where = f"commit not recorded, results committed in {results['committed_in']}"
     else:
-        last = git("log", "-1", "--format=%h", "--", source.results)
-        where = f"commit not recorded, results committed in {last}" if last else "commit not recorded"
+        where = "commit not recorded"
     machine = results.get("machine") or results.get("device_name") or "machine not recorded"
     if isinstance(machine, dict):  # make bench's: platform, processor, threads, torch
         machine = f"{machine['processor']}, {machine['threads']} threads, torch {machine['torch']}"
