@@ -92,15 +92,8 @@ def fork_beams(tables, num_tokens, block_size, survivors, ref_counts, alloc):
     for i, j in enumerate(survivors):
         if j not in survivors[:i]:
             out.append(list(tables[j]))
-            continue
-        table = []
-        for n, block in enumerate(tables[j]):
-            if (n + 1) * block_size <= num_tokens:
-                ref_counts[block] += 1
-                table.append(block)
-            else:
-                table.append(alloc())
-        out.append(table)
+        else:  # a later survivor: one clone of the beam's table, as in L5.1
+            out.append(clone_table(tables[j], num_tokens, block_size, 1, ref_counts, alloc)[0])
     return out
 
 
