@@ -49,8 +49,8 @@ class BeamGroup:
     params: BeamParams
     max_new_tokens: int
     eos_ids: tuple[int, ...]
+    scores: torch.Tensor  # (len(beams),) fp32 sums, on the engine's device (the logits' device)
     beams: list = field(default_factory=list)  # live Sequences, in slot order (the survivors' rank)
-    scores: torch.Tensor = field(default_factory=lambda: torch.zeros(1))  # (len(beams),) fp32 sums
     finished: list[tuple[float, list[int]]] = field(default_factory=list)  # (score, new tokens), best first
     rows: dict = field(default_factory=dict)  # beam -> its logits (vocab,), until every beam has one
     steps: list[list[tuple[int, int]]] = field(default_factory=list)  # per step: survivors' (parent, token)
@@ -126,7 +126,8 @@ def add_beam_request(
         check_beam_request(beam, label, len(prompt), max_new_tokens, engine.scheduler)
     seq = engine.add_request(prompt, max_new_tokens, n=beam.num_beams)  # the seats, until it forks
     if beam.num_beams > 1:
-        seq.group = BeamGroup(beam, max_new_tokens, engine.model.cfg.eos_token_ids, beams=[seq])
+        scores = torch.zeros(1, device=engine.device)  # the prompt is the one beam, its score 0
+        seq.group = BeamGroup(beam, max_new_tokens, engine.model.cfg.eos_token_ids, scores, beams=[seq])
     return seq
 
 

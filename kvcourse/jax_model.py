@@ -103,7 +103,8 @@ def load_params(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[
         })  # fmt: skip
 
     cos, sin = rope_cos_sin(
-        torch.arange(cfg.max_position_embeddings), rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        torch.arange(cfg.max_position_embeddings, device="cpu"),  # (T,) on the host, as the weights
+        rope_inv_freq(cfg.head_dim, cfg.rope_theta),
     )
     params = Params(
         embed=jnp.asarray(w.embed.numpy()),

@@ -143,6 +143,18 @@ def test_an_engine_makes_nothing_on_the_default_device(stage, options, tiny_qwen
     assert engine.stats().device == "cpu"
 
 
+@pytest.mark.parametrize("stage", ["L1", "L2", "L3", "L4", "L5", "L6"])
+def test_every_smoke_path_makes_nothing_on_the_default_device(stage, tiny_qwen3_dir):
+    """Each stage's whole smoke (for L5: the prefix cache, greedy and sampled clones, beam search, decode
+    graphs; every smoke also runs the stage before it) with the default device set to meta, HF alone
+    running on its own device (``kvcourse.harness.reference``): every path a smoke takes, where a
+    tensor made without the engine's device fails at once. This is the net that a GPU found a hole in:
+    L5's beam scores, made with ``torch.zeros(1)``, met CUDA logits (``make mutants`` puts it back)."""
+    argv = ["--model", str(tiny_qwen3_dir), "--max-new-tokens", "6"]
+    with torch.device("meta"):
+        assert run_smoke_in_process(stage, argv) == 0
+
+
 def test_sampling_makes_nothing_on_the_default_device(tiny_qwen3_dir):
     """L5's sampled clones: the generators and their draws stay on the CPU, named."""
     from kvcourse.sampling import SamplingParams

@@ -83,7 +83,7 @@ def test_choose_stops_when_no_beam_can_beat_the_worst_kept_hypothesis():
     """k = 1 after a finished hypothesis fills the group: the best survivor scores lower at the same
     length, so the search is done (HF's early-stop heuristic with early_stopping=False)."""
     row = torch.tensor([0.6, 0.3, 0.1]).log()
-    group = BeamGroup(BeamParams(1), max_new_tokens=10, eos_ids=(0,))
+    group = BeamGroup(BeamParams(1), max_new_tokens=10, eos_ids=(0,), scores=torch.zeros(1))
     assert group.choose(row[None], [[]]) == [(0, 1)]
     assert group.done and group.sequences() == [[0]]
 

@@ -478,6 +478,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_l4_kernels.py::test_torch_kernel_matches_dense",),
     ),
     Mutation(
+        "L5 beam scores made on the default device (the first GPU run's bug)",
+        "L5_clones/beam.py",
+        "scores = torch.zeros(1, device=engine.device)",
+        "scores = torch.zeros(1)",
+        ("tests/test_devices.py::test_every_smoke_path_makes_nothing_on_the_default_device[L5]",),
+    ),
+    Mutation(
+        "L6 RoPE table's positions made on the default device",
+        "kvcourse/jax_model.py",
+        'torch.arange(cfg.max_position_embeddings, device="cpu")',
+        "torch.arange(cfg.max_position_embeddings)",
+        ("tests/test_devices.py::test_every_smoke_path_makes_nothing_on_the_default_device[L6]",),
+    ),
+    Mutation(
         "L6 reference attention forgets to rescale acc",
         "L6_tpu_jax/attention.py",
         "alpha[..., None] * acc + jnp.einsum(pv, p, v, precision=HIGHEST)",

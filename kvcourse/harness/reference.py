@@ -16,6 +16,10 @@ sequences, and HF's own beams at every step (recorded by a logits processor, whi
 sequences and their log-probabilities) with, per step, the smallest gap between neighbouring scores
 among the candidates its selection ranks: the beam search tie rule's measure.
 
+HF runs with its own device as torch's default device (``torch.device(device)`` around each run):
+its code is not the course's, and ``tests/test_devices.py`` runs the stages' smokes with the default
+device set to ``meta`` to catch a stage tensor made without its device; the reference must not trip it.
+
 Left out on purpose: sampling (the course compares greedy outputs) and batching (batched HF with left
 padding is a benchmark system, not a reference: padding changes the numerics).
 """
@@ -129,7 +133,10 @@ def hf_greedy(
             out.append(None)
             todo.append(i)
     if todo:
-        hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo], device)
+        import torch
+
+        with torch.device(device):  # HF's own tensors: on its device, whatever the default
+            hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo], device)
         for i, ref in zip(todo, hf, strict=True):
             out[i] = ref
             write_atomically(
@@ -191,8 +198,11 @@ def hf_beams(
     for ids, budget in zip(prompts, budgets, strict=True):
         f = _cache_file(setup, ids, budget)
         if not f.exists():
-            model = model or load_hf_model(model_dir, device)
-            ref = _run_hf_beams(model, ModelConfig.from_dir(model_dir), ids, budget, params, device)
+            import torch
+
+            with torch.device(device):  # HF's own tensors: on its device, whatever the default
+                model = model or load_hf_model(model_dir, device)
+                ref = _run_hf_beams(model, ModelConfig.from_dir(model_dir), ids, budget, params, device)
             write_atomically(f, json.dumps(ref.__dict__))
         out.append(BeamReference(**json.loads(f.read_text())))
     return out
