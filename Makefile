@@ -29,7 +29,7 @@ export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup smoke test lint workspace notebooks grade exercises release diffs numbers bench gpu-check mutants clean
+.PHONY: setup smoke test lint workspace notebooks grade exercises release diffs numbers bench gpu-check gpu-run gpu-wheels mutants clean
 
 setup: $(STAMP)
 	@$(PY) -m kvcourse prepare
@@ -133,6 +133,23 @@ bench: setup
 # Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.tools.gpu_check.
 gpu-check: setup
 	$(PY) -m kvcourse.tools.gpu_check
+
+# One call on a lent GPU machine (kvcourse/tools/gpu_run.py): gpu-check's steps side by side, then the kernel
+# tables, bench (b) and a decode-step profile alone, within 9 minutes, into bench/results, bench/plots and
+# bench/gpu-runs/<date>/. No setup: it runs on the machine's own python3, torch, Triton and JAX, with the
+# transformers wheels of make gpu-wheels (carry .cache/gpu-wheels). COMMIT= names the commit where the tree
+# has no .git. Without a CUDA device it prints its plan and exits 2.
+GPU_PYTHON := $(if $(wildcard $(PY)),$(PY),python3)
+COMMIT ?=
+gpu-run:
+	$(GPU_PYTHON) -m kvcourse.tools.gpu_run $(if $(COMMIT),--commit $(COMMIT))
+
+# The wheels make gpu-run installs where the GPU machine's transformers is not the pin (Python 3.12, x86_64):
+# run it here, where pip reaches PyPI.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .cache/gpu-wheels $$(grep -E '^(transformers|tokenizers)==' requirements.txt)
 
 # Each promise the chapters make, broken on purpose in a scratch copy, one at a time: a test must fail
 # for every one (kvcourse/tools/mutants.py). Not part of make test, which only checks the list still applies.

@@ -324,6 +324,23 @@ def test_the_gpu_check_reads_each_smokes_verdict(tmp_path):
     assert not passed and line.startswith("ran past --timeout 1 s")
 
 
+def test_the_gpu_check_runs_its_steps_side_by_side_and_records_them(tmp_path, capsys):
+    """Stand-in smokes, run at once: each verdict in the plan's order whatever order they end in, and
+    the record (card, commit, each step) that ``make numbers`` draws the README's GPU table from."""
+    slow = "import time; time.sleep(2); print('L1 smoke: 2/2 prompts match HF (4 new tokens)')"
+    bad = "import sys; print('L2 smoke: 1/2 prompts match L1 and HF | 3 new tokens'); sys.exit(1)"
+    steps = [gpu_check.Step("L1", [sys.executable, "-c", slow]), gpu_check.Step("L2", [sys.executable, "-c", bad])]
+    verdicts = gpu_check.run_steps(steps, tmp_path, timeout=60, side_by_side=True)
+    assert [(v.name, v.ok) for v in verdicts] == [("L1", True), ("L2", False)]
+    assert capsys.readouterr().out.splitlines()[0].startswith("L2 ")  # the quick failure printed first
+    results = gpu_check.record(verdicts, "cuda:0 (Pretend GPU)", "abc1234", True, 16)
+    assert results["passed"] == 1 and results["commit"] == "abc1234"
+    assert results["command"] == "python -m kvcourse.tools.gpu_check --side-by-side"
+    rows = gpu_check.table(results).splitlines()
+    assert rows[2].startswith("| L1 | ok | 2/2 prompts match HF (4 new tokens) | ")
+    assert rows[3].startswith("| L2 | FAILED | exit 1: 1/2 prompts match L1 and HF \\| 3 new tokens (log: ")
+
+
 def test_the_smollm2_shaped_checkpoint_where_there_is_no_course_model(model_dir, tmp_path, monkeypatch):
     """Built with no course model to take a tokenizer from: SmolLM2-135M's weight names and shapes, its
     config, and a byte tokenizer that encodes the course's chat prompts."""

@@ -1,6 +1,7 @@
 """The course on a CUDA GPU, checked end to end: ``python -m kvcourse.tools.gpu_check`` (``make gpu-check``).
 
-    python -m kvcourse.tools.gpu_check [--max-new-tokens N] [--timeout SECONDS] [--plan]
+    python -m kvcourse.tools.gpu_check [--max-new-tokens N] [--timeout SECONDS] [--side-by-side]
+                                       [--json FILE] [--commit SHA] [--plan]
 
 It runs from the repository root as it is, with no ``make setup``, on whatever torch, Triton and JAX
 the machine has (a locked-down cluster node included), and downloads nothing. In order:
@@ -16,6 +17,14 @@ the machine has (a locked-down cluster node included), and downloads nothing. In
    L6 runs on the two tiny ones: XLA compiles each of its programs anew for every model shape, 40 s
    to 2 min apiece for SmolLM2's shape on an H100, and its smoke builds five engines;
 3. one line per step, then a verdict naming the GPU and the library versions.
+
+``--side-by-side`` runs the smokes all at once, one process each, while this process runs the kernel
+cases: they only check correctness, so they can share the GPU (an H100 80 GB: 180 s side by side
+against about 590 s one after another, the run of 2026-11-27, ``bench/gpu-runs/2026-11-27/``).
+``--json FILE`` records each step's verdict, the card, the library versions, the commit and the date
+(``bench/results/gpu-check-cuda.json``, which ``make numbers`` draws the README's GPU table from;
+``table`` draws it). ``--commit`` names the commit where the tree is not a git checkout (a copy
+sent to a GPU machine; ``kvcourse.harness.provenance``).
 
 Each smoke's whole output goes to ``.cache/gpu_check/<stage>.log`` (``KVCOURSE_CACHE``); a failed
 step prints the end of its log. ``--plan`` prints the commands it would run and exits (no GPU needed).
@@ -33,17 +42,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvcourse.devices import describe, resolve_device
+from kvcourse.harness.provenance import library_versions, tree_commit, versions
 from kvcourse.harness.stages import STAGES
 from kvcourse.model_store import REPO_ROOT, cache_root, prepared_default_model
 
@@ -166,16 +177,63 @@ def run_step(step: Step, log: Path, timeout: float) -> tuple[bool, str]:
     )
 
 
-def versions() -> str:
-    """The libraries the check ran with, read without importing them (importing JAX would claim GPU
-    memory in this process)."""
-    found = []
-    for name in ("torch", "triton", "jax", "jaxlib", "transformers"):
-        try:
-            found.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            found.append(f"no {name}")
-    return ", ".join(found)
+@dataclass
+class Verdict:
+    """What one step did: passed or not, its line (the smoke's summary, or why it failed), its seconds."""
+
+    name: str
+    ok: bool
+    line: str
+    seconds: float
+
+
+def run_steps(steps: list[Step], logs: Path, timeout: float, side_by_side: bool) -> list[Verdict]:
+    """Run ``steps`` (the kernel cases here, each smoke in its own process, its log in ``logs``), one
+    after another or all at once; returns their verdicts in ``steps``' order, each printed as it ends."""
+
+    def one(step: Step) -> Verdict:
+        t0 = time.perf_counter()
+        if step.command is None:
+            try:
+                ok, line = check_kernels()
+            except Exception as e:  # noqa: BLE001 -- a crash is this step's verdict, not the run's end
+                ok, line = False, f"{type(e).__name__}: {str(e)[:400]}"
+        else:
+            ok, line = run_step(step, logs / f"{step.name.lower()}.log", timeout)
+        verdict = Verdict(step.name, ok, line, round(time.perf_counter() - t0, 1))
+        print(f"{step.name:<14}{'ok' if ok else 'FAILED':<8}{line} ({verdict.seconds:.0f} s)", flush=True)
+        return verdict
+
+    if not side_by_side:
+        return [one(step) for step in steps]
+    with ThreadPoolExecutor(len(steps)) as pool:  # threads that wait on processes, and the kernel cases
+        return list(pool.map(one, steps))
+
+
+def record(verdicts: list[Verdict], gpu: str, commit: str, side_by_side: bool, max_new_tokens: int) -> dict:
+    """The JSON ``--json`` writes: the card, the versions, the commit and date, and every step's verdict."""
+    return {
+        "command": "python -m kvcourse.tools.gpu_check" + (" --side-by-side" if side_by_side else ""),
+        "device_name": gpu,
+        "versions": library_versions(),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "max_new_tokens": max_new_tokens,
+        "passed": sum(v.ok for v in verdicts),
+        "steps": [asdict(v) for v in verdicts],
+    }
+
+
+def table(results: dict) -> str:
+    """The README's GPU table from a ``--json`` record: one row per step, its first line only.
+
+    Example row: ``| L5 | FAILED | exit 1: RuntimeError: Expected all tensors ... | 78 |``.
+    """
+    lines = ["| step | verdict | what it printed | seconds |", "|---|---|---|---|"]
+    for step in results["steps"]:
+        first = step["line"].split("\n")[0].replace("|", "\\|")
+        lines.append(f"| {step['name']} | {'ok' if step['ok'] else 'FAILED'} | {first} | {step['seconds']:.0f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         "--max-new-tokens", type=int, default=32, help="per prompt, in every smoke (default 32)"
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per smoke (default 300)")
+    parser.add_argument(
+        "--side-by-side", action="store_true", help="run the smokes at once, beside the kernel cases"
+    )
+    parser.add_argument("--json", help="also write every step's verdict, the card and versions to this file")
+    parser.add_argument("--commit", help="the commit the tree is at, where it is not a git checkout")
     parser.add_argument("--plan", action="store_true", help="print the commands and exit (no GPU needed)")
     args = parser.parse_args(argv)
     if args.plan:
@@ -200,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     gpu = describe(device)
     print(f"gpu_check on {gpu}; {versions()}", flush=True)
     t_start = time.perf_counter()
-    results = []
     with tempfile.TemporaryDirectory(prefix="kvcourse-gpu-check-") as tmp:
         t0 = time.perf_counter()
         models = model_folders(Path(tmp))
@@ -209,27 +271,22 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpoints ({time.perf_counter() - t0:.0f} s): "
             + ", ".join(f"{t} {p}" for t, p in models.items())
         )
-        for step in plan(models, args.max_new_tokens):
-            print(f"-- {step.name} ...", flush=True)
-            t0 = time.perf_counter()
-            if step.command is None:
-                ok, line = check_kernels()
-            else:
-                ok, line = run_step(
-                    step, cache_root() / "gpu_check" / f"{step.name.lower()}.log", args.timeout
-                )
-            line = f"{step.name:<14}{'ok' if ok else 'FAILED':<8}{line} ({time.perf_counter() - t0:.0f} s)"
-            print(line, flush=True)
-            results.append((ok, line))
+        steps = plan(models, args.max_new_tokens)
+        verdicts = run_steps(steps, cache_root() / "gpu_check", args.timeout, args.side_by_side)
     print(f"\n== gpu_check summary ({gpu})")
-    for _, line in results:
-        print(line.split("\n")[0])
-    passed = sum(ok for ok, _ in results)
+    for v in verdicts:
+        print(f"{v.name:<14}{'ok' if v.ok else 'FAILED':<8}{v.line.splitlines()[0]} ({v.seconds:.0f} s)")
+    passed = sum(v.ok for v in verdicts)
+    if args.json:
+        results = record(verdicts, gpu, tree_commit(args.commit), args.side_by_side, args.max_new_tokens)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.json}")
     minutes, seconds = divmod(round(time.perf_counter() - t_start), 60)
     print(
-        f"gpu_check: {passed}/{len(results)} steps passed on {gpu} in {minutes} min {seconds} s; {versions()}"
+        f"gpu_check: {passed}/{len(verdicts)} steps passed on {gpu} in {minutes} min {seconds} s; {versions()}"
     )
-    return 0 if passed == len(results) else 1
+    return 0 if passed == len(verdicts) else 1
 
 
 if __name__ == "__main__":

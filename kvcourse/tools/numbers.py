@@ -91,6 +91,38 @@ SOURCES = {
         "bench.kernels:table",
         "tests/test_bench.py::test_quick_kernel_table_checks_and_times_every_kernel",
     ),
+    "gpu-check-cuda": Source(
+        "python -m kvcourse.tools.gpu_check --side-by-side",
+        "bench/results/gpu-check-cuda.json",
+        "kvcourse.tools.gpu_check:table",
+        "tests/test_devices.py::test_the_gpu_check_runs_its_steps_side_by_side_and_records_them",
+    ),
+    "kernels-decode-cuda": Source(
+        "python -m bench.kernels --device cuda",
+        "bench/results/kernels-cuda.json",
+        "bench.kernels:table",
+        "tests/test_bench.py::test_quick_kernel_table_checks_and_times_every_kernel",
+    ),
+    "kernels-prefill-cuda": Source(
+        "python -m bench.kernels --device cuda --prefill",
+        "bench/results/kernels-prefill-cuda.json",
+        "bench.kernels:prefill_table",
+        "tests/test_bench.py::test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them",
+    ),
+    "bench-speeds-cuda": Source(
+        "python -m bench.run --device cuda --workloads b --stages L3,L4,L5,L6",
+        "bench/results/bench-cuda-b.json",
+        "bench.report:summary_table",
+        "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
+        table=0,
+    ),
+    "bench-targets-cuda": Source(
+        "python -m bench.run --device cuda --workloads b --stages L3,L4,L5,L6",
+        "bench/results/bench-cuda-b.json",
+        "bench.report:summary_table",
+        "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
+        table=2,
+    ),
     "bench-speeds": Source(
         "make bench",
         "bench/results/bench.json",
@@ -190,8 +222,9 @@ def provenance(source: Source, results: dict) -> str:
     else:
         where = "commit not recorded"
     machine = results.get("machine") or results.get("device_name") or "machine not recorded"
-    if isinstance(machine, dict):  # make bench's: platform, processor, threads, torch
-        machine = f"{machine['processor']}, {machine['threads']} threads, torch {machine['torch']}"
+    if isinstance(machine, dict):  # make bench's: platform, processor, threads, torch (and the GPU)
+        host = f"{machine['processor']}, {machine['threads']} threads, torch {machine['torch']}"
+        machine = f"{machine['gpu']['name']} (host {host})" if machine.get("gpu") else host
     when = results.get("when") or results.get("date")
     return f"*`{source.command}` -> `{source.results}`: {where}; {machine}" + (f"; {when}*" if when else "*")
 
