@@ -39,10 +39,17 @@ same combine functions, query tiles with ``tl.max``'s and ``tl.sum``'s (which th
 with NumPy), and query tiles in the interpreter's own launch shape (``choose_launch``). One run each,
 on the longest prompt of ``INTERPRETER_PROMPTS`` that the step was given.
 
-``--resources`` needs no GPU: it compiles each launch shape of the sweep (``--prefill``: the prefill
-sweep) for an H100 (``sm_90``) and asks NVIDIA's assembler (``ptxas -v``, shipped with Triton) how
-many registers a thread needs and how many bytes spill to memory, and from the registers how many
-programs fit on one multiprocessor.
+``--resources`` needs no GPU: it compiles the attention kernel for an H100 (``sm_90``) in each launch
+shape of the sweep (``--prefill``: the prefill sweep) on each shape of the table, as the JIT compiles
+that launch (``jit_source``): the arguments' values specialize the build (a pointer or an integer that
+is a multiple of 16 is marked so, an integer equal to 1 becomes a constant), and a build without
+that is another kernel (216 registers a thread at 9/3 x 64 in the default launch, where the JIT's
+build takes 62). From the binary (``cuobjdump -res-usage``, shipped with Triton) it reads the
+registers a thread and the bytes of local memory a thread (where spills go), the numbers the driver
+reports when it loads the kernel, and from the registers how many programs fit on one
+multiprocessor. On a GPU, every row of the decode and prefill tables that ran a compiled Triton
+kernel records that kernel's registers and local bytes as the driver reported them (``registers``,
+``local_bytes``: the tables' last column).
 
 Results: one JSON file (``--out``, default ``bench/results/kernels.json``, ``kernels-cuda.json`` for a
 GPU's; ``kernels-prefill[-cuda].json`` with ``--prefill``, ``kernels-interpreter.json`` with
@@ -51,8 +58,9 @@ GPU's; ``kernels-prefill[-cuda].json`` with ``--prefill``, ``kernels-interpreter
 (exit status 1) after the results are written.
 
 Left out on purpose: fp16/bf16, ragged histories and prompts (each row of a shape has one length, so
-the contiguous peer needs no mask), and prefill chunks after a history (the kernel tests check them;
-the engines' workloads time them).
+the contiguous peer needs no mask), prefill chunks after a history (the kernel tests check them;
+the engines' workloads time them), and ``--resources`` for split launches (it compiles one split; a
+GPU run records the kernels of the sweep's ``splits auto`` rows).
 """
 
 from __future__ import annotations
@@ -67,7 +75,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -230,78 +240,166 @@ def programs_per_sm(registers: int, warps: int, shared_bytes: int) -> int:
     return min(by_registers, 64 // warps, 32, by_shared)
 
 
-def resources(
-    configs: list[dict], head_shapes=((9, 3, 64), (32, 8, 128)), capability: int = 90
-) -> list[dict]:
-    """Registers a thread, spilled bytes and programs per multiprocessor of each launch shape (query rows
-    16 where a config names none), compiled for ``sm_<capability>`` without a GPU. Raises RuntimeError
-    naming what is missing where Triton has no NVIDIA backend or no ``ptxas``."""
+@dataclass
+class Launch:
+    """One launch of a compiled Triton kernel, ``kernel[grid](*args, **kwargs)``, as ``recorded_launches``
+    saw it; ``compiled`` is the ``CompiledKernel`` it ran (None where it was recorded, not run)."""
+
+    kernel: Any  # a triton.runtime.JITFunction
+    args: tuple
+    kwargs: dict
+    compiled: Any = None
+
+
+class _Recorder:
+    """Stands in for a jit'd kernel: ``recorder[grid](*args, **kwargs)`` appends the launch to
+    ``launches``, after launching the kernel where ``run`` is true."""
+
+    def __init__(self, kernel, launches: list[Launch], run: bool):
+        self.kernel, self.launches, self.run = kernel, launches, run
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            compiled = self.kernel[grid](*args, **kwargs) if self.run else None
+            self.launches.append(Launch(self.kernel, args, kwargs, compiled))
+
+        return launch
+
+
+@contextlib.contextmanager
+def recorded_launches(run: bool = True):
+    """Every launch of the compiled kernels (L4's attention and merge, ``triton_sequence_grid``'s) in the
+    block, as ``Launch``es in the list it yields. ``run=False`` records without launching or compiling,
+    so tensors on the ``meta`` device will do. The callers look the kernels up in their modules'
+    ``KERNELS`` at each call, so swapping the entries swaps the kernels they launch (the interpreted
+    ones are left alone)."""
+    from bench import triton_sequence_grid as before
+    from L4_paged_kernel.fast import triton_paged_attention as module
+
+    launches: list[Launch] = []
+    saved = module.KERNELS[False], before.KERNELS[False]
+    module.KERNELS[False] = tuple(_Recorder(kernel, launches, run) for kernel in saved[0])
+    before.KERNELS[False] = _Recorder(saved[1], launches, run)
+    try:
+        yield launches
+    finally:
+        module.KERNELS[False], before.KERNELS[False] = saved
+
+
+def ran_resources(launches: list[Launch]) -> dict:
+    """Registers a thread and bytes of local memory a thread (where spills go) of the first compiled kernel
+    a row ran (its attention kernel; a split launch's merge comes after), as the CUDA driver reported
+    them when Triton loaded it: ``{"registers": 62, "local_bytes": 0}``. Triton's ``n_spills`` is the
+    driver's local memory size / 4, hence the 4. ``{}`` for a row that ran no compiled kernel (SDPA,
+    the C++ kernel, Triton's interpreter)."""
+    compiled = [launch.compiled for launch in launches if launch.compiled is not None]
+    if not compiled:
+        return {}
+    return {"registers": compiled[0].n_regs, "local_bytes": 4 * compiled[0].n_spills}
+
+
+def jit_source(launch: Launch, target):
+    """The ``ASTSource`` and options the JIT compiles for ``launch`` on ``target`` (a ``GPUTarget``),
+    made by the JIT's own steps (``JITFunction.run`` in ``triton/runtime/jit.py``, alike in Triton 3.6
+    and 3.7): its binder specializes each argument's value, ``_pack_args`` turns that into the
+    signature, the constants, the attributes and the options.
+
+    The attributes are what a build without them misses: a pointer whose address, and an integer
+    whose value, is a multiple of 16 gets ``tt.divisibility = 16`` (the compiler may then load 16
+    bytes at once), and an integer equal to 1 becomes a constant. At 9/3 heads of 64, 16 rows x 32
+    positions, 4 warps, 2 stages, the kernel built without them took 216 registers a thread, the
+    JIT's build 62 (``tests/test_bench.py`` checks this function against the JIT's own request).
+    """
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel, kwargs = launch.kernel, dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug  # as JITFunction.run does
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(kernel, signature, constexprs, attrs), options
+
+
+def meta_case(shape, prefill: bool) -> tuple:
+    """``decode_case``'s tensors for ``shape`` (``prefill_case``'s with ``prefill``) on the ``meta``
+    device: their shapes, strides and dtypes without their numbers (8 x 32,768 positions at 8 x 128 is
+    a 1 GiB pool), which is all a launch's specialization reads of them. A meta tensor's address is
+    0, a multiple of 16 as a GPU allocation's is (PyTorch's caching allocator aligns to 512 bytes)."""
+    seqs, length, heads, n_kv, head_dim = shape
+    blocks = -(-length // BLOCK_SIZE)
+    meta = torch.device("meta")
+    pool = (seqs * blocks + 5, BLOCK_SIZE, n_kv, head_dim)  # make_case's: a few blocks nobody owns
+    return (
+        torch.empty(seqs * (length if prefill else 1), heads, head_dim, device=meta),
+        torch.empty(pool, device=meta),
+        torch.empty(pool, device=meta),
+        torch.empty(seqs, blocks, dtype=torch.long, device=meta),
+        torch.empty(seqs, dtype=torch.long, device=meta),
+        torch.empty(seqs + 1, dtype=torch.long, device=meta),
+    )
+
+
+def binary_resources(binary, cuobjdump: Path) -> tuple[int, int]:
+    """(registers a thread, bytes of stack frame a thread: local memory, where spills go) of a compiled
+    kernel's CUDA binary, as NVIDIA's ``cuobjdump -res-usage`` reads them from it (a line like
+    ``REG:62 STACK:0 SHARED:0 LOCAL:0 ...``): the numbers the driver reports when it loads it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(binary.asm["cubin"])
+        usage = subprocess.run(
+            [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    return int(re.search(r"REG:(\d+)", usage)[1]), int(re.search(r"STACK:(\d+)", usage)[1])
+
+
+def resources(configs: list[dict], shapes, prefill: bool = False, capability: int = 90) -> list[dict]:
+    """Registers a thread, local bytes a thread (spills) and programs per multiprocessor of the attention
+    kernel in each launch shape of ``configs`` (query rows 16 where a config names none, one split) on
+    each of ``shapes`` (decode steps, or prefill steps with ``prefill``), compiled for
+    ``sm_<capability>`` without a GPU, as the JIT compiles that launch (``jit_source``): the arguments'
+    values pick the build, so two shapes may compile two kernels. A row per kernel, with the shapes
+    that launch it. Raises RuntimeError naming what is missing where Triton has no NVIDIA backend."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from L4_paged_kernel.fast.triton_paged_attention import KERNELS
+    from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        raise RuntimeError(f"no ptxas at {ptxas} (this triton has no NVIDIA backend)")
-    kernel = KERNELS[False][0]
-    pointers = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr"}
-    ints = {"block_tables_ptr", "context_lens_ptr", "cu_q_lens_ptr"}
-
-    def arg_type(name: str) -> str:
-        if name in pointers:
-            return "*fp32"
-        if name in ints:
-            return "*i32"
-        return "fp32" if name == "scale" else "constexpr" if name.isupper() else "i32"
-
-    rows = []
-    for heads, n_kv, head_dim in head_shapes:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        raise RuntimeError(f"no cuobjdump at {cuobjdump} (this triton has no NVIDIA backend)")
+    target = GPUTarget("cuda", capability, 32)
+    rows: dict[tuple, dict] = {}  # by the JIT's build: its source's hash and its options
+    for shape in shapes:
+        case = meta_case(shape, prefill)
         for config in configs:
-            config = {"block_m": 16} | config
-            group = heads // n_kv
-            constants = {"G": group, "BLOCK_SIZE": BLOCK_SIZE, "HEAD_DIM": head_dim, "NUM_SPLITS": 1,
-                         "BLOCK_Q": config["block_m"] // group, "BLOCK_M": config["block_m"],
-                         "TILE_N": config["tile_n"], "BLOCK_D": head_dim}  # fmt: skip
-            source = ASTSource(
-                kernel, signature={n: arg_type(n) for n in kernel.arg_names}, constexprs=constants
-            )
-            options = {
-                "enable_fp_fusion": False,
-                "num_warps": config["num_warps"],
-                "num_stages": config["num_stages"],
-            }
-            binary = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx = Path(tmp) / "kernel.ptx"
-                ptx.write_text(binary.asm["ptx"])
-                report = subprocess.run(
-                    [
-                        str(ptxas),
-                        "-v",
-                        f"--gpu-name=sm_{capability}a",
-                        str(ptx),
-                        "-o",
-                        str(Path(tmp) / "k.cubin"),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stderr
-            registers = int(re.search(r"Used (\d+) registers", report)[1])
-            warps = config["num_warps"]
-            rows.append(
-                {
-                    "heads": f"{heads}/{n_kv} x {head_dim}",
-                    **config,
-                    "registers": registers,
-                    "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report)[1]),
-                    "programs_per_sm": programs_per_sm(registers, warps, binary.metadata.shared),
-                    "shared_bytes": binary.metadata.shared,
-                }
-            )
-    return rows
+            launch = LaunchConfig(**config)
+            with recorded_launches(run=False) as launches:
+                triton_paged_attention(*case, config=launch)
+            source, options = jit_source(launches[0], target)
+            key = (source.hash(), str(options))
+            if key not in rows:
+                binary = triton.compile(source, target=target, options=options.__dict__)
+                registers, local = binary_resources(binary, cuobjdump)
+                rows[key] = {"shapes": [], "block_m": launch.block_m, "tile_n": launch.tile_n,
+                             "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                             "registers": registers, "local_bytes": local, "shared_bytes": binary.metadata.shared,
+                             "programs_per_sm": programs_per_sm(registers, launch.num_warps, binary.metadata.shared)}  # fmt: skip
+            rows[key]["shapes"].append(shape_name(shape))
+    return list(rows.values())
+
+
+def checked(run, expected, record: bool) -> tuple[float, dict]:
+    """``run()``'s largest error against ``expected`` (dense attention), from one untimed run; with
+    ``record`` (compiled Triton kernels run here), also the registers and local bytes of the compiled
+    kernel that run launched (``ran_resources``). The timed launches after it take the same
+    arguments, so the JIT's cache hands them that same kernel."""
+    with recorded_launches() if record else contextlib.nullcontext([]) as launches:
+        error = (run() - expected).abs().max().item()
+    return error, ran_resources(launches)
 
 
 def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwidth: float) -> list[dict]:
@@ -324,12 +422,13 @@ def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwid
                     *case, num_splits=s, config=c
                 )
     rows = []
+    record = device.type == "cuda" and "paged kernel (Triton)" in runs
     for name, run in runs.items():
-        error = (run() - expected).abs().max().item()
+        error, ran = checked(run, expected, record)
         seconds = device_seconds(run, device, quick) if error < TOLERANCE else math.nan
         rows.append({"shape": shape_name(shape), "system": name, "max_error": error,
                      "ms": seconds * 1e3, "GBps": kv_bytes(shape) / seconds / 1e9,
-                     "of_copy": kv_bytes(shape) / seconds / bandwidth})  # fmt: skip
+                     "of_copy": kv_bytes(shape) / seconds / bandwidth} | ran)  # fmt: skip
     return rows
 
 
@@ -368,11 +467,12 @@ def measure_prefill_shape(shape, device: torch.device, sweep: bool, quick: bool)
                 *case, config=c
             )
     rows = []
+    record = device.type == "cuda" and "paged kernel (Triton)" in runs
     for name, run in runs.items():
-        error = (run() - expected).abs().max().item()
+        error, ran = checked(run, expected, record)
         seconds = device_seconds(run, device, quick) if error < TOLERANCE else math.nan
         rows.append({"shape": shape_name(shape), "system": name, "max_error": error, "ms": seconds * 1e3,
-                     "GFLOPs": prefill_flops(shape) / seconds / 1e9})  # fmt: skip
+                     "GFLOPs": prefill_flops(shape) / seconds / 1e9} | ran)  # fmt: skip
     before = next((r["ms"] for r in rows if r["system"] == BEFORE), math.nan)
     for r in rows:
         r["x_before"] = before / r["ms"]
@@ -458,14 +558,34 @@ def measure(device: torch.device, shapes, sweep: bool, quick: bool) -> dict:
     return {"copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows}
 
 
+DECODE_COLUMNS = ["decode shape", "system", "ms", "K/V GB/s", "of copy bandwidth", "max error"]
+PREFILL_COLUMNS = ["prefill shape (sequences x prompt)", "system", "ms", "GFLOP/s", "x before query tiles",
+                   "max error"]  # fmt: skip
+
+
+def ran_kernels(results: dict) -> bool:
+    """Whether a table's run recorded the registers of the compiled kernels it ran (a GPU's, with Triton)."""
+    return any("registers" in r for r in results["rows"])
+
+
+def header(results: dict, cells: list[str]) -> list[str]:
+    """A table's two header lines: ``cells``, and a last one where the run recorded the compiled
+    kernels' registers (``ran_kernels``)."""
+    cells = cells + ["registers / local bytes a thread"] * ran_kernels(results)
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
 def shape_rows(results: dict, columns, sweep_prefix: str) -> list[str]:
     """Markdown rows, one per (shape, system) of ``results["rows"]``; of a sweep (systems named
     ``sweep_prefix`` ...), only its fastest launch and any wrong one. ``columns(r)`` formats a timed row's
-    middle cells; a wrong row shows ``WRONG``."""
+    middle cells; a wrong row shows ``WRONG``. Where the run recorded them (``ran_kernels``), a last
+    cell holds the compiled kernel's registers and local bytes a thread (``-``: no compiled kernel)."""
+    ran = ran_kernels(results)
 
     def line(r: dict, name: str) -> str:
         timing = "WRONG | - | -" if math.isnan(r["ms"]) else columns(r)
-        return f"| {r['shape']} | {name} | {timing} | {r['max_error']:.1e} |"
+        kernel = (f" {r['registers']} / {r['local_bytes']} |" if "registers" in r else " - |") if ran else ""
+        return f"| {r['shape']} | {name} | {timing} | {r['max_error']:.1e} |{kernel}"
 
     lines = []
     for shape in dict.fromkeys(r["shape"] for r in results["rows"]):
@@ -487,8 +607,7 @@ def table(results: dict) -> str:
             f"Kernel table on {results['device_name']} (copy bandwidth {results['copy_bandwidth_GBps']:,.0f} GB/s, "
             "bytes read + written):",
             "",
-            "| decode shape | system | ms | K/V GB/s | of copy bandwidth | max error |",
-            "|---|---|---|---|---|---|",
+            *header(results, DECODE_COLUMNS),
             *shape_rows(
                 results, lambda r: f"{r['ms']:.3f} | {r['GBps']:,.0f} | {r['of_copy']:.0%}", "Triton tile"
             ),
@@ -502,13 +621,24 @@ def prefill_table(results: dict) -> str:
         [
             f"Prefill table on {results['device_name']}:",
             "",
-            "| prefill shape (sequences x prompt) | system | ms | GFLOP/s | x before query tiles | max error |",
-            "|---|---|---|---|---|---|",
+            *header(results, PREFILL_COLUMNS),
             *shape_rows(
                 results, lambda r: f"{r['ms']:.3f} | {r['GFLOPs']:,.1f} | {r['x_before']:.1f}", "Triton rows"
             ),
         ]
     )
+
+
+def resources_table(rows: list[dict]) -> str:
+    """Markdown, a row per kernel of ``resources``, with the shapes that launch it."""
+    lines = [
+        "| shapes | rows | tile | warps | stages | registers | local bytes (spills) | programs per SM |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {'; '.join(r['shapes'])} | {r['block_m']} | {r['tile_n']} | {r['num_warps']} | "
+                     f"{r['num_stages']} | {r['registers']} | {r['local_bytes']} | {r['programs_per_sm']} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def interpreter_table(results: dict) -> str:
@@ -543,7 +673,7 @@ def main(argv=None) -> int:
         "--sweep", action="store_true", help="also time every launch shape of the Triton kernel"
     )
     parser.add_argument(
-        "--resources", action="store_true", help="registers and spills per launch shape (no GPU)"
+        "--resources", action="store_true", help="registers and spills per launch shape, as the JIT builds it"
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
     parser.add_argument(
@@ -551,16 +681,17 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.resources:
+        if args.prefill:
+            shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
+            configs = prefill_sweep_configs(args.quick)
+        else:
+            shapes, configs = QUICK_SHAPES if args.quick else SHAPES, sweep_configs(args.quick)
         try:
-            rows = resources((prefill_sweep_configs if args.prefill else sweep_configs)(args.quick))
+            rows = resources(configs, shapes, prefill=args.prefill)
         except (ImportError, RuntimeError) as e:
             print(f"error: --resources needs Triton's NVIDIA backend: {e}", file=sys.stderr)
             return 2
-        print("| heads | rows | tile | warps | stages | registers | spilled bytes | programs per SM |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['heads']} | {r['block_m']} | {r['tile_n']} | {r['num_warps']} | {r['num_stages']} | "
-                  f"{r['registers']} | {r['spill_bytes']} | {r['programs_per_sm']} |")  # fmt: skip
+        print(resources_table(rows))
         return 0
     if args.interpreter:
         results = measure_interpreter(QUICK_INTERPRETER_PROMPTS if args.quick else INTERPRETER_PROMPTS)

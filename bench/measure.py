@@ -141,13 +141,22 @@ def samples_row(system: System, row: dict, outs, budget: int, n: int) -> dict:
 
 
 def agreement(outs: list[list[int]], references: list[Reference]) -> dict:
-    """Each output against HF batch 1's, with the tie rule: counts, and every tie and mismatch by
-    request index (e.g. ``{"match": 31, "ties": {"7": "tie@40"}, "mismatches": {}}``)."""
+    """Each output against HF batch 1's, with the tie rule: counts, every tie and mismatch by request
+    index, and HF's top-2 logit gap at the first token where each of those differs (``hf_gaps``; None
+    where one of the two has no token there: a missing token is never a tie). E.g. ``{"match": 30,
+    "ties": {"7": "tie@40"}, "mismatches": {"29": "DIFF@102"}, "hf_gaps": {"7": 0.0004, "29": 0.83}}``:
+    request 29's gap, above the tie rule's 1e-3 (``TIE_GAP``), is why the rule did not excuse it."""
     results = [compare(ref.tokens, out, ref) for out, ref in zip(outs, references, strict=True)]
+    gaps = {
+        str(i): ref.gaps[r.first_diff] if r.first_diff < min(len(out), len(ref.gaps)) else None
+        for i, (r, out, ref) in enumerate(zip(results, outs, references, strict=True))
+        if r.first_diff is not None
+    }
     return {
-        "match": sum(r.first_diff is None for r in results),
+        "match": len(results) - len(gaps),
         "ties": {str(i): r.status for i, r in enumerate(results) if r.first_diff is not None and r.ok},
         "mismatches": {str(i): r.status for i, r in enumerate(results) if not r.ok},
+        "hf_gaps": gaps,
     }
 
 

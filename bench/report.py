@@ -1,4 +1,6 @@
-"""The benchmark's report: ratios to HF and to the ceilings, the targets, the Markdown table, the plots.
+"""The benchmark's report: ratios to HF and to the ceilings, the targets, the Markdown table, the plots,
+and the verdict on the outputs (``verdict``: a stage that differs from HF batch 1 fails the run, a
+peer that does is reported).
 
 A run's targets depend on its device (``results["device"]``, absent in runs before it was recorded:
 the CPU): issue #13's on a CPU, issue #27's on a GPU, each met or missed from ratios measured in the run.
@@ -7,6 +9,8 @@ the CPU): issue #13's on a CPU, issue #27's on a GPU, each met or missed from ra
 from __future__ import annotations
 
 from pathlib import Path
+
+from kvcourse.harness.compare import TIE_GAP
 
 PEERS = {"vs_hf_batched": "HF batched", "vs_generate_batch": "HF generate_batch"}
 
@@ -174,6 +178,56 @@ def _agreement(row: dict) -> str:
     ties = sum(len(p["ties"]) for p in parts)
     wrong = sum(len(p["mismatches"]) for p in parts)
     return f"{match + ties}/{match + ties + wrong}" + (f" ({ties} ties)" if ties else "")
+
+
+def disagreements(results: dict) -> list[dict]:
+    """Every request whose output differed from HF batch 1's beyond the tie rule, from the ``agreement``
+    of each system's timed workloads, one dict each. ``peer``: whether the system is one of ``PEERS``
+    (a comparison, not the course's code) rather than a stage or a stage's fast path. A request is
+    listed only where the tie rule did not excuse it (``tie_rule_applied`` is False), and
+    ``hf_top2_gap`` says why: HF's top-2 logit gap at that token, at least ``TIE_GAP``, or None where
+    one of the two generated no token there. Example, HF batched's request 29 of (b) in issue 46's GPU
+    run (the gap made up: that run did not record it)::
+
+        {"system": "HF batched", "peer": True, "workload": "b", "request": 29, "token": 102,
+         "tie_rule_applied": False, "hf_top2_gap": 0.83}
+    """
+    found = []
+    for name, row in results["systems"].items():
+        for work in ("a", "b", "u", "c"):
+            agree = row.get(work, {}).get("agreement", {})
+            for request, status in agree.get("mismatches", {}).items():  # status: "DIFF@<token>"
+                found.append({"system": name, "peer": name in PEERS.values(), "workload": work,
+                              "request": int(request), "token": int(status.partition("@")[2]),
+                              "tie_rule_applied": False, "hf_top2_gap": agree["hf_gaps"][request]})  # fmt: skip
+    return found
+
+
+def describe_disagreement(d: dict) -> str:
+    """One line of ``verdict``'s, e.g. "HF batched (b): request 29 differs from HF batch 1 at token 102;
+    HF's top-2 logit gap there is 0.83, not below the tie rule's 0.001: not a tie"."""
+    if d["hf_top2_gap"] is None:
+        why = "one of them generated no token there, which is never a tie"
+    else:
+        why = f"HF's top-2 logit gap there is {d['hf_top2_gap']:.2g}, not below the tie rule's {TIE_GAP:g}: not a tie"
+    return f"{d['system']} ({d['workload']}): request {d['request']} differs from HF batch 1 at token {d['token']}; {why}"
+
+
+def verdict(found: list[dict]) -> tuple[int, str]:
+    """The bench's exit status and what it prints of ``disagreements``: 1 where one of the course's
+    systems (a stage, or a stage's fast path) differed from HF batch 1 ("bench FAILED"), else 0. A
+    peer's disagreement is printed and fails nothing: the peers are what the course is compared
+    with, not its code."""
+    peers = [describe_disagreement(d) for d in found if d["peer"]]
+    course = [describe_disagreement(d) for d in found if not d["peer"]]
+    lines = []
+    if peers:
+        lines += ["peers differ from HF batch 1 (reported, not a failure: a peer is not the course's code):"]
+        lines += [f"  {line}" for line in peers]
+    if course:
+        lines += ["bench FAILED: outputs differ from HF batch 1 beyond the tie rule:"]
+        lines += [f"  {line}" for line in course]
+    return (1 if course else 0), "\n".join(lines)
 
 
 def first_runs_table(results: dict) -> list[str]:

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from cpp_kernel import PROBLEM
 
 from bench import ceilings, kernels, matvec, measure, profile, report, run, workloads
+from kvcourse.harness.reference import Reference
 from kvcourse.model_store import REPO_ROOT
 
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
@@ -57,6 +59,7 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert results["stage_options"]["L4"].get("kernel") == ("cpp" if PROBLEM is None else None)
     assert bool(results["cpp_kernel_problems"]) == (PROBLEM is not None)
     assert systems["HF batched"]["b"]["computed_new_tokens"] == len(budgets) * max(budgets) > sum(budgets)
+    assert results["disagreements"] == []  # every system, peers included, agrees with HF batch 1
     assert {t["target"] for t in results["targets"]} >= {
         "L4 >= L3 on (b)",
         "best stage >= 1.6x HF batched on (u)",
@@ -274,6 +277,60 @@ def test_gpu_targets_from_a_gpu_run():
     assert "L4 >= L3 on (b)" in {t["target"] for t in report.targets(results)}
 
 
+def test_agreement_records_hf_gap_where_each_output_differs():
+    """HF [5, 9, 4] with top-2 gaps [2.0, 1e-4, 0.5]: a difference at token 1 is a tie, at token 2 a
+    mismatch (gap 0.5), and a missing token a mismatch with no gap to compare."""
+    hf = Reference([5, 9, 4], [2.0, 1e-4, 0.5])
+    got = measure.agreement([[5, 9, 4], [5, 7, 1], [5, 9, 1], [5, 9]], [hf] * 4)
+    assert got == {
+        "match": 1,
+        "ties": {"1": "tie@1"},
+        "mismatches": {"2": "DIFF@2", "3": "DIFF@2"},
+        "hf_gaps": {"1": 1e-4, "2": 0.5, "3": None},
+    }
+
+
+def test_a_peers_disagreement_is_reported_and_a_stages_fails_the_bench():
+    """Issue 46's GPU run: HF batched (a peer) differed from HF batch 1 at request 29, token 102, every
+    stage agreeing, and the bench exited 1. A peer's disagreement is now printed and recorded; a
+    stage's, or a stage's fast path's, still fails the run."""
+
+    def agreeing(mismatches=None, gaps=None):
+        return {"agreement": {"match": 32 - len(mismatches or {}), "ties": {}, "mismatches": mismatches or {},
+                              "hf_gaps": gaps or {}}}  # fmt: skip
+
+    results = {
+        "systems": {
+            "HF batch 1": {"b": {"tok_s": 1.0}},
+            "HF batched": {"b": agreeing({"29": "DIFF@102"}, {"29": 0.83})},
+            "HF generate_batch": {"b": agreeing()},
+            "L4": {"b": agreeing(), "u": agreeing()},
+            "L4 + decode graphs": {"b": agreeing()},
+        }
+    }
+    found = report.disagreements(results)
+    assert found == [
+        {"system": "HF batched", "peer": True, "workload": "b", "request": 29, "token": 102,
+         "tie_rule_applied": False, "hf_top2_gap": 0.83}
+    ]  # fmt: skip
+    status, text = report.verdict(found)
+    assert status == 0 and "FAILED" not in text
+    assert text.splitlines() == [
+        "peers differ from HF batch 1 (reported, not a failure: a peer is not the course's code):",
+        "  HF batched (b): request 29 differs from HF batch 1 at token 102; HF's top-2 logit gap there is "
+        "0.83, not below the tie rule's 0.001: not a tie",
+    ]
+    results["systems"]["L4 + decode graphs"]["b"] = agreeing({"3": "DIFF@5"}, {"3": None})
+    status, text = report.verdict(report.disagreements(results))
+    assert status == 1 and "HF batched (b): request 29" in text  # the peer's line stays
+    assert text.splitlines()[-2:] == [
+        "bench FAILED: outputs differ from HF batch 1 beyond the tie rule:",
+        "  L4 + decode graphs (b): request 3 differs from HF batch 1 at token 5; one of them generated no "
+        "token there, which is never a tie",
+    ]
+    assert report.verdict([]) == (0, "")
+
+
 def test_quick_profile_of_batch1_decode(capsys):
     """--workload a: one request; every step after its prefill is a one-row decode step."""
     assert profile.main(["--quick", "--device", "cpu", "--workload", "a", "--stages", "L3,L6"]) == 0
@@ -401,12 +458,126 @@ def test_kernel_table_sizes():
     assert kernels.programs_per_sm(64, 8, 100 * 1024) == 2  # shared memory binds first
 
 
-def test_kernel_resources_from_the_assembler(capsys):
-    """Registers and spills of the compiled kernel for an H100, read without a GPU."""
+def test_meta_case_has_the_kernel_tables_shapes_strides_and_dtypes():
+    """``--resources`` specializes launches on meta tensors: they must be the tables' tensors but for
+    their numbers."""
+    for shape in (*kernels.QUICK_SHAPES, (3, 40, 9, 3, 64)):
+        for prefill, case in ((False, kernels.decode_case), (True, kernels.prefill_case)):
+            real, meta = case(shape, torch.device("cpu")), kernels.meta_case(shape, prefill)
+            assert [(t.shape, t.stride(), t.dtype) for t in meta] == [
+                (t.shape, t.stride(), t.dtype) for t in real
+            ], (shape, prefill)
+
+
+class NoGPU:
+    """All that ``JITFunction.run`` asks of Triton's driver before it compiles: a device, its stream, and
+    the target to compile for (an H100's, here)."""
+
+    def get_current_device(self):
+        return "an H100 that is not there"
+
+    def get_current_stream(self, device):
+        return None
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def test_resources_specialize_each_launch_as_the_jit_does(monkeypatch):
+    """The source ``--resources`` compiles for a launch is the one the JIT would compile for it: the JIT
+    itself runs on the launch (its driver stood in for, its compile hook answering "done" so that it
+    compiles nothing) and what it asks to compile is compared, field by field. A build without the
+    JIT's attributes took 216 registers a thread where the JIT's took 62 (issue 46)."""
     pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
-    rows = kernels.resources(kernels.sweep_configs(quick=True), head_shapes=((9, 3, 64),))
-    assert [(r["tile_n"], r["num_warps"]) for r in rows] == [(16, 4), (64, 8)]
-    assert all(0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1 for r in rows)
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
+
+    requests = []
+    monkeypatch.setattr(driver, "_active", NoGPU())
+    monkeypatch.setattr(
+        knobs.runtime, "jit_cache_hook", lambda compile, **_: requests.append(compile) or True
+    )
+    target = NoGPU().get_current_target()
+    launches = []
+    for shape, prefill, splits in (((32, 512, 9, 3, 64), False, 4), ((1, 2048, 32, 8, 128), True, 1)):
+        with kernels.recorded_launches(run=False) as recorded:
+            triton_paged_attention(
+                *kernels.meta_case(shape, prefill), num_splits=splits, config=LaunchConfig()
+            )
+        launches += recorded
+    assert len(launches) == 3  # the decode launch's attention and merge, the prefill's attention
+    for launch in launches:
+        source, options = kernels.jit_source(launch, target)
+        requests.clear()
+        assert launch.kernel[(1,)](*launch.args, **launch.kwargs) is None  # the hook compiled nothing
+        (asked,) = requests
+        assert asked["signature"] == source.signature and asked["constants"] == source.constants
+        assert asked["configs"] == [source.attrs]
+        assert [asked[k] for k in ("num_warps", "num_stages", "enable_fp_fusion")] == [
+            options.num_warps, options.num_stages, options.enable_fp_fusion
+        ]  # fmt: skip
+    # what the specialization says of the decode launch's attention, by hand
+    source, _ = kernels.jit_source(launches[0], target)
+    position = launches[0].kernel.arg_names.index
+    aligned = [["tt.divisibility", 16]]
+    assert source.attrs[position("k_ptr"),] == source.attrs[position("stride_bt"),] == aligned  # 32 blocks
+    assert source.attrs[position("stride_mt"),] == []  # 9 heads a token: not a multiple of 16
+    source, _ = kernels.jit_source(launches[2], target)
+    assert source.constants[position("num_seqs"),] == 1  # one prompt: num_seqs is a constant
+
+
+def test_kernel_resources_read_the_jits_build(capsys):
+    """Registers and local bytes of the kernel the JIT builds for an H100, read without a GPU: at 9/3 x 64
+    in the default launch, 62 registers with Triton 3.6.0 and 3.7.1 (216 for a build without the
+    JIT's specialization). One row per kernel, with the shapes that launch it."""
+    nvidia = pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    for tool in ("ptxas", "cuobjdump"):  # Triton's NVIDIA backend ships both: the build, the reading
+        if not (Path(nvidia.__path__[0]) / "bin" / tool).exists():
+            pytest.skip(f"no {tool} in {Path(nvidia.__path__[0]) / 'bin'}")
+    (row,) = kernels.resources([{"tile_n": 32, "num_warps": 4, "num_stages": 2}], [(32, 512, 9, 3, 64)])
+    assert 0 < row["registers"] < 128 and row["local_bytes"] == 0, row
+    assert row["programs_per_sm"] >= 4 and row["shapes"] == ["32 x 512 (9/3 x 64)"]
+    assert kernels.main(["--resources", "--quick"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| shapes | rows | tile | warps | stages | registers | local bytes (spills) |")
+    assert len(table) == 2 + len(kernels.QUICK_SHAPES) * len(kernels.sweep_configs(quick=True)), table
+
+
+def test_a_gpu_rows_registers_are_the_compiled_kernels_it_ran(monkeypatch):
+    """On a GPU each row of the kernel table records the registers and local bytes of the compiled kernel
+    its launch ran (what ``kernel[grid](...)`` returned); here a stand-in kernel returns a stand-in
+    compiled kernel, and a table with such rows shows them in a last column."""
+    pytest.importorskip(
+        "triton", reason="triton is installed on Linux only; the Triton kernel is not tested here"
+    )
+    from L4_paged_kernel.fast import triton_paged_attention as module
+
+    compiled = SimpleNamespace(n_regs=255, n_spills=74)  # Triton's n_spills: local bytes / 4
+
+    class Kernel:  # launched as the JIT's are, kernel[grid](*args, **kwargs), returning its compiled kernel
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: compiled
+
+    monkeypatch.setitem(module.KERNELS, False, (Kernel(), Kernel()))
+    case = kernels.meta_case((2, 40, 9, 3, 64), prefill=False)
+    with kernels.recorded_launches() as launches:
+        module.triton_paged_attention(*case)
+    assert kernels.ran_resources(launches) == {"registers": 255, "local_bytes": 296}
+    assert kernels.ran_resources([]) == {}  # SDPA's row, the C++ kernel's, the interpreter's
+    row = {"shape": "2 x 40 (9/3 x 64)", "max_error": 1e-7, "ms": 1.0, "GBps": 1.0, "of_copy": 0.5}
+    results = {"device_name": "H100", "copy_bandwidth_GBps": 3000.0,
+               "rows": [row | {"system": "paged kernel (Triton)", "registers": 62, "local_bytes": 0},
+                        row | {"system": "SDPA contiguous"}]}  # fmt: skip
+    table = kernels.table(results)
+    assert "| max error | registers / local bytes a thread |" in table
+    assert "| paged kernel (Triton) | 1.000 | 1 | 50% | 1.0e-07 | 62 / 0 |" in table
+    assert "| SDPA contiguous | 1.000 | 1 | 50% | 1.0e-07 | - |" in table
+    del results["rows"][0]["registers"]  # a CPU run's rows: the table as it always was
+    assert "registers" not in kernels.table(results)
 
 
 @pytest.mark.cuda
@@ -414,8 +585,11 @@ def test_prefill_table_on_a_gpu(tmp_path):
     done = gpu_run(["bench.kernels", "--quick", "--prefill", "--device", "cuda", "--sweep", "--out",
                     str(tmp_path / "p.json")], tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    systems = {r["system"] for r in json.loads((tmp_path / "p.json").read_text())["rows"]}
-    assert {"paged kernel (Triton)", kernels.BEFORE} <= systems
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert {"paged kernel (Triton)", kernels.BEFORE} <= {r["system"] for r in rows}
+    triton = [r for r in rows if r["system"].startswith(("paged kernel (Triton)", "Triton"))]
+    assert all(0 < r["registers"] <= 255 and r["local_bytes"] >= 0 for r in triton), triton
+    assert "| registers / local bytes a thread |" in done.stdout
 
 
 @pytest.mark.cuda
@@ -426,6 +600,10 @@ def test_kernel_table_on_a_gpu(tmp_path):
     results = json.loads((tmp_path / "k.json").read_text())
     assert "paged kernel (Triton)" in {r["system"] for r in results["rows"]}
     assert results["device_name"] in done.stdout
+    # the registers and local bytes of the compiled kernel each Triton row ran, as the driver reported them
+    triton = [r for r in results["rows"] if r["system"].startswith(("paged kernel (Triton)", "Triton"))]
+    assert all(0 < r["registers"] <= 255 and r["local_bytes"] >= 0 for r in triton), triton
+    assert not any("registers" in r for r in results["rows"] if "SDPA" in r["system"])
 
 
 def test_quick_decode_cost_reads_kv_by_position_and_times_each_step(tiny_llama_dir, tmp_path, capsys):
