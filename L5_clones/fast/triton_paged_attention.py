@@ -29,10 +29,11 @@ mattering to the kernel's shapes (a block of 7 and one of 16 read through the sa
 decode token's G heads are padded to 16 rows), positions per key tile, warps, and pipeline stages;
 ``choose_launch`` picks them from shapes when none is given. ``choose_splits`` picks the split count
 for ``num_splits="auto"``: enough programs to fill a GPU's multiprocessors when there are few query
-tiles and long histories. The GPU defaults were chosen without a GPU to time them, from what NVIDIA's
-assembler reports for each shape (``python -m bench.kernels --resources``, no GPU needed). On a GPU,
-``python -m bench.kernels`` times the alternatives, decode and prefill, and its table, not this
-docstring, says which is fastest.
+tiles and long histories. The GPU defaults were chosen without a GPU to time them, from register
+counts that ``python -m bench.kernels --resources`` reported before it compiled each launch as the JIT
+does (too high at head dim 64, and blind to the spill of the default at 128); its corrected counts are
+in the L4 chapter, section 6. On a GPU, ``python -m bench.kernels --sweep`` times the alternatives,
+decode and prefill, and its table, not this docstring, says which is fastest.
 
 Compiled or interpreted, by the tensor. ``triton.jit`` turns a Python function into a kernel compiled
 for the GPU or, when the environment variable ``TRITON_INTERPRET`` is 1 at that moment, into one that
