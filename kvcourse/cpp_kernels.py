@@ -20,6 +20,18 @@ the build fails once per process and ``build_problem`` says why; ``load_cpp_kern
 tests and benchmark skip or replace the C++ runs, saying so. Nothing else in the course needs a
 compiler.
 
+An interrupted build resumes. torch marks a build in progress with a file ``lock`` in the build folder
+and waits, forever, for that file to go; a build killed part way (a closed terminal, ``kill``, a second
+Ctrl-C while the first is handled: one Ctrl-C lets torch remove it) leaves it behind. So each build or
+load here first takes the course's own lock, an ``fcntl.flock`` on ``build.lock`` beside it
+(``model_store.exclusive``), which the operating system releases when its process ends. Holding it, a
+``lock`` file is one that no live build holds: it is removed, with one line, ``note: removed a stale
+build lock .../lock left by an interrupted build``, and ninja redoes what the interrupted build left
+undone (it rebuilds any output it has no record of finishing). A build running beside, in another
+process, is waited for, with the line ``waiting for another build of paged_attention_08fd766d (lock
+.../build.lock, held by pid 4242)``, for at most 15 minutes (``LOCK_WAIT_SECONDS``), then
+``LockTimeout`` names the lock and the process to end.
+
 Left out on purpose: other compilers than gcc/clang, and ahead-of-time wheels.
 """
 
@@ -32,10 +44,11 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from kvcourse.model_store import cache_root
+from kvcourse.model_store import LockTimeout, cache_root, exclusive
 
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -123,6 +136,8 @@ def _build(source: Path):
     if folder not in _BUILDS:
         try:
             _BUILDS[folder] = _compile(source), None
+        except LockTimeout:  # not a compiler's problem: another build is still running, say so
+            raise
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
             reason = compiler_complaint(str(e))
             _BUILDS[folder] = (
@@ -136,25 +151,35 @@ def _build(source: Path):
 
 
 def _compile(source: Path):
-    """Build ``source`` with torch's extension builder (or load the cached build); return the module."""
+    """Build ``source`` with torch's extension builder (or load the cached build); return the module.
+
+    Holds ``build.lock`` throughout (see the module's docstring), so torch's ``lock`` file, if there is
+    one, was left by a build that is gone: removed before torch would wait on it.
+    """
     from torch.utils import cpp_extension
 
     _ninja_on_path()
     name, folder = build_name(source), build_folder(source)
-    folder.mkdir(parents=True, exist_ok=True)
-    built = folder / f"{name}.so"
-    before = built.stat().st_mtime if built.exists() else None
-    t0 = time.perf_counter()
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        verbose=False,
-    )
-    if built.stat().st_mtime != before:  # it was (re)built just now
-        (folder / "compile_seconds.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
+    with exclusive(folder / "build.lock", f"build of {name}"):
+        stale = folder / "lock"
+        if stale.exists():
+            stale.unlink()
+            print(f"note: removed a stale build lock {stale} left by an interrupted build", file=sys.stderr)
+        built = folder / f"{name}.so"
+        before = built.stat().st_mtime if built.exists() else None
+        t0 = time.perf_counter()
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+        if built.stat().st_mtime != before:  # it was (re)built just now; written whole, or not at all
+            partial = folder / "compile_seconds.partial"
+            partial.write_text(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
+            partial.replace(folder / "compile_seconds.json")
     return module
 
 

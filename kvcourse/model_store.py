@@ -13,16 +13,25 @@ Resolution order for "which model do I run?":
 3. the prepared default model, converted on first use into ``KVCOURSE_CACHE`` (default: ``.cache/``
    at the repository root, git-ignored).
 
+An interrupted conversion (Ctrl-C, a killed ``make setup``) leaves at most a ``<name>.partial`` folder,
+which the next conversion deletes and writes again: the converted folder appears only by a rename, after
+its marker file. Two setups at once convert one at a time: ``exclusive`` (below) makes the second wait
+for the first, saying so, and then find the model prepared. The C++ kernel builds
+(``kvcourse/cpp_kernels.py``) take the same kind of lock.
+
 Left out on purpose: downloading anything. The course runs offline; the only source of weights is the
 installed package (or a local checkpoint you point at).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +43,8 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = "kvcourse_prepared.json"  # written last, so a half-finished conversion is redone
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LOCK_WAIT_SECONDS = 15 * 60  # how long a lock that another live process holds is waited for
+SAY_WAITING_AFTER_SECONDS = 2  # a cached kernel load holds its lock for a moment: no line for that
 
 
 def cache_root() -> Path:
@@ -60,6 +71,53 @@ def find_bundled_gguf() -> Path:
     return ggufs[0]
 
 
+class LockTimeout(TimeoutError):
+    """Another live process held a course lock for ``LOCK_WAIT_SECONDS``; the message says which lock,
+    which process, and what to do. An ``OSError``, so ``python -m kvcourse prepare`` prints it as one
+    ``error: ...`` line."""
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path, what: str):
+    """Hold ``lock`` for the ``with`` block, so that one process at a time does ``what``.
+
+    The lock is an ``fcntl.flock`` on the file ``lock`` (created if missing), which records the
+    holder's pid. The operating system releases it when its process ends, killed or not, so it is
+    never stale. Another process holding it is waited for, with one line on stderr after
+    ``SAY_WAITING_AFTER_SECONDS`` (a cached kernel load holds it for less), and for at most
+    ``LOCK_WAIT_SECONDS``, then ``LockTimeout``. Example, a second ``make setup`` beside a first::
+
+        with exclusive(folder / "build.lock", "build of paged_attention_08fd766d"):
+            ...  # prints "waiting for another build of paged_attention_08fd766d (lock
+                 # .cache/kernels/x86_64-80cc602e/paged_attention_08fd766d/build.lock, held by pid 4242)"
+    """
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as f:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited, pid = time.monotonic() - start, lock.read_text().strip() or "?"
+                if waited > LOCK_WAIT_SECONDS:
+                    raise LockTimeout(
+                        f"another {what} has held the lock {lock} for {waited:.0f} s (pid {pid}): if that "
+                        f"process is stuck, end it (kill {pid}) and run `make setup` again"
+                    ) from None
+                if waited >= SAY_WAITING_AFTER_SECONDS and not said:
+                    print(f"waiting for another {what} (lock {lock}, held by pid {pid})", file=sys.stderr)
+                    said = True
+                time.sleep(0.2)
+        f.truncate(0)  # "a+": the pid is written at the start of the emptied file
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)  # still held: no waiter reads a pid that has left
+
+
 def _is_prepared(folder: Path) -> bool:
     return (folder / _DONE_MARKER).exists()
 
@@ -67,12 +125,20 @@ def _is_prepared(folder: Path) -> bool:
 def prepare_default_model(force: bool = False) -> Path:
     """Convert the bundled GGUF into a cached fp32 HF directory (once) and return that directory.
 
-    A second call finds the marker file and returns at once.
+    A second call finds the marker file and returns at once. A call while another process converts
+    waits for it (``exclusive``), then finds the marker.
     """
     target = cache_root() / "models" / DEFAULT_NAME
     if _is_prepared(target) and not force:
         return target
+    with exclusive(target.with_name(target.name + ".lock"), f"conversion of {DEFAULT_NAME}"):
+        if _is_prepared(target) and not force:  # the process we waited for converted it
+            return target
+        return _convert(target)
 
+
+def _convert(target: Path) -> Path:
+    """Convert the bundled GGUF into ``target`` (through ``<target>.partial``, renamed when complete)."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM

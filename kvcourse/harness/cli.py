@@ -1,7 +1,8 @@
 """Command line: ``python -m kvcourse prepare`` and ``python -m kvcourse generate``.
 
     python -m kvcourse prepare                       # convert the bundled model and build the stages'
-                                                     # C++ kernels, once (idempotent)
+                                                     # C++ kernels, once (idempotent; resumes after
+                                                     # an interrupted one)
     python -m kvcourse generate --stage L1 "What is a KV cache?"
     python -m kvcourse generate --stage L1 --prompts kvcourse/harness/prompts.jsonl --max-new-tokens 32
     python -m kvcourse generate --stage L4 --device cuda "What is a KV cache?"
@@ -19,8 +20,10 @@ hypothesis of a beam search of width K, as HF ``generate(num_beams=K)`` finds it
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from kvcourse.config import ModelConfig
 from kvcourse.cpp_kernels import build_all
@@ -28,7 +31,7 @@ from kvcourse.devices import add_device_argument, device_argument
 from kvcourse.harness.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
 from kvcourse.harness.stages import STAGES, engine_class
 from kvcourse.limits import DEFAULT_MAX_MODEL_LEN, check_context
-from kvcourse.model_store import MODEL_ENV, REPO_ROOT, prepare_default_model, resolve_model_dir
+from kvcourse.model_store import MODEL_ENV, REPO_ROOT, cache_root, prepare_default_model, resolve_model_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -104,18 +107,57 @@ def generate(args: argparse.Namespace) -> None:
     print(f"{args.stage}: {stats}")
 
 
+def drop_broken_jax_entries(folder: Path) -> list[Path]:
+    """Delete the entries of JAX's compilation cache in ``folder`` that JAX cannot read; return them.
+
+    JAX writes an entry (``<function>-<key>-cache``, compressed) in place, and never again once it exists:
+    a process killed while writing one (Ctrl-C in ``make test``) leaves it cut short, and every later run
+    that compiles the same function fails to read it, warns ("Error reading persistent compilation cache
+    entry for 'jit__decode_fn': error: Error -5 while decompressing data: incomplete or truncated
+    stream") and compiles again. Deleted, it is written whole by the next run that compiles it. Every
+    entry is decompressed as JAX reads it; they are small (0.1 MB for an L6 engine's decode step).
+    Example: ``jit__decode_fn-86939b1e...-cache`` cut to 100 bytes -> deleted, and in the list.
+    """
+    entries = sorted(folder.glob("*-cache")) if folder.is_dir() else []
+    if not entries:
+        return []
+    from jax._src.compilation_cache import decompress_executable  # JAX's own way of reading one back
+
+    broken = []
+    for entry in entries:
+        try:
+            decompress_executable(entry.read_bytes())
+        except Exception:  # zlib's or zstd's error on a cut stream, as JAX's own read gets
+            broken.append(entry)
+            entry.unlink(missing_ok=True)
+            entry.with_name(entry.name.removesuffix("-cache") + "-atime").unlink(missing_ok=True)
+    return broken
+
+
+def prepare(force: bool) -> None:
+    """``python -m kvcourse prepare``: each step finds what an earlier, interrupted run left and goes on
+    from there (the model conversion and the kernel builds: their modules' docstrings; JAX's cache:
+    ``drop_broken_jax_entries``, in ``$JAX_COMPILATION_CACHE_DIR``, which make test and make smoke set,
+    else ``.cache/jax``)."""
+    print(prepare_default_model(force=force))
+    for source, now, seconds, problem in build_all(REPO_ROOT):
+        if problem:
+            print(f"{source.relative_to(REPO_ROOT)}: NOT BUILT. {problem}. The course runs without "
+                  f"it: the smokes and tests skip its runs and make bench uses the PyTorch kernel.")  # fmt: skip
+            continue
+        took = f"built in {seconds:.0f} s" if now and seconds is not None else "already built"
+        print(f"{source.relative_to(REPO_ROOT)}: {took}, cached in .cache/kernels/")
+    jax_cache = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_root() / "jax")
+    if broken := drop_broken_jax_entries(jax_cache):
+        print(f"note: removed half-written JAX compilation cache entries left by an interrupted run: "
+              f"{len(broken)} in {jax_cache}", file=sys.stderr)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.command == "prepare":
-            print(prepare_default_model(force=args.force))
-            for source, now, seconds, problem in build_all(REPO_ROOT):
-                if problem:
-                    print(f"{source.relative_to(REPO_ROOT)}: NOT BUILT. {problem}. The course runs without "
-                          f"it: the smokes and tests skip its runs and make bench uses the PyTorch kernel.")  # fmt: skip
-                    continue
-                took = f"built in {seconds:.0f} s" if now and seconds is not None else "already built"
-                print(f"{source.relative_to(REPO_ROOT)}: {took}, cached in .cache/kernels/")
+            prepare(args.force)
         else:
             generate(args)
     except (ValueError, OSError) as e:
