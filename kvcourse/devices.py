@@ -107,10 +107,14 @@ def profile_forward(model, num_tokens: int) -> None:
 
 
 def kv_bytes_for_fraction(device: torch.device, fraction: float, profile) -> int:
-    """KV bytes for ``gpu_memory_utilization=fraction`` on a CUDA device: fraction x total memory, less
-    what is in use now (weights, CUDA context, other processes) and the peak ``profile()`` adds.
+    """KV bytes for ``gpu_memory_utilization=fraction`` on a CUDA device, as vLLM v1 reads the setting: a
+    limit for this process alone, ``fraction`` x the card's memory, less what this process holds
+    (the weights, anything torch keeps cached) and the peak ``profile()`` adds. Another process's memory
+    is not subtracted; the fraction must fit in what is free or already this process's, else it is
+    refused (vLLM's ``request_memory`` refuses the same way, in ``vllm/v1/worker/utils.py``).
 
-    Example on an 80 GiB card with 0.6 GiB in use and a 1.4 GiB activation peak: 0.9 -> 70 GiB.
+    Example on an 80 GiB card, 0.6 GiB held by this process, a 1.4 GiB activation peak: 0.9 -> 70 GiB,
+    whatever other processes hold, as long as 72 GiB is free or this process's.
     Elsewhere: ``ValueError: gpu_memory_utilization needs a CUDA device, got cpu``.
     """
     check_fraction(fraction)
@@ -119,17 +123,25 @@ def kv_bytes_for_fraction(device: torch.device, fraction: float, profile) -> int
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
+    ours = torch.cuda.memory_reserved(device)  # this process's torch memory: the weights, its caches
+    requested = int(fraction * total)
+    if requested > free + ours:
+        raise ValueError(
+            f"gpu_memory_utilization={fraction} asks for {requested:,} bytes of the card's {total:,}, but only "
+            f"{free + ours:,} are free or this process's ({total - free - ours:,} held elsewhere): "
+            f"lower gpu_memory_utilization or free the card"
+        )
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     profile()
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
-    budget = int(fraction * total) - (total - free) - activations
+    budget = requested - ours - activations
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={fraction} leaves no KV memory: {fraction} x {total:,} bytes, less "
-            f"{total - free:,} in use and {activations:,} of activations, is {budget:,} bytes"
+            f"{ours:,} this process holds and {activations:,} of activations, is {budget:,} bytes"
         )
     return budget
 

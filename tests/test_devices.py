@@ -114,6 +114,37 @@ def test_an_engine_asked_for_cuda_without_one_raises(stage, no_gpu, tiny_llama_d
         engine_class(stage)(tiny_llama_dir, device="cuda")
 
 
+def test_gpu_memory_utilization_is_this_processs_share(monkeypatch):
+    """As vLLM v1 reads it: fraction x the card, less this process's memory and its activation peak;
+    another process's memory is not subtracted, but a fraction beyond what is free (or ours) is
+    refused. A pretend 100 GB card: another process holds 40 GB, this one 2 GB, activations 1 GB."""
+    from kvcourse import devices
+
+    GB = 10**9
+    state = {"peak": 0}
+    fake = {
+        "synchronize": lambda d=None: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda d=None: (58 * GB, 100 * GB),
+        "memory_reserved": lambda d=None: 2 * GB,
+        "memory_allocated": lambda d=None: 2 * GB,
+        "reset_peak_memory_stats": lambda d=None: state.update(peak=2 * GB),
+        "max_memory_allocated": lambda d=None: state["peak"],
+    }
+    for name, f in fake.items():
+        monkeypatch.setattr(torch.cuda, name, f)
+
+    def profile():
+        state["peak"] = 3 * GB  # a 1 GB activation peak
+
+    assert devices.kv_bytes_for_fraction(torch.device("cuda"), 0.5, profile) == 47 * GB  # 50 - 2 - 1
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.7 asks for 70,000,000,000 bytes .* only "
+                       r"60,000,000,000 are free or this process's \(40,000,000,000 held elsewhere\)"):
+        devices.kv_bytes_for_fraction(torch.device("cuda"), 0.7, profile)
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        devices.kv_bytes_for_fraction(torch.device("cpu"), 0.5, profile)
+
+
 # ---------------------------------------------------------------- every tensor on the engine's device
 
 STAGE_RUNS = [
