@@ -83,7 +83,7 @@ test: setup lint
 	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvcourse $(wildcard tests bench) L[0-9]_*
+	$(PY) -m ruff check kvcourse exercises key $(wildcard tests bench) L[0-9]_*
 
 # The learner's copies of the exercise notebooks, in git-ignored workspace/ (never overwritten), with
 # the venv and the model prepared.

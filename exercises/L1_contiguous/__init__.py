@@ -1,1 +1,1 @@
-"""L1's exercise checkers (``checks.py``) and the grader's independent answers (``answers.py``): not the lesson."""
+"""L1's exercise checkers and hidden cases (``checks.py``), for ``notebooks/L1_contiguous.ipynb``: not the lesson."""

@@ -20,7 +20,7 @@ which rule it breaks.
 
 Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
 (``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
-the independent answers of ``answers.py``, never against this stage's code.
+the independent answers of ``key/L1_contiguous/answers.py``, never against this stage's code.
 
 Left out on purpose: partial credit and hints; a loop that never stops is cut off by a call budget.
 """
@@ -46,8 +46,7 @@ from kvcourse.grading.cases import (
 )
 from kvcourse.grading.hidden import Hidden
 from kvcourse.harness.prompts import Prompt, encode
-
-from ..cache import KvCache
+from L1_contiguous.cache import KvCache
 
 
 def check_write_kv(write_kv: Callable) -> None:
@@ -246,7 +245,7 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, cfg: ModelConfig) -> 
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
-# judged in the grader's process against the independent answers of answers.py.
+# judged in the grader's process against the independent answers of key/L1_contiguous/answers.py.
 
 
 def draw_writes(rng) -> list[dict]:
@@ -349,7 +348,7 @@ def describe_writes(case: dict) -> str:
 
 # L1.2: a fixed pool of prompts, each with the number of new tokens after which the course model
 # ends it with eos (None: not within POOL_BUDGET). The lengths only aim the drawn budgets at the
-# boundaries; the expected tokens come from HF (answers.py), up to POOL_BUDGET per prompt.
+# boundaries; the expected tokens come from HF (key/L1_contiguous/answers.py), up to POOL_BUDGET per prompt.
 POOL_BUDGET = 14
 POOL = [
     {"messages": [["user", "What is the capital of Japan?"]], "ends": 8},
@@ -598,7 +597,7 @@ def simulate_ring(window: int, length: int) -> list[int]:
     return rows
 
 
-# L1.4's huge cases cannot be simulated: their expected rows were computed once with answers.py's
+# L1.4's huge cases cannot be simulated: their expected rows were computed once with key/L1_contiguous/answers.py's
 # ring_positions and are stored here as data (tests/test_exercises_l1_beyond.py checks them).
 RING_HUGE_ROWS = {
     (5, RING_HUGE): [999_999_999_999_995, 999_999_999_999_996, 999_999_999_999_997, 999_999_999_999_998,

@@ -9,7 +9,7 @@
   adjacent; its expected picks are stored as data) and ``check_compaction_moves`` (L2.5, a compaction
   plan, run on a simulated pool and held to the fewest moves, stored as data);
 - ``check_test_allocator`` (L2.6, catch the bug): the learner's test against ``BlockAllocator`` and two
-  of its bugs from ``kvcourse/harness/mutations.py`` (``kvcourse/grading/bugs.py``);
+  of its bugs from the course's mutation list (``kvcourse/grading/mutations.py``);
 - ``check_predict`` (L2.7): the learner's prediction against what the operations leave when run on
   this stage's code, key by key, without printing the real values.
 
@@ -27,13 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvcourse.grading.bugs import catch_cases, catch_hidden
 from kvcourse.grading.cases import Case, describe, first_line, named_mistake, outcome, run_cases
 from kvcourse.grading.hidden import Hidden, unrevealed
-
-from ..allocator import BlockAllocator, OutOfBlocksError
-from ..sequence import Sequence
-from ..sequence import reserve as ref_reserve
+from kvcourse.grading.mutations import catch_cases, catch_hidden
+from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
+from L2_token_flat.sequence import Sequence
+from L2_token_flat.sequence import reserve as ref_reserve
 
 
 def run_free_list_cases(allocator_cls: Callable, cases: list[tuple[str, int, list]]) -> None:
@@ -267,7 +266,7 @@ def check_reserve(reserve: Callable) -> None:
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
-# judged in the grader's process against the independent answers of answers.py.
+# judged in the grader's process against the independent answers of key/L2_token_flat/answers.py.
 
 
 def draw_free_list_ops(rng) -> list[dict]:
@@ -402,9 +401,9 @@ def run_problem(got) -> str | None:
     return None
 
 
-# L2.4's expected picks were computed once with answers.py's pick_adjacent and are stored here as data
+# L2.4's expected picks were computed once with key/L2_token_flat/answers.py's pick_adjacent and are stored here as data
 # (its policy is what the exercise asks for, so a second implementation here would be an answer key;
-# tests/test_exercises_l2_beyond.py checks these values against answers.py). An exception class stands
+# tests/test_exercises_l2_beyond.py checks these values against key/L2_token_flat/answers.py). An exception class stands
 # for a case that must raise it.
 ADJACENT_CASES = [
     ("extends the table's last block", [0, 5, 1, 6, 7], [4], 2, [5, 6]),
@@ -549,7 +548,7 @@ def describe_entry(entry) -> str:
     return "nothing" if entry is None else f"table {entry[0]}'s entry {entry[1]}"
 
 
-# L2.5's fewest moves per case were computed once with answers.py's compaction_moves and are stored
+# L2.5's fewest moves per case were computed once with key/L2_token_flat/answers.py's compaction_moves and are stored
 # here as data (None: no plan exists, ValueError); the plans themselves are checked by apply_moves.
 COMPACTION_CASES = [
     ("already packed: nothing moves", [[0, 1], [2]], 4, 0),
@@ -644,7 +643,7 @@ def describe_compaction(case: dict) -> str:
 
 
 ALLOCATOR = "L2_token_flat.allocator:BlockAllocator"
-# L2.6: the allocator bugs of kvcourse/harness/mutations.py; the check cell shows two, the hidden
+# L2.6: the allocator bugs of kvcourse/grading/mutations.py; the check cell shows two, the hidden
 # cases run them all.
 ALLOCATOR_BUGS = [
     "L2 allocator hands out the blocks it has, then raises",

@@ -13,7 +13,7 @@
 - ``check_cheapest_preemption`` (beyond the stage): the fewest computed tokens a preemption that frees
   ``need`` blocks throws away, against an exhaustive search (small cases only);
 - ``check_catch_scheduler`` (catch the bug): the learner's test on ``Scheduler`` and on copies of it
-  with a bug of the course's mutation list put in (``kvcourse/grading/bugs.py``);
+  with a bug of the course's mutation list put in (``kvcourse/grading/mutations.py``);
 - ``check_predict`` (predict): the learner's prediction of four scheduler steps, key by key against a
   run of this stage, never printing the real value.
 
@@ -28,7 +28,7 @@ stage has no code for, is an exhaustive search: a valid answer only for the visi
 
 Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
 (``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
-the independent answers of ``answers.py``, never against this stage's code.
+the independent answers of ``key/L3_block_tensor/answers.py``, never against this stage's code.
 
 Left out on purpose: partial credit and hints; ``plan_step`` is graded with plenty of free blocks,
 so preemption is not part of it (``check_preempt`` grades it alone, one preemption at a time, not the
@@ -42,14 +42,13 @@ import io
 import re
 from collections.abc import Callable
 
-from kvcourse.grading.bugs import catch_cases, catch_hidden, version
 from kvcourse.grading.cases import Case, named_mistake, run_cases
 from kvcourse.grading.hidden import CaseTimeout, Hidden, unrevealed
-
-from ..allocator import BlockAllocator
-from ..scheduler import Scheduler
-from ..sequence import Sequence, Status, reserve
-from ..sequence import slots as ref_slots
+from kvcourse.grading.mutations import catch_cases, catch_hidden, version
+from L3_block_tensor.allocator import BlockAllocator
+from L3_block_tensor.scheduler import Scheduler
+from L3_block_tensor.sequence import Sequence, Status, reserve
+from L3_block_tensor.sequence import slots as ref_slots
 
 
 def check_slots(slots: Callable) -> None:
@@ -471,7 +470,7 @@ def check_preempt(preempt: Callable) -> None:
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
-# judged in the grader's process against the independent answers of answers.py.
+# judged in the grader's process against the independent answers of key/L3_block_tensor/answers.py.
 
 
 def draw_slots(rng) -> list[dict]:
@@ -1076,7 +1075,7 @@ SCHEDULER_BUGS = [
 
 def check_catch_scheduler(test_scheduler: Callable) -> None:
     """Grade a learner's ``test_scheduler(Scheduler)``: it must pass this stage's ``Scheduler`` and fail
-    it with each bug of ``SHOWN_BUGS`` put in (``kvcourse/grading/bugs.py``). A test that is still the
+    it with each bug of ``SHOWN_BUGS`` put in (``kvcourse/grading/mutations.py``). A test that is still the
     stub (it raises NotImplementedError) raises in every case, so it reads as not done yet rather than
     as a test that catches the bugs."""
     try:

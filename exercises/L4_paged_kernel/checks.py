@@ -13,7 +13,7 @@
 - ``check_merge_lse`` (beyond the stage): merging two partials kept as (out, lse), against dense softmax
   and ``torch.logsumexp`` over the union's raw scores;
 - ``check_catch_attend_blocks`` (catch the bug): the learner's test on ``attend_blocks`` and on it with
-  bugs of the mutation list put in (``kvcourse/grading/bugs.py``);
+  bugs of the mutation list put in (``kvcourse/grading/mutations.py``);
 - ``check_predict`` (predict): the learner's written-down state of the block loop on a tiny input,
   against what the stage's ``attend_blocks`` and ``split_kv_attention`` give on it.
 
@@ -30,7 +30,7 @@ then ``k/n passed``. The reference notebook stores those lines as the check cell
 
 Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
 (``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
-the independent answers of ``answers.py``, never against this stage's code.
+the independent answers of ``key/L4_paged_kernel/answers.py``, never against this stage's code.
 
 Left out on purpose: GQA and batches of sequences (the exercises take one sequence and one KV head;
 the stage's kernel adds those axes), timing (the check cannot tell whether the learner gathered), and
@@ -45,13 +45,12 @@ from unittest import mock
 
 import torch
 
-from kvcourse.grading.bugs import catch_cases, catch_hidden
 from kvcourse.grading.cases import Case, close_problem, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden, unrevealed
-
-from ..fast import split_kv
-from ..fast.split_kv import merge_partials
-from ..paged_attention import attend_blocks as ref_attend_blocks
+from kvcourse.grading.mutations import catch_cases, catch_hidden
+from L4_paged_kernel.fast import split_kv
+from L4_paged_kernel.fast.split_kv import merge_partials
+from L4_paged_kernel.paged_attention import attend_blocks as ref_attend_blocks
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
@@ -668,7 +667,7 @@ def check_merge_lse(merge_lse: Callable) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Catch the bug. L4.6: the learner's test of ``attend_blocks``, run on the stage's function and on it
-# with a bug of the course's mutation list put in (``kvcourse/grading/bugs.py``).
+# with a bug of the course's mutation list put in (``kvcourse/grading/mutations.py``).
 
 ATTEND_TARGET = "L4_paged_kernel.paged_attention:attend_blocks"
 CATCH_SHOWN = [
@@ -809,7 +808,7 @@ def check_predict(predict: Callable) -> None:
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
-# judged in the grader's process against the independent answers of answers.py (dense, float64) within
+# judged in the grader's process against the independent answers of key/L4_paged_kernel/answers.py (dense, float64) within
 # a tolerance. A right float32 answer differs from them by float32 rounding: below 1e-6 in a merge
 # (its inputs are the same float32 partials), and in the block loop by the rounding of scores in the
 # hundreds (|s| * 2^-24): 3e-5 at most for the notebook's solution over 8,000 drawn cases with such

@@ -1,1 +1,1 @@
-"""L5's exercise checkers (``checks.py``) and the grader's independent answers (``answers.py``): not the lesson."""
+"""L5's exercise checkers and hidden cases (``checks.py``), for ``notebooks/L5_clones.ipynb``: not the lesson."""

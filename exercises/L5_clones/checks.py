@@ -23,7 +23,7 @@ then ``k/n passed``. The reference notebook stores those lines as the check cell
 
 The hidden cases (``HIDDEN``, at the end; ``kvcourse/grading/hidden.py``) run the learner's function on cases
 drawn per grading run: runs of admissions, clones, frees and matches on pools of every block size.
-They are judged in the grader's process against the independent answers of ``answers.py``.
+They are judged in the grader's process against the independent answers of ``key/L5_clones/answers.py``.
 
 Left out on purpose: partial credit and hints; the clone is graded on its bookkeeping only (the caller
 copies the partial block's K/V with ``KvPool.copy_block``), with enough free blocks for every case;
@@ -40,14 +40,13 @@ from collections.abc import Callable
 
 import torch
 
-from kvcourse.grading.bugs import catch_cases, catch_hidden, version
 from kvcourse.grading.cases import Case, describe, named_mistake, outcome, run_cases
 from kvcourse.grading.hidden import Hidden, unrevealed
-
-from .. import prefix_cache
-from ..allocator import BlockAllocator, blocks_needed
-from ..prefix_cache import block_hash, register_full_blocks
-from ..sequence import Sequence, reserve
+from kvcourse.grading.mutations import catch_cases, catch_hidden, version
+from L5_clones import prefix_cache
+from L5_clones.allocator import BlockAllocator, blocks_needed
+from L5_clones.prefix_cache import block_hash, register_full_blocks
+from L5_clones.sequence import Sequence, reserve
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -78,7 +77,7 @@ ALLOCATOR = "L5_clones.allocator:BlockAllocator"
 
 
 def _mutant(target: str, bug: str):
-    """The stage's ``target`` with one bug of the course's mutation list put in (``kvcourse/grading/bugs.py``):
+    """The stage's ``target`` with one bug of the course's mutation list put in (``kvcourse/grading/mutations.py``):
     what a known mistake gives, to name it in a case's line."""
     return version(target, bug)
 
@@ -892,7 +891,7 @@ def check_predict(predict: Callable) -> None:
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
-# judged in the grader's process against the independent answers of answers.py.
+# judged in the grader's process against the independent answers of key/L5_clones/answers.py.
 
 BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 16)  # 1 (every block full) and odd sizes next to the usual ones
 

@@ -1,1 +1,1 @@
-"""L6's exercise checkers (``checks.py``) and the grader's independent answers (``answers.py``): not the lesson."""
+"""L6's exercise checkers and hidden cases (``checks.py``), for ``notebooks/L6_tpu_jax.ipynb``: not the lesson."""

@@ -14,7 +14,7 @@
 - ``check_compact`` (beyond the stage): compaction of the pool, by its rules alone (``compact_rules``:
   ids, order, refcounts, and the moves run on a labelled pool);
 - ``check_catch_allocate`` (catch the bug): a learner's test of ``allocate_for_seq``, run on the stage's
-  version and on versions with a bug of the mutation list put in (``kvcourse/grading/bugs.py``);
+  version and on versions with a bug of the mutation list put in (``kvcourse/grading/mutations.py``);
 - ``check_predict`` (predict): the tables after five operations, against those operations run on the
   stage (``predict_steps``), one line per array that never shows the expected values.
 
@@ -41,7 +41,7 @@ compares them. The warm-ups' references are the stage's own code, never a copy k
 The hidden cases (``HIDDEN``, at the end; ``kvcourse/grading/hidden.py``) run the learner's function on cases
 drawn per grading run (batches in a row on tables of a few shapes, KV writes through one jit, specs
 laid on abstract meshes of 1 to 16 devices) and are judged in the grader's process against the
-independent answers of ``answers.py``.
+independent answers of ``key/L6_tpu_jax/answers.py``.
 
 Left out on purpose: the all-or-nothing path when the pool is short (every allocation case has enough
 free pages), padding tokens (slot -1) in the NumPy exercises, jit for the NumPy exercises (they run
@@ -62,12 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from kvcourse.grading.bugs import catch_cases, catch_hidden, outcome_of, version
 from kvcourse.grading.cases import Case, arrays_problem, first_line, named_mistake, run_cases
 from kvcourse.grading.hidden import Hidden, unrevealed
-
-from ..kv_cache import update_kv
-from ..page_table import (
+from kvcourse.grading.mutations import catch_cases, catch_hidden, outcome_of, version
+from L6_tpu_jax.kv_cache import update_kv
+from L6_tpu_jax.page_table import (
     INVALID,
     PageTable,
     SequenceTable,
@@ -522,7 +521,7 @@ def mesh_rules(specs: dict) -> str:
     Example: ``{"params": P(), "decode_state": P(), "kv_pages": P()}`` -> ``'kv_pages: each device
     holds one range of pages, so the pool is cut along axis 0 (the pages) over data'``.
     """
-    from ..multihost import DATA
+    from L6_tpu_jax.multihost import DATA
 
     def axes(spec) -> tuple:
         spec = tuple(spec) if isinstance(spec, PartitionSpec) else (spec,)
@@ -561,10 +560,9 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
     whole pool: "each device holds 16 of 16 pages per layer (its share is 8)".
     """
     from kvcourse.harness.tiny import make_tiny_checkpoint
-
-    from ..engine import Engine
-    from ..mesh_engine import MeshEngine
-    from ..multihost import data_mesh
+    from L6_tpu_jax.engine import Engine
+    from L6_tpu_jax.mesh_engine import MeshEngine
+    from L6_tpu_jax.multihost import data_mesh
 
     if len(jax.devices()) < MESH_DEVICES:
         raise RuntimeError(
@@ -670,7 +668,7 @@ def check_allocate_cow(allocate_cow: Callable) -> None:
     """Grade ``allocate_cow(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size)
     -> (page_ref_counts, page_indices, seq_lens, new_token_dests, copies)`` on fixed cases.
 
-    The expected values below were computed once with the answer key (``answers.py``, which does not
+    The expected values below were computed once with the answer key (``key/L6_tpu_jax/answers.py``, which does not
     ship with the exercises) and are stored here as data: this file holds no copy-on-write allocator.
     A wrong answer is first held to the rules it can be checked against without one (``cow_rules``),
     and a line names the rule it breaks; then the values are compared; then the dtypes (int32).
@@ -852,7 +850,7 @@ CATCH_ALL = [
 
 def check_catch_allocate(test: Callable) -> None:
     """Grade a learner's ``test(allocate_for_seq)``: it must pass the stage's ``allocate_for_seq`` and
-    fail it with each bug of ``CATCH_VISIBLE`` put in (``kvcourse/grading/bugs.py``); the hidden cases
+    fail it with each bug of ``CATCH_VISIBLE`` put in (``kvcourse/grading/mutations.py``); the hidden cases
     hand it every bug of ``CATCH_ALL``."""
     run_cases(catch_cases(test, ALLOCATE, CATCH_VISIBLE, "allocate_for_seq"))
 
@@ -929,7 +927,7 @@ def check_predict(predict: Callable) -> None:
 
 
 # Hidden cases (kvcourse/grading/hidden.py): drawn per grading run, observed here in the learner's kernel,
-# judged in the grader's process against the independent answers of answers.py.
+# judged in the grader's process against the independent answers of key/L6_tpu_jax/answers.py.
 
 # (max_num_seqs, pages_per_seq, num_pages, page_size) of the NumPy exercises' hidden cases: a few shapes,
 # so that the stage's jit'd functions, which the tests hold them against, compile a few times only.
@@ -1228,8 +1226,8 @@ def _held(mesh, spec, tree) -> str | list:
 def observe_mesh(fn, case) -> list[dict]:
     """The learner's specs on an abstract mesh of ``case["devices"]`` devices (no devices needed):
     what one device holds of the params, of the decode state and of one layer's KV pool."""
-    from ..decode_state import DecodeState
-    from ..multihost import DATA
+    from L6_tpu_jax.decode_state import DecodeState
+    from L6_tpu_jax.multihost import DATA
 
     specs = fn()
     if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:

@@ -9,7 +9,7 @@ positions.
 Tests check that the stage and these answers agree on many drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``. For L1.1, L1.3, L1.4 and L1.5 it is the exercise's
-``observe`` (``checks.py``) run on the answer. L1.2's observation needs the notebook's engine, which
+``observe`` (``exercises/L1_contiguous/checks.py``) run on the answer. L1.2's observation needs the notebook's engine, which
 the grader does not build: its expected tokens are Hugging Face's greedy output
 (``kvcourse/harness/reference.py``, cached on disk) for the same prompt on the same checkpoint. HF runs each
 pool prompt once, to ``POOL_BUDGET`` new tokens, and a case with a smaller budget takes the first
@@ -30,10 +30,17 @@ from __future__ import annotations
 import functools
 import math
 
+from exercises.L1_contiguous.checks import (
+    HIDDEN,
+    POOL_BUDGET,
+    SIZE_ARGS,
+    _tokenizer,
+    decode_call,
+    decode_observation,
+    prompt_of,
+)
 from kvcourse.harness.prompts import encode
 from kvcourse.model_store import resolve_model_dir
-
-from .checks import HIDDEN, POOL_BUDGET, SIZE_ARGS, _tokenizer, decode_call, decode_observation, prompt_of
 
 
 def write_kv(k_cache, v_cache, start, k, v):
@@ -112,7 +119,7 @@ def expect_decode(case: dict) -> list[dict]:
 
 def kvcache_write(k_cache, v_cache, start, k, v):
     """``KvCache.write`` as ``write_kv``: a one-layer cache whose storage is the given tensors."""
-    from ..cache import KvCache
+    from L1_contiguous.cache import KvCache
 
     cache = KvCache(1, k_cache.shape[0], *k_cache.shape[1:])
     cache.k, cache.v = k_cache[None], v_cache[None]  # views: the write lands in the caller's tensors
@@ -126,8 +133,8 @@ def engine_generate(engine, prompt, max_new_tokens):
 
 def contiguous_by_simulation(requests, max_model_len, bytes_per_token, block_size):
     """The stage's ``KvCache`` and ``check_requests`` run request by request (``simulate_contiguous``
-    of ``checks.py``), as ``contiguous_bytes``."""
-    from .checks import simulate_contiguous
+    of ``exercises/L1_contiguous/checks.py``), as ``contiguous_bytes``."""
+    from exercises.L1_contiguous.checks import simulate_contiguous
 
     for name, value in zip(SIZE_ARGS, (max_model_len, bytes_per_token, block_size), strict=True):
         if value < 1:
@@ -137,7 +144,7 @@ def contiguous_by_simulation(requests, max_model_len, bytes_per_token, block_siz
 
 def course_engine() -> tuple:
     """The L1.2 check cell's context: an engine on the course model (a short cache is enough)."""
-    from ..engine import Engine
+    from L1_contiguous.engine import Engine
 
     return (Engine(max_model_len=256),)
 

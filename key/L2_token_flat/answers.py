@@ -8,7 +8,7 @@ rebuilds the runs of free ids from a set, ``compaction_moves`` moves chains befo
 hand. Tests check
 that the stage and these answers agree on many drawn cases.
 
-``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``exercises/L2_token_flat/checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give L2.6 and L2.7 answers made of the stage's own code (a test
 that compares with the stage's allocator; the operations run), for the tests; L2.4 and L2.5 have no
 stage implementation. The grader imports this file; a submission's sandbox cannot read it.
@@ -18,8 +18,8 @@ Left out on purpose: error messages (only the error's type is graded).
 
 from __future__ import annotations
 
-from ..allocator import OutOfBlocksError
-from .checks import HIDDEN
+from exercises.L2_token_flat.checks import HIDDEN
+from L2_token_flat.allocator import OutOfBlocksError
 
 
 def alloc_blocks(self, n):
@@ -168,7 +168,7 @@ def predict():
 def oracle_test(Subject):
     """L2.6 as the stage's code answers it: the subject run beside the stage's ``BlockAllocator`` on one
     sequence of calls, comparing results and books after each."""
-    from ..allocator import BlockAllocator
+    from L2_token_flat.allocator import BlockAllocator
 
     ours, stage = Subject(5, 4), BlockAllocator(5, 4)
     calls = [("alloc_blocks", 2), ("free", [0]), ("alloc_blocks", 4), ("free", [1, 3]), ("free", [0, 0]),
@@ -185,8 +185,8 @@ def oracle_test(Subject):
 
 
 def predict_by_running():
-    """L2.7 as the stage's code answers it: the operations run (``prediction_state`` of ``checks.py``)."""
-    from .checks import prediction_state
+    """L2.7 as the stage's code answers it: the operations run (``prediction_state`` of ``exercises/L2_token_flat/checks.py``)."""
+    from exercises.L2_token_flat.checks import prediction_state
 
     return prediction_state()
 

@@ -10,7 +10,7 @@ arithmetic. Beyond the stage: ``admit_with_watermark`` counts the blocks decoder
 test for the catch-the-bug exercise and ``predict`` was worked out by hand (its docstring shows how).
 Tests check that the stage and these answers agree on many drawn cases.
 
-``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``exercises/L3_block_tensor/checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
 (``Scheduler.schedule`` as ``plan_step``, ``Scheduler._preempt`` as ``preempt``; for L3.5 the
 stage's ``Scheduler`` on the pool less the watermark, for L3.7 a test that compares with the stage's
@@ -25,10 +25,16 @@ from __future__ import annotations
 
 import math
 
-from ..allocator import BlockAllocator
-from ..scheduler import Scheduler
-from ..sequence import Sequence, Status
-from .checks import HIDDEN, run_predicted_steps, scheduler_admitted, scheduler_plan, scheduler_watermark
+from exercises.L3_block_tensor.checks import (
+    HIDDEN,
+    run_predicted_steps,
+    scheduler_admitted,
+    scheduler_plan,
+    scheduler_watermark,
+)
+from L3_block_tensor.allocator import BlockAllocator
+from L3_block_tensor.scheduler import Scheduler
+from L3_block_tensor.sequence import Sequence, Status
 
 
 def slots(block_table, start, end, block_size):

@@ -10,12 +10,12 @@ tolerance of ``checks.HIDDEN`` (the stage sums in float32, in another order).
 
 The exercises beyond the stage have no stage code to agree with: ``attend_window`` finds the blocks
 read in closed form (a range) and attends per query in float64, and ``merge_lse`` merges row by row
-with ``math.exp``; ``checks.py`` grades the visible cases by brute force instead. ``test_attend_blocks``
+with ``math.exp``; ``exercises/L4_paged_kernel/checks.py`` grades the visible cases by brute force instead. ``test_attend_blocks``
 is the catch-the-bug exercise's test, and ``PREDICTION`` the prediction, worked out by hand. Their
 ``STAGE_ADAPTERS`` run the stage's code instead (its update, ``merge_partials``, an oracle test, the
 stage's run), for the tests that hold each exercise's answer and the stage together.
 
-``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``exercises/L4_paged_kernel/checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
 (``merge_partials`` as ``merge``, ``attend_blocks`` with one KV head as the exercise's, the splits
 ``split_kv_attention`` runs as ``kv_splits``), for the tests. The grader imports this file; a
@@ -30,10 +30,10 @@ import math
 
 import torch
 
-from ..fast.split_kv import merge_partials
-from ..paged_attention import attend_blocks as stage_attend_blocks
-from ..paged_attention import online_softmax_update
-from .checks import HIDDEN, _kernel_splits, predict_state
+from exercises.L4_paged_kernel.checks import HIDDEN, _kernel_splits, predict_state
+from L4_paged_kernel.fast.split_kv import merge_partials
+from L4_paged_kernel.paged_attention import attend_blocks as stage_attend_blocks
+from L4_paged_kernel.paged_attention import online_softmax_update
 
 
 def merge(m1, l1, acc1, m2, l2, acc2):

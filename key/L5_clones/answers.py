@@ -8,7 +8,7 @@ then queues the blocks that reached zero, the keys are sha256 of the documented 
 (not by ``block_hash``), and ``match_prefix`` computes every key first and reads the index itself.
 Tests check that the stage and these answers agree on many drawn cases.
 
-``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``exercises/L5_clones/checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` gives the stage's own code the learner's signature where the two
 differ (``BlockAllocator.clone``, ``register_full_blocks``), for the tests only. The grader imports
 this file; a submission's sandbox cannot read it.
@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 
-from ..allocator import BlockAllocator
-from ..prefix_cache import block_hash, register_full_blocks
-from ..prefix_cache import match_prefix as stage_match_prefix
-from . import checks
-from .checks import HIDDEN
+from exercises.L5_clones import checks
+from exercises.L5_clones.checks import HIDDEN
+from L5_clones.allocator import BlockAllocator
+from L5_clones.prefix_cache import block_hash, register_full_blocks
+from L5_clones.prefix_cache import match_prefix as stage_match_prefix
 
 
 def clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc):
@@ -283,7 +283,7 @@ def stage_lru_hits(prompts, block_size, capacity):
 
 
 def stage_blocks_held(prompts, block_size):
-    """L5.7 by the stage: ``match_prefix`` and ``reserve`` admitting every prompt (``checks.py``)."""
+    """L5.7 by the stage: ``match_prefix`` and ``reserve`` admitting every prompt (``exercises/L5_clones/checks.py``)."""
     _valid(prompts, block_size)
     return checks._held_by_stage([list(p) for p in prompts], block_size)
 

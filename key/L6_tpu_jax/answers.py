@@ -6,11 +6,11 @@ answer pass: the allocation and the free step work on plain Python lists (a sort
 pages, a loop over the slots), the KV write puts one token at a time into the pool in a
 ``lax.fori_loop`` (Levanter's first version; the stage scatters all tokens at once), and the specs
 are spelled out axis by axis. The exercises beyond the stage have no stage code to differ from: their
-answers here (``allocate_cow``, ``compact``) are the only implementations, held by ``checks.py`` to
+answers here (``allocate_cow``, ``compact``) are the only implementations, held by ``exercises/L6_tpu_jax/checks.py`` to
 literal values and to rules; ``test_allocate`` is L6.7's key (it catches every bug of ``CATCH_ALL``) and
 ``predict`` L6.8's, worked by hand.
 
-``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``checks.py``)
+``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``exercises/L6_tpu_jax/checks.py``)
 run on the answer. L6.4's observation needs no devices (the specs are laid on an abstract mesh), so
 the grader's process, with its one CPU device, computes it for meshes of any size. ``STAGE_ADAPTERS``
 gives the stage's own code the learner's signature where the two differ, for the tests only. The
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ..page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
-from . import checks
-from .checks import HIDDEN
+from exercises.L6_tpu_jax import checks
+from exercises.L6_tpu_jax.checks import HIDDEN
+from L6_tpu_jax.page_table import PageTable, SequenceTable, allocate_for_seq, free_pages_for_finished
 
 
 def allocate(page_ref_counts, page_indices, seq_lens, slot_ids, positions, page_size):
@@ -237,7 +237,7 @@ def stage_free_finished(page_ref_counts, page_indices, seq_lens, used_mask, fini
 
 def stage_mesh_specs():
     """L6.4 by the mesh engine's own ``SPECS``."""
-    from ..mesh_engine import SPECS
+    from L6_tpu_jax.mesh_engine import SPECS
 
     return SPECS
 

@@ -1,4 +1,4 @@
-"""The catch-the-bug machinery (``kvcourse/grading/bugs.py``) on L2's allocator and a test written here.
+"""The catch-the-bug machinery (``kvcourse/grading/mutations.py``) on L2's allocator and a test written here.
 
 - a version is the stage's definition rebuilt: the correct one behaves as the stage's class, a buggy one
   as the stage's class with the mutation put in, and neither runs under the stage's file (so the hidden
@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from kvcourse.grading import bugs, hidden
+from kvcourse.grading import hidden, mutations
 from kvcourse.grading.cases import run_cases
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
 
@@ -46,8 +46,8 @@ def oracle(allocator_cls) -> None:
 
 
 def test_versions_behave_as_the_stage_with_and_without_the_bug():
-    correct, buggy = bugs.version(TARGET), bugs.version(TARGET, PARTIAL)
-    assert correct is bugs.version(TARGET) and correct is not BlockAllocator
+    correct, buggy = mutations.version(TARGET), mutations.version(TARGET, PARTIAL)
+    assert correct is mutations.version(TARGET) and correct is not BlockAllocator
     all_or_nothing(BlockAllocator)
     all_or_nothing(correct)
     with pytest.raises(AssertionError, match=r"\[\]"):
@@ -58,14 +58,14 @@ def test_versions_behave_as_the_stage_with_and_without_the_bug():
 
 def test_a_mutation_of_another_file_or_an_unknown_one_is_refused():
     with pytest.raises(ValueError, match="changes L3_block_tensor/allocator.py"):
-        bugs.version(TARGET, "L3 allocator hands out the blocks it has, then raises")
+        mutations.version(TARGET, "L3 allocator hands out the blocks it has, then raises")
     with pytest.raises(KeyError, match="no mutation named 'no such bug'"):
-        bugs.version(TARGET, "no such bug")
+        mutations.version(TARGET, "no such bug")
 
 
 def test_the_check_cell_names_the_bug_a_weak_test_lets_through(capsys):
-    assert run_cases(bugs.catch_cases(all_or_nothing, TARGET, [PARTIAL], "the allocator")) == (2, 2)
-    assert run_cases(bugs.catch_cases(weak, TARGET, [PARTIAL], "the allocator")) == (1, 2)
+    assert run_cases(mutations.catch_cases(all_or_nothing, TARGET, [PARTIAL], "the allocator")) == (2, 2)
+    assert run_cases(mutations.catch_cases(weak, TARGET, [PARTIAL], "the allocator")) == (1, 2)
     lines = capsys.readouterr().out.splitlines()
     assert f"case 2 (bug '{PARTIAL}': your test fails): WRONG — your test passes the allocator" in lines[-2]
 
@@ -74,12 +74,12 @@ def test_a_test_that_always_fails_fails_the_correct_version(capsys):
     def always(allocator_cls):
         raise AssertionError("nothing is right")
 
-    assert run_cases(bugs.catch_cases(always, TARGET, [PARTIAL], "the allocator")) == (1, 2)
+    assert run_cases(mutations.catch_cases(always, TARGET, [PARTIAL], "the allocator")) == (1, 2)
     assert "your test fails the allocator as the stage has it (AssertionError" in capsys.readouterr().out
 
 
 def test_hidden_cases_hold_every_bug_in_a_drawn_order_and_watch_for_the_stage():
-    spec = bugs.catch_hidden(TARGET, [PARTIAL], ("L2_token_flat.allocator:BlockAllocator.alloc_blocks",))
+    spec = mutations.catch_hidden(TARGET, [PARTIAL], ("L2_token_flat.allocator:BlockAllocator.alloc_blocks",))
     orders = {tuple(c["bug"] or "" for c in spec.draw(hidden.rng_for(s, "L2.x"))) for s in range(8)}
     assert len(orders) == 2 and all(sorted(o) == ["", PARTIAL] for o in orders)
     cases = spec.draw(random.Random(0))
