@@ -1,1 +1,1 @@
-"""L2's exercise checkers and hidden cases (``checks.py``), for ``notebooks/L2_token_flat.ipynb``: not the lesson."""
+"""L2's checkers and hidden cases (``checks.py``), for ``notebooks/L2_token_flat.ipynb``."""

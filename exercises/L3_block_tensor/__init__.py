@@ -1,1 +1,1 @@
-"""L3's exercise checkers and hidden cases (``checks.py``), for ``notebooks/L3_block_tensor.ipynb``: not the lesson."""
+"""L3's checkers and hidden cases (``checks.py``), for ``notebooks/L3_block_tensor.ipynb``."""

@@ -1,1 +1,1 @@
-"""L5's exercise checkers and hidden cases (``checks.py``), for ``notebooks/L5_clones.ipynb``: not the lesson."""
+"""L5's checkers and hidden cases (``checks.py``), for ``notebooks/L5_clones.ipynb``."""

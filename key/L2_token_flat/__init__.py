@@ -1,1 +1,1 @@
-"""L2's independent answers (``answers.py``), written apart from the stage: the grader judges L2's hidden cases by them."""
+"""L2's independent answers (``answers.py``), written apart from the stage, for its hidden cases."""

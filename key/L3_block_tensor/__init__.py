@@ -1,1 +1,1 @@
-"""L3's independent answers (``answers.py``), written apart from the stage: the grader judges L3's hidden cases by them."""
+"""L3's independent answers (``answers.py``), written apart from the stage, for its hidden cases."""

@@ -1,1 +1,1 @@
-"""L5's independent answers (``answers.py``), written apart from the stage: the grader judges L5's hidden cases by them."""
+"""L5's independent answers (``answers.py``), written apart from the stage, for its hidden cases."""
