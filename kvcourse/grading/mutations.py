@@ -67,6 +67,7 @@ class Mutation:
     needs: str | None = None  # "cpp" (the C++ kernel builds here) or "triton" (triton is installed)
 
 
+# ==== catch the bug: a learner's test on the correct version and on buggy ones =======================
 CORRECT = "the correct version"
 
 
@@ -184,6 +185,7 @@ def catch_hidden(target: str, bugs: list[str], watch: tuple[str, ...]) -> Hidden
     return Hidden(draw=draw, observe=observe, describe=describe, answers=watch, explain=verdict)
 
 
+# ==== the list ====================================================================================
 L2, L3, L4, L5, L6 = (STAGES[f"L{n}"] for n in range(2, 7))  # the stages' folders: L2 is "L2_token_flat"
 P = "tests/test_pressure.py::"
 B = "tests/test_l5_beams.py::"
