@@ -83,10 +83,10 @@ test: setup lint
 	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvcourse $(wildcard tests bench) L[0-9]_*
+	$(PY) -m ruff check kvcourse exercises key $(wildcard tests bench) L[0-9]_*
 
-# The learner's copies of the exercise notebooks, in git-ignored workspace/ (never overwritten), with
-# the venv and the model prepared.
+# The learner's copies of the exercise notebooks (notebooks/LN_*.ipynb), in git-ignored workspace/ (never
+# overwritten), with the venv and the model prepared.
 workspace: setup
 	@$(PY) -m kvcourse.grading.workspace
 
@@ -106,11 +106,13 @@ grade: setup
 	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grading.gradebook $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR)) \
 	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED)) $(if $(KEY),--key $(KEY))
 
+# The exercise notebooks notebooks/LN_*.ipynb, made from the reference notebooks key/notebooks/LN_*.ipynb
+# (solutions stubbed; kvcourse/grading/exercises.py). Never edit them by hand.
 exercises: $(STAMP)
 	$(PY) -m kvcourse.grading.exercises
 
-# make release DIR=/tmp/kv-class: DIR/course, the course without its answer key, as a git repository a
-# class can clone; DIR/autograder, the key, for make grade KEY=DIR/autograder (kvcourse/tools/release.py).
+# make release DIR=/tmp/kv-class: DIR/course, the course without its answer key (key/), as a git repository
+# a class can clone; DIR/autograder, the key, for make grade KEY=DIR/autograder (kvcourse/tools/release.py).
 release: $(STAMP)
 	$(PY) -m kvcourse.tools.release $(DIR)
 

@@ -4,12 +4,15 @@
                          devices, request limits, statistics, sampling, the C++ build and decode graphs
     kvcourse/harness/    what runs and compares the stages: smokes, HF reference, comparison, prompts,
                          tiny checkpoints, workloads, kernel cases, the stage list and the CLI
-    kvcourse/grading/    what grades the notebooks: check cases, hidden cases, integrity scan, sandbox,
-                         gradebook, exercise generation, workspace
-    kvcourse/tools/      what maintainers run: stage diffs, mutants, the GPU check
+    kvcourse/grading/    what grades the notebooks: check cases, hidden cases, the mutation list and
+                         catch-the-bug, integrity scan, sandbox, gradebook, exercise generation, workspace
+    kvcourse/tools/      what maintainers run: stage diffs and names, numbers, mutants, the student
+                         release, the GPU check and run
 
 A layer imports only the layers above it in this list (``tests/test_architecture.py`` checks it), and
-only the harness and the tools name a stage.
+only the harness and the tools name a stage. The stages (``L1_contiguous/`` .. ``L6_tpu_jax/``) hold
+nothing of grading: the grading tree beside them, ``exercises/`` (each stage's checkers) and ``key/``
+(the answer key: independent answers and reference notebooks), is built on the grading layer.
 
 Importing it sets one thing in the environment, and only where the caller has not:
 ``OMP_WAIT_POLICY=PASSIVE``. OpenMP threads that spin while they wait would otherwise steal the cores

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kvcourse.grading import exercises
 
-REFERENCE = exercises.NOTEBOOKS / "L2_token_flat.ipynb"
+REFERENCE = exercises.KEY_NOTEBOOKS / "L2_token_flat.ipynb"
 CHECKERS = {1: "check_alloc_blocks", 2: "check_free", 3: "check_reserve"}
 
 N = len(exercises.solutions(exercises.read(REFERENCE)))  # the notebook's exercises, L2.1 .. L2.N

@@ -3,7 +3,12 @@
 - every module of a stage imports only kvcourse, the standard library, third-party packages and its
   own stage; only ``lN_smoke.py`` imports another stage, and only the previous stage's engine;
 - a stage's lesson files (and its ``fast/`` paths) import only the part of kvcourse stages use
-  (``kvcourse/*.py``); its scripts (``lN_*.py``) may add the harness, its ``exercises/`` the grading;
+  (``kvcourse/*.py``); its scripts (``lN_*.py``) may add the harness;
+- a stage's folder holds nothing of grading: no ``exercises/``, no checker or answer, no import of the
+  grading (``kvcourse.grading``, ``exercises``, ``key``). The grading tree sits beside the stages, one
+  package per stage: ``exercises/<stage>/checks.py`` (ships to a class) imports its own stage and never
+  the answer key, ``key/<stage>/answers.py`` its own stage and checkers; each stage has both, a
+  reference notebook ``key/notebooks/<stage>.ipynb`` and an exercise notebook ``notebooks/<stage>.ipynb``;
 - kvcourse's layers only look down: runtime (``kvcourse/*.py``) < harness < grading < tools, and only
   the harness and the tools name a stage (nothing in kvcourse imports one; ``harness/stages.py`` looks
   one up by name for the CLI);
@@ -35,6 +40,7 @@ from kvcourse.tools import diffs, names
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_DIRS = list(STAGES.values())
 LAYERS = ("runtime", "harness", "grading", "tools")  # kvcourse's layers, lowest first
+GRADING_TREE = ("exercises", "key")  # the checkers (they ship to a class) and the answer key (it does not)
 STAGE_NAME = re.compile(rf"\b({'|'.join(STAGE_DIRS)})\b")
 
 # What each stage keeps from the previous one untouched (the diff's "unchanged, byte for byte").
@@ -105,11 +111,8 @@ def kvcourse_imports(path: Path) -> list[tuple[str, int]]:
 
 def stage_part_layers(stage: str, path: Path) -> tuple[str, ...]:
     """The kvcourse layers a file of a stage may import: its lesson files and ``fast/`` only the
-    runtime, its scripts (``lN_smoke.py``, ``l6_multihost.py``) the harness too, its ``exercises/``
-    the grading too."""
+    runtime, its scripts (``lN_smoke.py``, ``l6_multihost.py``) the harness too; none the grading."""
     rel = path.relative_to(ROOT / stage)
-    if rel.parts[0] == "exercises":
-        return ("runtime", "harness", "grading")
     if len(rel.parts) == 1 and re.fullmatch(r"l[0-9]_\w+\.py", rel.name):
         return ("runtime", "harness")
     return ("runtime",)
@@ -136,6 +139,92 @@ def test_a_stage_imports_only_kvcourse_third_party_and_itself(stage):
             if layer not in allowed
         ]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("stage", STAGE_DIRS)
+def test_a_stage_holds_nothing_of_grading(stage):
+    """A stage's folder holds its engine and parts, its smoke and (L4, L5) ``fast/``: no ``exercises/``
+    folder, no checker or answer module, and no module that imports the grading in any form."""
+    folder = ROOT / stage
+    problems = [f"{stage}/exercises/ exists"] if (folder / "exercises").exists() else []
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if path.name in ("checks.py", "answers.py"):
+            problems.append(f"{rel} is grading code")
+        problems += [f"{rel}:{line} imports {m}" for m, line in imported_modules(path) if m in GRADING_TREE]
+        problems += [
+            f"{rel}:{line} imports kvcourse's grading"
+            for layer, line in kvcourse_imports(path)
+            if layer == "grading"
+        ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_grading_tree_has_one_package_per_stage():
+    """Each stage has its checkers, its answers and both its notebooks, and nothing else is there (a
+    student release has no ``key/``: ``tests/test_release.py`` checks that its bundle holds it whole)."""
+    keyed = (ROOT / "key").exists()
+    for tree, name in [("exercises", "checks.py")] + ([("key", "answers.py")] if keyed else []):
+        assert (ROOT / tree / "__init__.py").is_file(), tree
+        packages = sorted(p.name for p in (ROOT / tree).iterdir() if (p / "__init__.py").is_file())
+        assert packages == sorted(STAGE_DIRS), (tree, packages)
+        for stage in STAGE_DIRS:
+            assert (ROOT / tree / stage / name).is_file(), f"{tree}/{stage}/{name}"
+    for folder in ["notebooks"] + (["key/notebooks"] if keyed else []):
+        notebooks = sorted(p.stem for p in (ROOT / folder).glob("*.ipynb"))
+        assert notebooks == sorted(STAGE_DIRS), (folder, notebooks)
+
+
+def grading_tree_problems(path: Path, stage: str, allowed: tuple[str, ...]) -> list[str]:
+    """What a module of the grading tree for ``stage`` imports or names that it may not: another stage,
+    or a package of the grading tree outside ``allowed`` (by import, or by name in a string, as a lookup
+    with ``importlib`` would)."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    problems = [
+        f"{rel}:{line} imports {m}"
+        for m, line in imported_modules(path)
+        if (m in STAGE_DIRS and m != stage) or (m in GRADING_TREE and m not in allowed) or m == ""
+    ]
+    for text, line in code_strings(path):
+        named = re.match(r"(\w+)[./:]", text)
+        if named and named[1] in GRADING_TREE and named[1] not in allowed:
+            problems.append(f"{rel}:{line} names {named[1]} ({text[:40]!r})")
+    return problems
+
+
+@pytest.mark.parametrize("stage", STAGE_DIRS)
+def test_the_checkers_never_reach_the_answer_key(stage):
+    """``exercises/`` ships in a student release and ``key/`` does not: a checker imports its own stage,
+    kvcourse and third-party packages, never the key (nor another stage); the answers import their
+    stage and its checkers. No relative imports: each module names what it uses."""
+    problems = []
+    for path in sorted((ROOT / "exercises" / stage).rglob("*.py")):
+        problems += grading_tree_problems(path, stage, allowed=("exercises",))
+    for path in sorted((ROOT / "key" / stage).rglob("*.py")):
+        problems += grading_tree_problems(path, stage, allowed=GRADING_TREE)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_grading_tree_rules_can_fail(tmp_path):
+    """A made-up checker that imports the key, one that looks it up by name and one that imports another
+    stage are caught; so is a stage module that imports a checker."""
+    bad = tmp_path / "checks.py"
+    bad.write_text(
+        "from key.L2_token_flat import answers\n"
+        "import importlib\n"
+        'ANSWERS = importlib.import_module("key.L2_token_flat.answers")\n'
+        "from L3_block_tensor.allocator import BlockAllocator\n"
+        "from L2_token_flat.allocator import BlockAllocator\n"
+    )
+    assert grading_tree_problems(bad, "L2_token_flat", allowed=("exercises",)) == [
+        f"{bad}:1 imports key",
+        f"{bad}:4 imports L3_block_tensor",
+        f"{bad}:3 names key ('key.L2_token_flat.answers')",
+    ]
+    staged = tmp_path / "engine.py"
+    staged.write_text("from exercises.L2_token_flat import checks\nfrom kvcourse.grading import hidden\n")
+    assert [m for m, _ in imported_modules(staged) if m in GRADING_TREE] == ["exercises"]
+    assert [layer for layer, _ in kvcourse_imports(staged)] == ["grading"]
 
 
 def test_a_smoke_imports_the_previous_stage_engine_only():

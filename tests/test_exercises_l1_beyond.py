@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from checker_asserts import assert_fails, assert_passes, graded_lines, hidden_problems
 
+from exercises.L1_contiguous import checks
+from key.L1_contiguous import answers
 from kvcourse.grading import exercises, hidden
-from L1_contiguous.exercises import answers, checks
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L1_contiguous.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "key" / "notebooks" / "L1_contiguous.ipynb"
 SEEDS = (0, 1, 2)
 
 

@@ -11,8 +11,8 @@ Each runs in process on its checker, with the printed lines captured: the summar
     0/5 passed
 
 The other half: each checker gets a right answer and every case must print ``ok``: the independent
-answer of the stage's ``answers.py`` (``L1_contiguous/``, ``L2_token_flat/``, ``L6_tpu_jax/``). The
-checker's reference is the stage's own code (``KvCache.write``, ``Engine.generate``,
+answer of the stage's ``answers.py`` (``key/L1_contiguous/``, ``key/L2_token_flat/``,
+``key/L6_tpu_jax/``). The checker's reference is the stage's own code (``KvCache.write``, ``Engine.generate``,
 ``ModelConfig.kv_bytes_per_token``, ``BlockAllocator.free``, ``reserve``, ``allocate_for_seq``,
 ``update_kv``, ...), so the two hold each other in check, and the stage's code is held to fixed values
 here and in ``test_l1.py``, ``test_l2.py``, ``test_l6_state.py`` and ``test_l6_attention.py``. Every
@@ -39,17 +39,17 @@ import pytest
 from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines, hidden_problems
 from jax.sharding import PartitionSpec as P
 
+from exercises.L1_contiguous import checks as l1
+from exercises.L2_token_flat import checks as l2
+from exercises.L6_tpu_jax import checks as l6
+from key.L1_contiguous import answers as l1_answers
+from key.L2_token_flat import answers as l2_answers
+from key.L6_tpu_jax import answers as l6_answers
 from kvcourse.config import ModelConfig
 from kvcourse.grading import hidden
 from kvcourse.harness.prompts import encode
 from L1_contiguous.engine import Engine as L1Engine
-from L1_contiguous.exercises import answers as l1_answers
-from L1_contiguous.exercises import checks as l1
 from L2_token_flat.allocator import OutOfBlocksError
-from L2_token_flat.exercises import answers as l2_answers
-from L2_token_flat.exercises import checks as l2
-from L6_tpu_jax.exercises import answers as l6_answers
-from L6_tpu_jax.exercises import checks as l6
 from L6_tpu_jax.kv_cache import update_kv
 from L6_tpu_jax.multihost import DATA
 

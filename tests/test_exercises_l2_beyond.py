@@ -1,6 +1,6 @@
 """L2's new exercises (issue 37): L2.4 and L2.5 beyond the stage (an allocation policy that keeps a
 request's blocks adjacent, a compaction plan), L2.6 catch the bug (a test for the allocator, graded by the
-bugs of ``kvcourse/harness/mutations.py`` it catches), L2.7 predict (the free list after a few requests),
+bugs of ``kvcourse/grading/mutations.py`` it catches), L2.7 predict (the free list after a few requests),
 and the rules L2's warm-up checkers name.
 
 For each: the independent answer (``answers.py``) and the reference notebook's solution pass the visible
@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from checker_asserts import assert_fails, assert_passes, graded_lines, hidden_problems
 
-from kvcourse.grading import bugs, exercises, hidden
+from exercises.L2_token_flat import checks
+from key.L2_token_flat import answers
+from kvcourse.grading import exercises, hidden, mutations
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
-from L2_token_flat.exercises import answers, checks
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L2_token_flat.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "key" / "notebooks" / "L2_token_flat.ipynb"
 SEEDS = (0, 1, 2)
 
 
@@ -333,7 +334,7 @@ def test_apply_moves_names_the_lost_entry():
 
 def test_the_answer_key_catches_every_bug():
     for bug in [None, *checks.ALLOCATOR_BUGS]:
-        verdict = bugs.outcome_of(answers.test_allocator, bugs.version(checks.ALLOCATOR, bug))
+        verdict = mutations.outcome_of(answers.test_allocator, mutations.version(checks.ALLOCATOR, bug))
         assert verdict == ("passes" if bug is None else "fails"), bug
 
 
@@ -430,7 +431,7 @@ def test_predict_an_exception_class_is_told_the_type_expected(capsys):
         ]
 
 
-@pytest.mark.parametrize("notebook", [NOTEBOOK, NOTEBOOK.parent / "exercises" / NOTEBOOK.name])
+@pytest.mark.parametrize("notebook", [NOTEBOOK, exercises.exercise_path(NOTEBOOK)])
 def test_predict_keys_are_stated_in_the_text_and_the_stub(notebook):
     """Issue 37: a right prediction under other key names got 0/5. The exercise's text and the function
     the learner fills in (the stub keeps the comment above the solution) name every key the check reads."""

@@ -33,15 +33,15 @@ from checker_asserts import (
     hidden_problems,
 )
 
+from exercises.L3_block_tensor import checks
+from key.L3_block_tensor import answers
 from kvcourse.grading import hidden
-from kvcourse.grading.bugs import CORRECT, version
-from kvcourse.harness.mutations import MUTATIONS
+from kvcourse.grading.mutations import CORRECT, MUTATIONS, version
 from L3_block_tensor.allocator import BlockAllocator
-from L3_block_tensor.exercises import answers, checks
 from L3_block_tensor.scheduler import Scheduler
 from L3_block_tensor.sequence import Sequence, Status
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "key" / "notebooks"
 PACKAGE = "L3_block_tensor"
 SEEDS = (0, 1, 2)
 

@@ -30,15 +30,15 @@ import pytest
 import torch
 from checker_asserts import assert_fails_hidden
 
-from L3_block_tensor.exercises import answers as l3_answers
-from L3_block_tensor.exercises import checks as l3_checks
+from exercises.L3_block_tensor import checks as l3_checks
+from exercises.L4_paged_kernel import checks as l4_checks
+from key.L3_block_tensor import answers as l3_answers
+from key.L4_paged_kernel import answers as l4_answers
 from L3_block_tensor.sequence import Sequence, Status, slots
-from L4_paged_kernel.exercises import answers as l4_answers
-from L4_paged_kernel.exercises import checks as l4_checks
 from L4_paged_kernel.fast.split_kv import merge_partials
 from L4_paged_kernel.paged_attention import attend_blocks
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "key" / "notebooks"
 SUMMARY_RE = re.compile(r"^(\d+)/(\d+) passed$")
 
 

@@ -27,11 +27,12 @@ import pytest
 import torch
 from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines, hidden_problems
 
-from kvcourse.grading.bugs import outcome_of, version
+from exercises.L4_paged_kernel import checks
+from key.L4_paged_kernel import answers
 from kvcourse.grading.hidden import rng_for
-from L4_paged_kernel.exercises import answers, checks
+from kvcourse.grading.mutations import outcome_of, version
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L4_paged_kernel.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "key" / "notebooks" / "L4_paged_kernel.ipynb"
 PACKAGE = "L4_paged_kernel"
 
 

@@ -1,6 +1,6 @@
 """The L5 exercise checkers and hidden cases fail wrong answers and pass independent ones.
 
-Every exercise of ``notebooks/L5_clones.ipynb`` (L5.1 clone, L5.2 refcounted free, L5.3 block keys,
+Every exercise of ``key/notebooks/L5_clones.ipynb`` (L5.1 clone, L5.2 refcounted free, L5.3 block keys,
 L5.4 match_prefix, L5.5 beams' block tables after a step) gets plausible wrong solutions: the partial block shared by a clone, a count raised
 by 1 instead of n, a shared block freed at once, a missing decrement, a table freed head first or
 into the front of the free list, a freed block that forgets its key, keys that do not chain, a key
@@ -17,7 +17,7 @@ should catch the mistake must say ``WRONG`` or ``raised``. Example::
 
 Each wrong solution must also fail the exercise's hidden cases, as ``make grade`` judges them.
 
-The other half: each checker gets the independent answer of ``L5_clones/exercises/answers.py`` (written apart
+The other half: each checker gets the independent answer of ``key/L5_clones/answers.py`` (written apart
 from the stage; the checker compares it with the stage's own code, so the two hold each other in
 check) and the reference notebook's solution cells; every case must print ``ok``. The stage's own
 functions are held to hard-coded examples in ``tests/test_l5.py``. Everything runs on small
@@ -33,13 +33,14 @@ from pathlib import Path
 import pytest
 from checker_asserts import assert_fails, assert_passes, graded_lines, hidden_problems
 
+from exercises.L5_clones import checks
+from key.L5_clones import answers
 from kvcourse.grading.exercises import read
 from L5_clones import prefix_cache
 from L5_clones.allocator import BlockAllocator
-from L5_clones.exercises import answers, checks
 from L5_clones.prefix_cache import block_hash, register_full_blocks
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "key" / "notebooks" / "L5_clones.ipynb"
 
 
 # ---- L5.1: clone_table(parent_table, num_tokens, block_size, n, ref_counts, alloc) ----

@@ -4,7 +4,7 @@ The notebook's L5.6 (the hits of an LRU prefix cache on a trace), L5.7 (the bloc
 request finishes), L5.8 (a test that catches the allocator's bugs) and L5.9 (a prediction of a fork,
 frees and prefix hits) are held to:
 
-- the independent answer of ``L5_clones/exercises/answers.py`` and the reference notebook's solution
+- the independent answer of ``key/L5_clones/answers.py`` and the reference notebook's solution
   pass the visible check, and the answer passes the hidden cases of three seeds;
 - the untouched stub (a function raising NotImplementedError) fails, visibly and hidden;
 - plausible wrong answers fail visibly, with the rule they break in the case's line, and hidden;
@@ -46,16 +46,17 @@ from test_exercises_l5 import (
     match_with_last_block,
 )
 
-from kvcourse.grading.bugs import outcome_of, version
+from exercises.L5_clones import checks
+from key.L5_clones import answers
 from kvcourse.grading.cases import outcome
 from kvcourse.grading.exercises import read
 from kvcourse.grading.hidden import rng_for
+from kvcourse.grading.mutations import outcome_of, version
 from L5_clones.allocator import BlockAllocator
-from L5_clones.exercises import answers, checks
 from L5_clones.prefix_cache import block_hash
 from L5_clones.sequence import Sequence, reserve
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "L5_clones.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "key" / "notebooks" / "L5_clones.ipynb"
 SEEDS = (0, 1, 2)
 
 

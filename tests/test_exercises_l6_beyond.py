@@ -7,7 +7,7 @@ naming the rule each breaks; and the warm-ups' checkers name the rules of their 
 - L6.8 (predict): the tables after five operations, ``check_predict``;
 - L6.1 and L6.2 (warm-ups): dtypes and the named mistakes of ``allocate_mistakes`` / ``free_mistakes``.
 
-For each new exercise: the independent answer (``L6_tpu_jax/exercises/answers.py``) passes the visible
+For each new exercise: the independent answer (``key/L6_tpu_jax/answers.py``) passes the visible
 check and the hidden cases of three seeds; the untouched stub fails both; a plausible wrong answer fails
 both, with the rule it breaks in its visible line; the hidden cases differ between seeds. L6.7's hidden
 cases are judged from observations made here (``observe_catch`` on each drawn case, as ``harvest`` makes
@@ -26,10 +26,10 @@ import pytest
 from checker_asserts import assert_fails, assert_fails_hidden, assert_passes, graded_lines, hidden_problems
 from jax.sharding import PartitionSpec as P
 
+from exercises.L6_tpu_jax import checks as l6
+from key.L6_tpu_jax import answers
 from kvcourse.grading import hidden
-from kvcourse.grading.bugs import outcome_of, version
-from L6_tpu_jax.exercises import answers
-from L6_tpu_jax.exercises import checks as l6
+from kvcourse.grading.mutations import outcome_of, version
 from L6_tpu_jax.page_table import PageTable, SequenceTable
 
 PACKAGE = "L6_tpu_jax"

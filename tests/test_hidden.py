@@ -2,9 +2,9 @@
 
 For each exercise of each exercise notebook:
 
-- it has hidden cases (``HIDDEN`` in its stage's ``checks.py``) and an independent answer (``EXPECT``
-  in ``answers.py``), at least 4 cases that change with the seed (a prediction's fixed sequence of
-  operations excepted);
+- it has hidden cases (``HIDDEN`` in its stage's ``exercises/LN_*/checks.py``) and an independent
+  answer (``EXPECT`` in ``key/LN_*/answers.py``), at least 4 cases that change with the seed (a
+  prediction's fixed sequence of operations excepted);
 - where the stage implements what the exercise asks (every kind but some exercises beyond the stage),
   the stage's own implementation agrees with that answer on cases drawn from several seeds, so the
   two implementations hold each other in check;
@@ -13,13 +13,13 @@ For each exercise of each exercise notebook:
   wrong answer still fails: the verdict does not depend on the code the exercise re-implements.
 
 An exercise whose check cell passes more than the function (L1.2's ``engine``) gets those objects
-from ``CONTEXT`` in its stage's answers module, built once per test process.
+from ``CONTEXT`` in its stage's answers module, built once per test process. The stage's own code in the
+learner's signature comes from ``STAGE_ADAPTERS`` there, where the two differ.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 
 import pytest
@@ -40,7 +40,7 @@ KINDS = {
 
 
 def spec(package: str, exercise_id: str) -> hidden.Hidden:
-    return importlib.import_module(f"{package}.exercises.checks").HIDDEN[exercise_id]
+    return hidden.checks_of(package).HIDDEN[exercise_id]
 
 
 def has_stage_code(package: str, exercise_id: str) -> bool:
@@ -49,9 +49,7 @@ def has_stage_code(package: str, exercise_id: str) -> bool:
 
 
 def adapted(package: str, exercise_id: str) -> bool:
-    return exercise_id in getattr(
-        importlib.import_module(f"{package}.exercises.answers"), "STAGE_ADAPTERS", {}
-    )
+    return exercise_id in getattr(hidden.answers_of(package), "STAGE_ADAPTERS", {})
 
 
 # the exercises the stage's own code answers: every warm-up, catch-the-bug (an oracle test) and prediction
@@ -66,7 +64,7 @@ STAGED = [
 def stage_function(package: str, exercise_id: str):
     """The stage's own implementation, in the learner's signature (``STAGE_ADAPTERS`` of the stage's
     answers module where the signatures differ)."""
-    adapters = getattr(importlib.import_module(f"{package}.exercises.answers"), "STAGE_ADAPTERS", {})
+    adapters = getattr(hidden.answers_of(package), "STAGE_ADAPTERS", {})
     if exercise_id in adapters:
         return adapters[exercise_id]
     return hidden.resolve(spec(package, exercise_id).answers[0])[2]
@@ -76,7 +74,7 @@ def stage_function(package: str, exercise_id: str):
 def context(package: str, exercise_id: str) -> tuple:
     """What the exercise's check cell passes after the function (L1.2's engine), built once: the
     ``CONTEXT`` of the stage's answers module, or nothing."""
-    made = getattr(importlib.import_module(f"{package}.exercises.answers"), "CONTEXT", {}).get(exercise_id)
+    made = getattr(hidden.answers_of(package), "CONTEXT", {}).get(exercise_id)
     return made() if made else ()
 
 
@@ -88,7 +86,7 @@ def harvested(package: str, exercise_id: str, fn, seed: int, tmp_path, *context)
 
 @pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
 def test_every_exercise_has_hidden_cases_and_an_answer(package, exercise_id):
-    answers = importlib.import_module(f"{package}.exercises.answers")
+    answers = hidden.answers_of(package)
     assert exercise_id in answers.EXPECT
     if KINDS[exercise_id] != "beyond the stage":  # the others rebuild, test or run the stage's code
         assert has_stage_code(package, exercise_id), "no stage implementation named for the watch"
@@ -122,7 +120,7 @@ def test_an_answer_that_runs_the_stage_code_is_caught(package, exercise_id, tmp_
 
 @pytest.mark.parametrize(("package", "exercise_id"), EXERCISES)
 def test_a_broken_stage_changes_no_verdict(package, exercise_id, tmp_path, monkeypatch):
-    answers = importlib.import_module(f"{package}.exercises.answers")
+    answers = hidden.answers_of(package)
     for target in spec(package, exercise_id).answers:  # the mutant: the stage's own code raises
         owner, name, _ = hidden.resolve(target)
         monkeypatch.setattr(owner, name, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("mutant")))

@@ -9,26 +9,24 @@ nothing a learner's honest answer does.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from kvcourse.grading import exercises
+from kvcourse.grading import exercises, hidden
 from kvcourse.grading.gradebook import package_of
 from kvcourse.grading.integrity import scan
 
 ALLOC = "L2_token_flat.allocator:BlockAllocator.alloc_blocks"
 RESERVE = "L2_token_flat.sequence:reserve"
 ANSWERS = {"L2.1": (ALLOC,), "L2.3": (RESERVE,)}
-REFERENCES = exercises.reference_notebooks(exercises.NOTEBOOKS)
+REFERENCES = exercises.reference_notebooks(exercises.KEY_NOTEBOOKS)
 
 
 @pytest.mark.parametrize("reference", REFERENCES, ids=[p.stem for p in REFERENCES])
 def test_reference_solutions_are_clean(reference):
     """Every solution, as the learner's cell would hold it (the whole reference cell), is clean."""
     package = package_of(reference.name)
-    hidden = importlib.import_module(f"{package}.exercises.checks").HIDDEN
-    answers = {ex: spec.answers for ex, spec in hidden.items()}
+    specs = hidden.checks_of(package).HIDDEN
+    answers = {ex: spec.answers for ex, spec in specs.items()}
     cells = [
         (None, c.source)
         for c in exercises.read(reference).cells
@@ -51,6 +49,9 @@ def test_reference_solutions_are_clean(reference):
         ("import sys\nsys.modules['L2_token_flat.checks'] = None", "tamper", "uses .modules"),
         ("import importlib", "tamper", "imports importlib"),
         ("from L2_token_flat import answers", "tamper", "imports L2_token_flat.answers"),
+        ("import key", "tamper", "imports key"),
+        ("from key.L2_token_flat.answers import free", "tamper", "imports key.L2_token_flat.answers"),
+        ("from key import notebooks", "tamper", "imports key"),
         ("text = open('notebooks/L2_token_flat.ipynb').read()", "tamper", "names a notebook file"),
         ("exec('x = 1')", "tamper", "calls exec()"),
         (  # a catch-the-bug test that compares with the grader's own correct version
@@ -59,7 +60,11 @@ def test_reference_solutions_are_clean(reference):
             "reads checks.version",
         ),
         ("def predict():\n    return checks.predict_steps()[-1]", "tamper", "reads checks.predict_steps"),
-        ("import kvcourse\nversion = kvcourse.grading.bugs.version", "tamper", "reaches kvcourse.grading"),
+        (
+            "import kvcourse\nversion = kvcourse.grading.mutations.version",
+            "tamper",
+            "reaches kvcourse.grading",
+        ),
         ("alloc_blocks = BlockAllocator.alloc_blocks", "alias", "reads BlockAllocator.alloc_blocks"),
         (
             "from L2_token_flat.sequence import reserve",

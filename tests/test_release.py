@@ -3,8 +3,9 @@
 ``make release DIR=...`` (``kvcourse/tools/release.py``) writes ``DIR/course`` for the class and
 ``DIR/autograder`` for the instructor. Here one release is made per test module, then:
 
-- no file of the course is in the answer key (reference notebooks, ``answers.py``, the tests that read
-  them), and the course is a git repository of one commit (no history to dig an old key out of);
+- no file of the course is in the answer key (``key/``: the reference notebooks and the independent
+  answers; the tests that read them), the bundle holds all of ``key/``, and the course is a git
+  repository of one commit (no history to dig an old key out of);
 - every exercise's solution region (the code between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` in the
   reference notebooks), compared line by line without blank lines and comments, occurs in no file of the
   course. A warm-up's solution rebuilds a function of its stage, so it may occur in the stages' code
@@ -36,14 +37,14 @@ from pathlib import Path
 import pytest
 
 from kvcourse.grading import exercises
+from kvcourse.grading.mutations import MUTATIONS
 from kvcourse.grading.sandbox import Sandbox, bwrap_works
-from kvcourse.harness.mutations import MUTATIONS
 from kvcourse.harness.stages import STAGES
 from kvcourse.model_store import cache_root
 from kvcourse.tools import release
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCES = exercises.reference_notebooks(ROOT / "notebooks")
+REFERENCES = exercises.reference_notebooks(ROOT / "key" / "notebooks")
 DETAILS_RE = re.compile(r"<details>.*?</details>", re.S)
 
 
@@ -90,10 +91,16 @@ def test_the_course_holds_no_file_of_the_key(made):
     files = [p.relative_to(course).as_posix() for p in course.rglob("*") if p.is_file()]
     files = [f for f in files if not f.startswith(".git/")]
     assert files and not [f for f in files if release.in_key(f)]
-    assert not list(course.glob("L[0-9]*_*/exercises/answers.py"))
-    assert not list(course.glob("notebooks/L[0-9]*_*.ipynb"))
-    assert sorted(p.name for p in (key / "notebooks").glob("*.ipynb")) == [p.name for p in REFERENCES]
-    assert len(list(key.glob("L[0-9]*_*/exercises/answers.py"))) == len(STAGES)
+    assert not (course / "key").exists() and not list(course.rglob("answers.py"))
+    assert sorted(p.name for p in (course / "notebooks").glob("*.ipynb")) == [p.name for p in REFERENCES]
+    for path in (course / "notebooks").glob("*.ipynb"):  # the exercise notebooks: no solution in them
+        assert not exercises.solutions(exercises.read(path)), path.name
+    assert sorted(p.name for p in (key / "key" / "notebooks").glob("*.ipynb")) == [p.name for p in REFERENCES]
+    assert len(list(key.glob("key/L[0-9]*_*/answers.py"))) == len(STAGES)
+    tracked_key = [p for p in release.tracked(ROOT) if p.startswith("key/")]
+    assert (
+        sorted(p.relative_to(key).as_posix() for p in (key / "key").rglob("*") if p.is_file()) == tracked_key
+    )
     log = subprocess.run(["git", "log", "--oneline"], cwd=course, capture_output=True, text=True, check=True)
     assert len(log.stdout.splitlines()) == 1, log.stdout
 
@@ -112,7 +119,7 @@ def test_no_solution_region_is_in_the_course(made):
         for path in files:
             rel = path.relative_to(course).as_posix()
             chapter = rel == f"lessons/{package}.md"
-            if kind == "warm-up" and not (chapter or "exercises/" in rel):
+            if kind == "warm-up" and not (chapter or rel.startswith(("exercises/", "notebooks/"))):
                 continue  # a warm-up rebuilds stage code, which later stages copy and chapters show
             for text in texts(path):
                 if kind == "warm-up" and chapter:
@@ -139,7 +146,7 @@ def grade(tree: Path, notebook: Path, *extra: str) -> subprocess.CompletedProces
 
 def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_path):
     course, key = made
-    reference = ROOT / "notebooks" / "L2_token_flat.ipynb"
+    reference = ROOT / "key" / "notebooks" / "L2_token_flat.ipynb"
     key_nb = exercises.read(exercises.exercise_path(reference))
     right = exercises.solutions(exercises.read(reference))
     answers = {1: right[1], 2: "return None  # wrong on purpose: frees nothing\n"}  # 3 and on: untouched
@@ -171,14 +178,14 @@ def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_pa
 @pytest.mark.skipif(bwrap_works() is not None, reason=f"optional dependency missing: {bwrap_works()}")
 def test_the_box_hides_the_bundle_wherever_it_is(tmp_path):
     """An instructor's bundle outside /tmp (here under the repository's ignored .cache) is covered in the
-    box like the answers themselves."""
+    box like the course's own key/."""
     (ROOT / ".cache").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bundle-") as bundle:
-        answers = Path(bundle) / "L2_token_flat" / "exercises" / "answers.py"
+        answers = Path(bundle) / "key" / "L2_token_flat" / "answers.py"
         answers.parent.mkdir(parents=True)
         answers.write_text("SECRET = 1\n")
         probe = f"import os; print(os.path.exists({str(answers)!r}), os.listdir({bundle!r}))"
-        for key, seen in ((None, "True ['L2_token_flat']"), (Path(bundle), "False []")):
+        for key, seen in ((None, "True ['key']"), (Path(bundle), "False []")):
             box = Sandbox.here(ROOT, memory_bytes=4 << 30, cpu_seconds=60, key=key)
             argv, limits = box.wrap([sys.executable, "-c", probe], tmp_path)
             done = subprocess.run(argv, capture_output=True, text=True, preexec_fn=limits, timeout=60)

@@ -1,7 +1,8 @@
 """The grading harness the stages' exercise checkers are built from: cases, a runner, and comparisons.
 
-Each stage keeps its own checkers beside its code (``L1_contiguous/exercises/checks.py`` .. ``L6_tpu_jax/exercises/checks.py``),
-as tiny-llm keeps one test file per day beside its chapter. A notebook check cell looks like this::
+Each stage has its own checkers in the grading tree (``exercises/L1_contiguous/checks.py`` ..
+``exercises/L6_tpu_jax/checks.py``), as tiny-llm keeps one test file per day beside its chapter. A
+notebook check cell looks like this::
 
     # NBVAL_CHECK_OUTPUT
     checks.check_write_kv(write_kv)
@@ -20,7 +21,8 @@ not seeded. Whatever the learner's code prints while a case runs is swallowed, s
 ``print`` in a correct function does not fail the comparison. A visible checker takes its reference
 answers from its own stage's code, so the notebook shows the stage's behaviour; what the learner gets
 credit for is also judged on hidden cases against an answer written apart from the stage
-(``kvcourse/grading/hidden.py``, ``LN/exercises/answers.py``), and tests hold the stage and that answer together.
+(``kvcourse/grading/hidden.py``, ``key/LN_*/answers.py``), and tests hold the stage and that answer
+together.
 
 This module knows no stage and imports none. It holds:
 

@@ -1,6 +1,10 @@
 """Make the exercise notebooks from the reference notebooks: ``python -m kvcourse.grading.exercises``.
 
-    notebooks/L1_contiguous.ipynb  (solutions, executed)  ->  notebooks/exercises/L1_contiguous.ipynb
+    key/notebooks/L1_contiguous.ipynb  (solutions, executed)  ->  notebooks/L1_contiguous.ipynb
+
+The reference notebooks are part of the answer key (``key/``, which a student release leaves out); the
+exercise notebooks in ``notebooks/`` are what a learner opens (``make workspace`` copies them), never
+edited by hand.
 
 Markers. In a code cell of a reference notebook, the lines between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION`` are an exercise's solution; an optional title follows a colon::
@@ -24,22 +28,25 @@ function bodies: the stub must leave valid code behind, and the graders call the
 Outputs. Check cells (code cells containing ``# NBVAL_CHECK_OUTPUT``) keep their outputs, which are the
 expected answers, and their execution counts (nbval skips comparing a cell whose count is empty).
 Every other code cell loses its outputs and execution count. Per-cell execution timestamps are
-dropped everywhere. Relative markdown links (``[chapter](../lessons/L1_contiguous.md)``) get one more
-``../``, since the exercise notebooks sit one folder deeper. The result is written with ``nbformat``
-in a fixed format, so running this twice gives identical bytes and ``--check`` can tell whether the
-committed notebooks are up to date.
+dropped everywhere. Relative markdown links are made relative to the exercise notebook's folder
+(``[chapter](../../lessons/L1_contiguous.md)`` in ``key/notebooks/`` becomes
+``[chapter](../lessons/L1_contiguous.md)`` in ``notebooks/``: ``relinked``). The result is written
+with ``nbformat`` in a fixed format, so running this twice gives identical bytes and ``--check`` can
+tell whether the committed notebooks are up to date.
 
 Kinds. Each exercise's markdown heading names its kind (``kinds``): a *warm-up* rebuilds a function
 the stage has (the chapter folds that listing), *beyond the stage* asks for a variant no file of the
 course holds, *catch the bug* asks for a test that the grader runs on buggy versions of the stage
-(``kvcourse/grading/bugs.py``), and *predict* asks for the state a fixed sequence of operations leaves.
+(``kvcourse/grading/mutations.py``), and *predict* asks for the state a fixed sequence of operations
+leaves.
 
 ``put_back(exercise_nb, answers)`` does the reverse for tests: it replaces stubs with code, the
 reference solutions (``solutions(reference_nb)``) or a deliberately wrong answer.
 
 Left out on purpose: hiding anything outside solution regions (markdown stays as written, links
 aside), and exercises whose solution is not a function body. Hidden cases are not in any notebook:
-each stage's ``checks.py`` draws them at grading time (``kvcourse/grading/hidden.py``).
+each stage's checkers (``exercises/LN_*/checks.py``) draw them at grading time
+(``kvcourse/grading/hidden.py``).
 """
 
 from __future__ import annotations
@@ -59,11 +66,14 @@ import nbformat
 
 from kvcourse.grading.generated import sync
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"  # the learner's exercise notebooks (generated) and sanitize.cfg
+KEY_NOTEBOOKS = ROOT / "key" / "notebooks"  # the reference notebooks: solutions, executed (the answer key)
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<title>.*?))?[ \t]*$")
 END_RE = re.compile(r"^[ \t]*# END SOLUTION[ \t]*$")
 RELATIVE_LINK_RE = re.compile(r"\]\((?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)")  # "](" + a relative target
+LINK_RE = re.compile(RELATIVE_LINK_RE.pattern + r"([^)\s#]+)")  # "](" + a relative target, captured
 KINDS = ("warm-up", "beyond the stage", "catch the bug", "predict")
 HEADING_RE = re.compile(
     r"^#+ Exercises? (?P<ids>L\d+\.\d+(?:(?:, | and )L\d+\.\d+)*) \((?P<kind>[^)]*)\)", re.M
@@ -92,9 +102,24 @@ def stage_of(path: str | Path) -> str:
 
 
 def exercise_path(reference: str | Path) -> Path:
-    """Where the exercise version of a reference notebook lives: ``notebooks/exercises/<same name>``."""
-    reference = Path(reference)
-    return reference.parent / "exercises" / reference.name
+    """Where the exercise version of a reference notebook lives: ``key/notebooks/L1_contiguous.ipynb ->
+    notebooks/L1_contiguous.ipynb``."""
+    return NOTEBOOKS / Path(reference).name
+
+
+def relinked(nb, source: Path, folder: Path):
+    """``nb`` (changed in place) with each relative markdown link made relative to ``folder`` instead of
+    ``source``. Example, from key/notebooks/ to notebooks/: ``](../../lessons/L1.md)`` ->
+    ``](../lessons/L1.md)``; from notebooks/ to workspace/, the same link stays ``](../lessons/L1.md)``."""
+
+    def move(m: re.Match) -> str:
+        target = os.path.normpath(source.resolve() / m[1])
+        return "](" + os.path.relpath(target, folder.resolve())
+
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = LINK_RE.sub(move, cell.source)
+    return nb
 
 
 def _split(source: str, stage: str, first: int, where: str) -> tuple[str, list[Exercise]]:
@@ -141,12 +166,10 @@ def _is_check(cell) -> bool:
 
 def split_notebook(reference, stage: str):
     """The exercise notebook (a new object; ``reference`` is untouched) and its list of ``Exercise``."""
-    nb = copy.deepcopy(reference)
+    nb = relinked(copy.deepcopy(reference), KEY_NOTEBOOKS, NOTEBOOKS)
     exercises: list[Exercise] = []
     for i, cell in enumerate(nb.cells):
         cell.metadata.pop("execution", None)
-        if cell.cell_type == "markdown":
-            cell.source = RELATIVE_LINK_RE.sub("](../", cell.source)  # one folder deeper
         if cell.cell_type != "code":
             continue
         source, found = _split(cell.source, stage, len(exercises) + 1, f"cell {i}")
@@ -219,7 +242,7 @@ def render(nb) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def reference_notebooks(folder: str | Path = NOTEBOOKS) -> list[Path]:
+def reference_notebooks(folder: str | Path = KEY_NOTEBOOKS) -> list[Path]:
     """Every reference notebook ``LN_*.ipynb`` of the course, sorted by name."""
     return sorted(Path(folder).glob("L[0-9]*_*.ipynb"))
 
@@ -229,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvcourse.grading.exercises", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any is out of date")
-    parser.add_argument("--notebooks", default=NOTEBOOKS, help="folder of reference notebooks")
+    parser.add_argument("--notebooks", default=KEY_NOTEBOOKS, help="folder of reference notebooks")
     args = parser.parse_args(argv)
     stale = 0
     for ref in reference_notebooks(args.notebooks):

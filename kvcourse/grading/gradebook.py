@@ -19,13 +19,14 @@ K == N::
     hidden cases: seed 81723 (SEED=81723 grades them again)
     graded workspace/L2_token_flat.ipynb: 1/3 exercises pass
 
-How. The answer key of a notebook is its stage's generated exercise notebook
-(``notebooks/exercises/LN_*.ipynb``): its stubs name the exercises, its check cells hold the expected
-output. The grader builds the notebook it runs from the key: the learner's version of each exercise
-cell (the cells that hold a stub in the key) and of each cell the learner added, the key's version of
-every other cell (a check cell edited or deleted changes nothing; cells tagged ``demo``, plots and
-timings no exercise needs, are left out), and after each check cell one cell of its own that runs the
-learner's function on the exercise's **hidden cases**, drawn from a seed picked per run
+How. What a notebook is graded against is its stage's generated exercise notebook
+(``notebooks/LN_*.ipynb``; the code calls it the notebook's key): its stubs name the exercises, its
+check cells hold the expected output. The grader builds the notebook it runs from the key: the
+learner's version of each exercise cell (the cells that hold a stub in the key) and of each cell the
+learner added, the key's version of every other cell (a check cell edited or deleted changes
+nothing; cells tagged ``demo``, plots and timings no exercise needs, are left out), and after each
+check cell one cell of its own that runs the learner's function on the exercise's **hidden cases**,
+drawn from a seed picked per run
 (``kvcourse/grading/hidden.py``). nbval runs it in a fresh kernel inside a **sandbox** (``kvcourse/grading/sandbox.py``:
 bubblewrap where installed, memory and CPU-time limits), with a time limit per cell; a dead kernel is
 noticed at once (``kvcourse/grading/nbval_report.py``).
@@ -37,9 +38,10 @@ answer runs the stage's own implementation (the hidden cases saw its code run, o
 ``kvcourse/grading/integrity.py``); no exercise is credited when the learner's code changes the grader. The
 gradebook's note column says why, and what happened when a kernel died or a cell ran out of time.
 
-The independent answers are each stage's ``exercises/answers.py``. A student release (``make release``,
-``kvcourse/tools/release.py``) has none: its bundle holds them, and ``--key BUNDLE`` (``KEY=``) makes the
-grader import them from there (``use_key``); the sandbox hides the bundle as it hides the answers here.
+The independent answers are the answer key's, ``key/LN_*/answers.py``. A student release (``make
+release``, ``kvcourse/tools/release.py``) has no ``key/``: its bundle holds it, and ``--key BUNDLE``
+(``KEY=``) makes the grader import the answers from there (``use_key``); the sandbox hides the bundle as
+it hides ``key/`` here.
 Without it, a learner's ``make grade NB=...`` in a release grades the cases the notebook shows and says
 the hidden ones are the instructor's; a class (``DIR=``) is refused.
 
@@ -52,7 +54,6 @@ from __future__ import annotations
 import argparse
 import ast
 import csv
-import importlib
 import importlib.util
 import json
 import os
@@ -68,12 +69,11 @@ from pathlib import Path
 import nbformat
 
 from kvcourse.grading import hidden
-from kvcourse.grading.exercises import CHECK_MARKER, NOTEBOOKS, read, render, stage_of
+from kvcourse.grading.exercises import CHECK_MARKER, NOTEBOOKS, ROOT, read, render, stage_of
 from kvcourse.grading.integrity import scan
 from kvcourse.grading.sandbox import Sandbox
 from kvcourse.harness.stages import STAGES
 
-ROOT = NOTEBOOKS.parent
 WORKSPACE = ROOT / "workspace"
 SANITIZE = NOTEBOOKS / "sanitize.cfg"
 CELL_TIMEOUT = 60  # seconds one cell may run (TIMEOUT=); the slowest reference cell takes 20 s here
@@ -144,17 +144,28 @@ NO_KEY = "this copy of the course has no answer key (your instructor's make grad
 
 
 def use_key(bundle: Path | None) -> str | None:
-    """Make every stage's independent answers importable as ``<stage>.exercises.answers``, from
-    ``bundle`` (a release's autograder folder) when given, else from the stages themselves; None when
-    they all are, else what is missing and how to give it."""
+    """Make the answer key importable as the package ``key`` (every stage's independent answers are
+    ``key.<stage>.answers``), from ``bundle/key`` (a release's autograder folder) when given, else from
+    this course's ``key/``; None when every stage's answers are there, else what is missing and how to
+    give it. The key comes from that folder only, never from elsewhere on ``sys.path`` (another
+    checkout's), so a student release without the bundle has none."""
+    folder = (bundle if bundle is not None else ROOT) / "key"
+    if (folder / "__init__.py").is_file():
+        spec = importlib.util.spec_from_file_location(
+            "key", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        sys.modules["key"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["key"])
+    else:
+        sys.modules["key"] = None  # import key fails: this copy has no answer key
     for package in STAGES.values():
-        folder = importlib.import_module(f"{package}.exercises")
-        if bundle is not None and (bundle / package / "exercises" / "answers.py").is_file():
-            folder.__path__.insert(0, str(bundle / package / "exercises"))
-        if importlib.util.find_spec(f"{package}.exercises.answers") is None:
-            where = (
-                f"{bundle} has no {package}/exercises/answers.py" if bundle else "this is a student release"
-            )
+        missing = [
+            f
+            for f in ("__init__.py", f"{package}/__init__.py", f"{package}/answers.py")
+            if not (folder / f).is_file()
+        ]
+        if missing:
+            where = f"{bundle} has no key/{missing[0]}" if bundle else "this is a student release"
             return (
                 f"the answer key is not here ({where}): grade with the autograder bundle that "
                 "make release wrote beside the course, make grade KEY=path/to/autograder ..."
@@ -185,7 +196,7 @@ def exercises_of(key) -> list[Exercise]:
 def answer_key_for(nb, path: Path):
     """The generated exercise notebook that grades ``nb``: the one sharing most cell ids with it, or
     else the one whose stage tag (``L2``) starts the file name."""
-    keys = sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb"))
+    keys = sorted(NOTEBOOKS.glob("L[0-9]*_*.ipynb"))
     ids = {c.get("id") for c in nb.cells} - {None}
     best = max(keys, key=lambda k: len(ids & {c.get("id") for c in read(k).cells}), default=None)
     if best is not None and ids & {c.get("id") for c in read(best).cells}:
@@ -293,7 +304,7 @@ def run_nbval(
     the run got) or why nothing could be read, and whether the run was stopped at ``NOTEBOOK_TIMEOUT``."""
     report = workdir / "cells.json"
     sanitize = workdir / SANITIZE.name
-    sanitize.write_bytes(SANITIZE.read_bytes())  # notebooks/ is covered in the sandbox
+    sanitize.write_bytes(SANITIZE.read_bytes())  # the run reads it from its work folder
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "KVCOURSE_NBVAL"))
     }
@@ -384,7 +395,7 @@ def grade(
     if not {c.get("id") for c in nb.cells} & {c.get("id") for c in key.cells}:
         why = "its cells have no ids that match the exercise notebook's (was it saved by an old tool?)"
         return Grade(shown, [Verdict(e, False, "FAIL, not graded") for e in graded], refused=why)
-    checks = importlib.import_module(f"{package}.exercises.checks")
+    checks = hidden.checks_of(package)
     with tempfile.TemporaryDirectory(prefix="kvcourse-grade-") as tmp:
         workdir = Path(tmp)
         results = workdir / "hidden"
@@ -507,7 +518,7 @@ def _exercise_order(exercise_id: str) -> tuple[int, int]:
 
 def known_exercises() -> list[str]:
     """Every exercise id of the exercise notebooks: ``["L1.1", ..., "L6.4"]``."""
-    keys = sorted((NOTEBOOKS / "exercises").glob("L[0-9]*_*.ipynb"))
+    keys = sorted(NOTEBOOKS.glob("L[0-9]*_*.ipynb"))
     found = [ex.exercise_id for key in keys for ex in exercises_of(read(key))]
     return sorted(found, key=_exercise_order)
 

@@ -8,12 +8,14 @@ a seed it picks per run, and judges them outside the learner's process:
    cases from the seed, calls the learner's function on each, and writes only what came back (an
    *observation*: JSON, no pickles) to a file;
 2. in the grader's own process, which never ran the learner's code, ``expected`` draws the same cases
-   and observes the stage's independent answer (``LN/exercises/answers.py``: a second implementation written
-   apart from the stage's, never the stage function the exercise re-implements), and ``compare``
-   tells the first difference.
+   and observes the stage's independent answer (``key/LN_*/answers.py``: a second implementation
+   written apart from the stage's, never the stage function the exercise re-implements), and
+   ``compare`` tells the first difference.
 
-Each stage declares its exercises' hidden cases in ``LN/exercises/checks.py`` as ``HIDDEN = {"L2.1": Hidden(...)}``
-and their answers in ``LN/exercises/answers.py`` as ``EXPECT = {"L2.1": callable(case) -> observation}``.
+Each stage declares its exercises' hidden cases in ``exercises/LN_*/checks.py`` as ``HIDDEN = {"L2.1":
+Hidden(...)}`` and their answers in ``key/LN_*/answers.py`` as ``EXPECT = {"L2.1": callable(case) ->
+observation}``. A stage is named by its package (``"L2_token_flat"``): its checkers are the module
+``exercises.L2_token_flat.checks``, its answers ``key.L2_token_flat.answers`` (``checks_of``, ``answers_of``).
 A ``Hidden`` holds:
 
 - ``draw(rng) -> [case, ...]``: JSON-able inputs, from a ``random.Random``;
@@ -172,15 +174,25 @@ def time_limit(seconds: int):
     return cases.time_limit(seconds, CaseTimeout(f"the hidden cases ran past their {seconds} s"))
 
 
-def load_fresh(package: str, module: str = "exercises.checks"):
-    """A new copy of ``package.module`` loaded from its file, so that changes a notebook made to the
-    imported module (a checker replaced, a dict edited) do not reach the hidden cases."""
-    origin = (
-        Path(importlib.util.find_spec(package).origin).parent.joinpath(*module.split(".")).with_suffix(".py")
-    )
-    spec = importlib.util.spec_from_file_location(f"{package}.{module}", origin)
+def checks_of(package: str):
+    """A stage's checkers and hidden cases: ``checks_of("L2_token_flat")`` is ``exercises.L2_token_flat.checks``."""
+    return importlib.import_module(f"exercises.{package}.checks")
+
+
+def answers_of(package: str):
+    """A stage's independent answers: ``answers_of("L2_token_flat")`` is ``key.L2_token_flat.answers``
+    (the grader's process only; a student release has them in its autograder bundle)."""
+    return importlib.import_module(f"key.{package}.answers")
+
+
+def load_fresh(package: str):
+    """A new copy of the stage's checkers (``exercises/<package>/checks.py``) loaded from its file, so
+    that changes a notebook made to the imported module (a checker replaced, a dict edited) do not reach
+    the hidden cases."""
+    name = f"exercises.{package}.checks"
+    spec = importlib.util.spec_from_file_location(name, importlib.util.find_spec(name).origin)
     fresh = importlib.util.module_from_spec(spec)
-    fresh.__package__ = f"{package}.{module}".rpartition(".")[0]
+    fresh.__package__ = name.rpartition(".")[0]
     spec.loader.exec_module(fresh)
     return fresh
 
@@ -223,8 +235,8 @@ def harvest(
 
 def expected(package: str, exercise_id: str, seed: int) -> tuple[list[dict], list]:
     """The hidden cases of one exercise and the independent answer's observation of each."""
-    hidden = importlib.import_module(f"{package}.exercises.checks").HIDDEN[exercise_id]
-    answer = importlib.import_module(f"{package}.exercises.answers").EXPECT[exercise_id]
+    hidden = checks_of(package).HIDDEN[exercise_id]
+    answer = answers_of(package).EXPECT[exercise_id]
     cases = hidden.draw(rng_for(seed, exercise_id))
     return cases, [to_json(answer(case)) for case in cases]
 
@@ -234,7 +246,7 @@ def judge(package: str, exercise_id: str, seed: int, record: dict | None) -> lis
     wrote, or None when the cell never ran."""
     if record is None:
         return ["hidden cases: did not run (the notebook stopped before them)"]
-    hidden = importlib.import_module(f"{package}.exercises.checks").HIDDEN[exercise_id]
+    hidden = checks_of(package).HIDDEN[exercise_id]
     cases, wants = expected(package, exercise_id, seed)
     got = record.get("observations")
     if not isinstance(got, list):

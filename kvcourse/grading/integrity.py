@@ -10,7 +10,8 @@ the exercise notebook has them) and returns findings of two kinds:
   one of its names, reading one that is not a ``check_`` function, importing or reaching
   ``kvcourse.grading``), the import machinery (``sys.modules``, ``importlib``,
   ``__import__``, ``builtins``), tracing hooks, code objects, ``exec``/``eval``/``compile``, or the
-  answer key (a stage's ``answers`` module, a ``.ipynb`` file). The whole notebook is not credited;
+  answer key (the ``key`` package, an ``answers`` module, a ``.ipynb`` file). The whole notebook is
+  not credited;
 - **aliasing**, per exercise: importing the stage's own implementation of what the exercise asks
   (``from L2_token_flat.sequence import reserve``) or reading it off its class
   (``BlockAllocator.alloc_blocks``, ``super().alloc_blocks``). That exercise is not credited. The
@@ -31,6 +32,7 @@ import ast
 from dataclasses import dataclass
 
 GRADER_PACKAGE = "kvcourse.grading"  # the grader itself: its cases, hidden cases, gradebook and plugin
+KEY_PACKAGE = "key"  # the answer key: each stage's independent answers (key/LN_*/answers.py)
 FORBIDDEN_MODULES = ("importlib", "builtins", "ctypes", "gc")
 FORBIDDEN_CALLS = ("exec", "eval", "compile", "__import__")
 FORBIDDEN_ATTRIBUTES = ("modules", "settrace", "setprofile", "__code__", "__globals__", "__builtins__")
@@ -71,8 +73,8 @@ def strip_magics(source: str) -> str:
 
 
 def module_names(node) -> list[str]:
-    """The modules an import statement names: ``from L2_token_flat.exercises import
-    checks`` -> ``["L2_token_flat.exercises", "L2_token_flat.exercises.checks"]``."""
+    """The modules an import statement names: ``from exercises.L2_token_flat import
+    checks`` -> ``["exercises.L2_token_flat", "exercises.L2_token_flat.checks"]``."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     if isinstance(node, ast.ImportFrom):
@@ -97,7 +99,12 @@ def tampering(node) -> str | None:
     """
     for name in module_names(node):
         parts = name.split(".")
-        if name.startswith(GRADER_PACKAGE) or parts[-1] == "answers" or parts[0] in FORBIDDEN_MODULES:
+        if (
+            name.startswith(GRADER_PACKAGE)
+            or parts[0] == KEY_PACKAGE
+            or parts[-1] == "answers"
+            or parts[0] in FORBIDDEN_MODULES
+        ):
             return f"imports {name}"
     if isinstance(node, ast.Name | ast.Attribute | ast.Subscript) and isinstance(
         node.ctx, ast.Store | ast.Del

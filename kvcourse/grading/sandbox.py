@@ -7,9 +7,9 @@
   (a network namespace of its own: loopback only, which the Jupyter kernel talks over), its own
   process, IPC and host-name namespaces, killed with the grader. The grader's work folder is the one
   writable place (what the run reads from the host's /tmp, a clone of the repository there say, is
-  brought back read-only). The answer key is out of sight: ``notebooks/`` (the reference notebooks hold the
-  solutions), each stage's ``answers.py``, a release's autograder bundle (``key``) and the git history
-  are covered by empty ones;
+  brought back read-only). The answer key is out of sight: the course's ``key/`` (the reference
+  notebooks with their solutions, each stage's independent answers), a release's autograder bundle
+  (``key``) and the git history are covered by empty folders;
 - **limits** set with ``setrlimit`` (what ``prlimit`` sets): address space (``memory_bytes``) and CPU
   seconds (``cpu_seconds``). A process over its CPU time is killed, which the grader reports as a
   dead kernel.
@@ -83,9 +83,9 @@ class Sandbox:
         )
 
     def covered(self) -> list[Path]:
-        """What the box hides: the answer key and the history that holds it."""
-        hidden = [self.repo / "notebooks", self.repo / ".git"] + ([self.key] if self.key else [])
-        return hidden + sorted(self.repo.glob("L[0-9]*_*/exercises/answers.py"))
+        """What the box hides: the answer key (one folder, ``key/``, or a release's bundle) and the
+        history that holds it."""
+        return [self.repo / "key", self.repo / ".git"] + ([self.key] if self.key else [])
 
     def wrap(self, argv: list[str], workdir: Path) -> tuple[list[str], Callable[[], None]]:
         """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits."""

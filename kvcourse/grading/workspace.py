@@ -1,8 +1,9 @@
 """The learner's own copies of the exercise notebooks: ``python -m kvcourse.grading.workspace`` (``make workspace``).
 
-Copies ``notebooks/exercises/LN_*.ipynb`` into ``workspace/`` (git-ignored), where the learner works,
-with the notebooks' relative links (``../../lessons/L1_contiguous.md``) rewritten for their new folder
-(``../lessons/L1_contiguous.md``), so the chapters open from the workspace. A notebook already in
+Copies the exercise notebooks ``notebooks/LN_*.ipynb`` into ``workspace/`` (git-ignored), where the
+learner works, with the notebooks' relative links made relative to their new folder (``relinked``; both
+folders sit at the top of the course, so ``../lessons/L1_contiguous.md`` stays as it is), so the
+chapters open from the workspace. A notebook already in
 ``workspace/`` is never overwritten: a second run says which ones it kept, so
 new exercises reach a learner without touching the work already done. ``make test``, ``make
 exercises`` and ``make smoke`` never write there.
@@ -13,21 +14,15 @@ rename it, to get the new one).
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 from pathlib import Path
 
-from kvcourse.grading.exercises import NOTEBOOKS, RELATIVE_LINK_RE, read, render
+from kvcourse.grading.exercises import NOTEBOOKS, ROOT, read, relinked, render
 
-LINK_RE = re.compile(RELATIVE_LINK_RE.pattern + r"([^)\s#]+)")  # "](" + a relative target, captured
-
-WORKSPACE = NOTEBOOKS.parent / "workspace"
+WORKSPACE = ROOT / "workspace"
 
 
-def make_workspace(
-    folder: Path = WORKSPACE, source: Path = NOTEBOOKS / "exercises"
-) -> tuple[list[str], list[str]]:
+def make_workspace(folder: Path = WORKSPACE, source: Path = NOTEBOOKS) -> tuple[list[str], list[str]]:
     """Copy every exercise notebook that ``folder`` does not have yet; return (copied, kept) names."""
     folder.mkdir(parents=True, exist_ok=True)
     copied, kept = [], []
@@ -41,26 +36,11 @@ def make_workspace(
     return copied, kept
 
 
-def relinked(nb, source: Path, folder: Path):
-    """``nb`` (changed in place) with each relative markdown link made relative to ``folder`` instead of
-    ``source``. Example, from notebooks/exercises/ to workspace/: ``](../../lessons/L1.md)`` ->
-    ``](../lessons/L1.md)``."""
-
-    def move(m: re.Match) -> str:
-        target = os.path.normpath(source.resolve() / m[1])
-        return "](" + os.path.relpath(target, folder.resolve())
-
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            cell.source = LINK_RE.sub(move, cell.source)
-    return nb
-
-
 def main() -> int:
     copied, kept = make_workspace()
     shown = WORKSPACE.relative_to(WORKSPACE.parent)
     for name in copied:
-        print(f"{shown}/{name}: copied from notebooks/exercises/")
+        print(f"{shown}/{name}: copied from notebooks/")
     for name in kept:
         print(f"{shown}/{name}: kept (already there; delete it to start over)")
     print(

@@ -18,8 +18,8 @@ Compared: the stage's lesson files, its top-level modules. Its fast paths (``fas
 kernels, split-KV, decode graphs) are diffed apart, in ``LN_fast.diff``, against the previous stage's
 ``fast/`` (none before L4); a stage whose ``fast/`` is byte for byte the previous one's gets no file of
 its own, and its lesson diff's header says so. Left out: ``__init__.py`` (a package marker naming the
-stage), the smoke script (``lN_smoke.py``) and the ``exercises/`` folder (the notebook's checkers and
-the grader's independent answers), which are each stage's own harness, not its lesson. L6 is not
+stage) and the smoke script (``lN_smoke.py``), the stage's own harness, not its lesson (the notebook's
+checkers and answers are not in the stage at all: ``exercises/`` and ``key/``). L6 is not
 diffed against L5: it is a rewrite in JAX, and ``names.py`` maps L5's names to Levanter's instead (a
 table, also written into the L6 chapter). Within L6, ``mesh_engine.py`` is a copy of ``engine.py``
 changed for a device mesh: ``L6_mesh.diff`` is that change, then the files only the mesh uses, whole

@@ -2,16 +2,16 @@
 
     python -m kvcourse.tools.mutants [--list] [--timeout S] [NAME ...]      (make mutants)
 
-``MUTATIONS`` (``kvcourse/harness/mutations.py``, which the catch-the-bug exercises draw from too) is
+``MUTATIONS`` (``kvcourse/grading/mutations.py``, which the catch-the-bug exercises draw from too) is
 a list of small, named bugs, each the kind a learner (or a reviewer) could write. Each names its file,
 an exact piece of text that must occur exactly once there, what replaces it, and the tests that must
 fail.
 
 The script copies the repository once into a scratch folder (without ``.git``, ``.venv``, ``.cache``,
-notebooks and workspace), then for each mutation: writes the mutated file, runs its tests there in a
-fresh process (``pytest -x -q -p no:cacheprovider`` without autoloaded plugins, ``PYTHONPATH`` = the
-scratch copy, the real ``KVCOURSE_CACHE`` so models and HF references are found, no bytecode written),
-and puts the file back.
+the notebooks, the key's included, and workspace), then for each mutation: writes the mutated file,
+runs its tests there in a fresh process (``pytest -x -q -p no:cacheprovider`` without autoloaded
+plugins, ``PYTHONPATH`` = the scratch copy, the real ``KVCOURSE_CACHE`` so models and HF references are
+found, no bytecode written), and puts the file back.
 A mutation is *caught* when those tests fail, and *survived* when they pass. One line per mutation:
 
     caught     12.3 s  L5 clone shares the partial block  (tests/test_pressure.py::test_sampled_...)
@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcourse.harness.mutations import MUTATIONS, Mutation
+from kvcourse.grading.mutations import MUTATIONS, Mutation
 from kvcourse.model_store import REPO_ROOT, cache_root
 
 IGNORED = (".git", ".venv", ".cache", ".hypothesis", ".pytest_cache", ".ruff_cache", "__pycache__",

@@ -6,7 +6,7 @@ one-line note on what differs, or to ``""`` with the reason L6 has none. A name 
 ``"file.py:Qualname"``: a class, a function, a method or property, a dataclass field or enum member, a
 public attribute a class sets in ``__init__``, and the options of ``Engine`` as ``Engine(option=)``.
 L5's side is its engine modules (``L5_clones/*.py`` and its fast paths, ``L5_clones/fast/*.py``; not the
-smoke script or ``exercises/``); L6's names are in ``L6_tpu_jax/*.py`` the same way, or in the shared
+smoke script); L6's names are in ``L6_tpu_jax/*.py`` the same way, or in the shared
 ``kvcourse/*.py`` when written ``kvcourse/x.py:Name``. Several L6 names are separated by ``", "``.
 
 Checked against the code with ``ast`` (``problems``): every L5 name is a key of ``NAMES``, every key is a
@@ -271,7 +271,7 @@ def module_names(path: Path) -> dict[str, int]:
 def stage_names(stage: str, root: Path = ROOT) -> dict[str, list[str]]:
     """Every public name of a stage's engine modules, ``"file.py:Qualname"``, by file, in file order
     (the stage's own folder, then ``fast/`` with its ``__init__.py``; not the stage's ``__init__.py``, scripts
-    ``lN_*.py`` or ``exercises/``)."""
+    ``lN_*.py``)."""
     folder = root / stage
     out = {}
     for f in [*sorted(folder.glob("*.py")), *sorted((folder / "fast").glob("*.py"))]:

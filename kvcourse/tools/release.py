@@ -5,13 +5,14 @@
 ``DIR/course`` is what a class clones: a git repository of one commit holding every file this
 repository tracks except the answer key, which goes to ``DIR/autograder`` under the same paths:
 
-- the reference notebooks (``notebooks/LN_*.ipynb``: the exercises' solutions, executed);
-- each stage's ``exercises/answers.py`` (the independent answers the hidden cases are judged by);
-- the tests that read either of them (``KEY_TESTS``: they check the key itself, so they belong with it).
+- the answer key, the one folder ``key/``: the reference notebooks (``key/notebooks/LN_*.ipynb``, the
+  exercises' solutions, executed) and each stage's independent answers (``key/LN_*/answers.py``, which
+  the hidden cases are judged by);
+- the tests that read it (``KEY_TESTS``: they check the key itself, so they belong with it).
 
-The course keeps the chapters, the stages, the exercise notebooks (generated, solutions stubbed), the
-checkers (``exercises/checks.py``), the rest of the test suite and the grader. Its ``make grade``
-needs the bundle: ``make grade KEY=/tmp/kv-class/autograder DIR=submissions/`` grades as this
+The course keeps the chapters, the stages, the exercise notebooks (``notebooks/``: generated, solutions
+stubbed), the checkers (``exercises/LN_*/checks.py``), the rest of the test suite and the grader. Its
+``make grade`` needs the bundle: ``make grade KEY=/tmp/kv-class/autograder DIR=submissions/`` grades as this
 repository does, and without ``KEY=`` it says so. The bundle never goes to the class.
 
 What the release cannot hide: the warm-up exercises rebuild functions of the stages (the chapters
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from kvcourse.model_store import REPO_ROOT
 
-ANSWER_KEY = ("notebooks/L[0-9]*_*.ipynb", "L[0-9]*_*/exercises/answers.py")
+KEY = "key/"  # the answer key: one folder
 KEY_TESTS = (
     "tests/test_exercises_*.py",  # each exercise's checker against the independent answer
     "tests/test_grading.py",  # grades the reference notebooks
@@ -48,9 +49,9 @@ AUTHOR = ("-c", "user.name=kvcourse release", "-c", "user.email=release@kvcourse
 
 
 def in_key(path: str) -> bool:
-    """Whether a tracked file belongs to the answer key: ``in_key("L2_token_flat/exercises/answers.py")``
-    is True, ``in_key("notebooks/exercises/L2_token_flat.ipynb")`` is False."""
-    return any(fnmatch.fnmatchcase(path, pattern) for pattern in ANSWER_KEY + KEY_TESTS)
+    """Whether a tracked file belongs to the answer key: ``in_key("key/L2_token_flat/answers.py")`` and
+    ``in_key("tests/test_hidden.py")`` are True, ``in_key("notebooks/L2_token_flat.ipynb")`` is False."""
+    return path.startswith(KEY) or any(fnmatch.fnmatchcase(path, pattern) for pattern in KEY_TESTS)
 
 
 def tracked(root: Path = REPO_ROOT) -> list[str]:
@@ -82,8 +83,9 @@ def release(out: Path, root: Path = REPO_ROOT) -> tuple[Path, Path]:
 
 BUNDLE_README = """# kvcourse autograder bundle (instructors only: never give it to the class)
 
-The answer key of one student release: the reference notebooks, each stage's
-`exercises/answers.py`, and the tests that check them, under the paths they have in the full course.
+The answer key of one student release: `key/` (the reference notebooks in `key/notebooks/`, each
+stage's independent answers in `key/LN_*/answers.py`) and the tests that check it, under the paths they
+have in the full course.
 
 Grade from the class's copy of the course with this folder as the key:
 

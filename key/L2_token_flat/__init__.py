@@ -1,0 +1,1 @@
+"""L2's independent answers (``answers.py``), written apart from the stage, for its hidden cases."""
