@@ -1,9 +1,13 @@
 """kvcourse: everything the course shares that no lesson is about, in four layers that only look down.
 
-    kvcourse/*.py        what the stages import: the model (torch and JAX), its config and store,
-                         devices, request limits, statistics, sampling, the C++ build and decode graphs
+    kvcourse/*.py        what the stages import: the model (``model``; in JAX, ``jax_model``), its
+                         config (``config``) and store (``model_store``), devices (``devices``), request
+                         limits and KV budgets (``limits``), statistics (``stats``), sampling
+                         (``sampling``), the C++ build (``cpp_kernels``) and decode graphs
+                         (``decode_graphs``); ``__main__`` is ``python -m kvcourse``
     kvcourse/harness/    what runs and compares the stages: smokes, HF reference, comparison, prompts,
-                         tiny checkpoints, workloads, kernel cases, the stage list and the CLI
+                         tiny checkpoints, workloads, request streams and serving, kernel cases, the
+                         stage list, provenance and the CLI
     kvcourse/grading/    what grades the notebooks: check cases, hidden cases, the mutation list and
                          catch-the-bug, integrity scan, sandbox, gradebook, exercise generation, workspace
     kvcourse/tools/      what maintainers run: stage diffs and names, numbers, mutants, the student

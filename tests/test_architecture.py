@@ -457,3 +457,37 @@ def test_the_one_device_engine_holds_no_mesh_code():
         )  # past the docstring
         for word in ("shard", "mesh", "psum", "check_same_call", "PartitionSpec", "local_copy"):
             assert word not in code.lower(), f"L6_tpu_jax/{name} mentions {word!r} outside its docstring"
+
+
+def packages() -> list[Path]:
+    """Every package of the repository (a folder with an ``__init__.py``) that has modules of its own."""
+    found = []
+    for init in sorted(ROOT.glob("**/__init__.py")):
+        if any(part.startswith(".") for part in init.relative_to(ROOT).parts):
+            continue
+        if [m for m in init.parent.glob("*.py") if m.name not in ("__init__.py", "__main__.py")]:
+            found.append(init.parent)
+    return found
+
+
+def unnamed_modules(package: Path) -> list[str]:
+    """The modules of ``package`` its docstring does not name: a name counts in backticks (``cli``,
+    ``cli.py``) or at the start of a listing line (``    run   the main part``)."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    missing = []
+    for module in sorted(package.glob("*.py")):
+        stem = module.stem
+        if stem == "__init__":
+            continue
+        named = re.search(rf"`{re.escape(stem)}(\.py)?`", doc) or re.search(
+            rf"^\s*{re.escape(stem)}(\.py)?\s", doc, re.MULTILINE
+        )
+        if not named:
+            missing.append(module.name)
+    return missing
+
+
+@pytest.mark.parametrize("package", packages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_package_docstring_names_its_modules(package):
+    """A reader opening a folder's ``__init__.py`` finds what each of its files is for."""
+    assert not unnamed_modules(package), f"{package.relative_to(ROOT)}/__init__.py does not name {unnamed_modules(package)}"
