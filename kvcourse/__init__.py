@@ -21,7 +21,7 @@ nothing of grading: the grading tree beside them, ``exercises/`` (each stage's c
 Importing it sets one thing in the environment, and only where the caller has not:
 ``OMP_WAIT_POLICY=PASSIVE``. OpenMP threads that spin while they wait would otherwise steal the cores
 of any other PyTorch process on the machine (a notebook kernel beside a smoke): on a 2-core machine each
-can run several times slower (issue #34, quoted in the README: 3.4 tok/s beside one other torch process,
+can run several times slower (issue #34, quoted in ``lessons/setup.md``: 3.4 tok/s beside one other torch process,
 17.9 tok/s with this setting). The setting must be in place before PyTorch loads its OpenMP library, and
 every command of the course (the smokes, ``python -m kvcourse``, the notebooks' first imports, the
 bench) imports ``kvcourse`` before ``torch``, so they all get it; ``OMP_WAIT_POLICY=ACTIVE`` in the

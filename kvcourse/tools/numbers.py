@@ -14,7 +14,7 @@ it was measured at, the machine and the date (as the file records them), then th
 same function that printed it when the command ran (``SOURCES`` below). A chapter's prose around the
 block says what the numbers mean; the numbers themselves are never typed by hand.
 
-Every other table of numbers in ``lessons/*.md``, ``README.md`` and ``bench/README.md`` carries a
+Every other table of numbers in ``DOCS`` (the chapters, ``lessons/setup.md``, ``README.md``, ...) carries a
 comment on the line above it saying where its numbers come from:
 
     <!-- measured: COMMAND -->   measured by COMMAND (or several, between semicolons), kept by hand;
@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("lessons/L1_contiguous.md", "lessons/L2_token_flat.md", "lessons/L3_block_tensor.md",
         "lessons/L4_paged_kernel.md", "lessons/L5_clones.md", "lessons/L6_tpu_jax.md",
-        "README.md", "bench/README.md")  # fmt: skip
+        "lessons/setup.md", "lessons/exercises.md", "README.md", "bench/README.md")  # fmt: skip
 BEGIN = re.compile(r"^<!-- numbers: (?P<key>[\w-]+) \(written by make numbers; do not edit\) -->$")
 END = "<!-- numbers: end -->"
 MARK = re.compile(r"^<!-- (measured: (?P<command>.+?)|arithmetic|quoted: .+?) -->$")
