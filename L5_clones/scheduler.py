@@ -40,8 +40,8 @@ sequences (``add(seq, group)``), served and preempted as one unit (``_make_room`
 path), that picks their tokens itself from the rows of logits it is handed (``group.update``).
 
 Left out on purpose: swapping KV to CPU memory instead of recomputing it, keeping a reserve of free
-blocks so that running sequences rarely need preempting, preempting running sequences to admit a
-higher-priority arrival.
+blocks so that running sequences rarely need preempting, and preempting running sequences to admit
+a higher-priority arrival.
 """
 
 from __future__ import annotations
@@ -122,16 +122,14 @@ class Scheduler:
         batch: Batch = []
         token_budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
+        bs = self.allocator.block_size
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
         while i < len(self.running) and token_budget > 0:
-            unit, plan = self._unit(self.running[i]), []  # a sequence, or its group's running ones, whole
+            unit, plan, need = self._unit(self.running[i]), [], 0  # a sequence, or its group's: served whole
             for seq in unit:
                 n = self._num_new_tokens(seq, token_budget - sum(m for _, m in plan), seq.num_computed_tokens)
                 plan += [(seq, n)] if n else []
-            bs = self.allocator.block_size
-            need = sum(
-                max(0, blocks_needed(s.num_computed_tokens + n, bs) - len(s.block_table)) for s, n in plan
-            )
+                need += max(0, blocks_needed(seq.num_computed_tokens + n, bs) - len(seq.block_table))
             if self._make_room(need, unit):  # others preempted from the back first, perhaps this unit
                 for seq, n in plan:
                     reserve(seq, self.allocator, seq.num_computed_tokens + n)
@@ -268,12 +266,11 @@ class Scheduler:
 
     def _clone(self, parent: Sequence, copies: Copies) -> list[Sequence]:
         """Split a sequence whose prefill just ended into its n samples: [parent, child 1, .., child n-1],
-        sharing its full blocks, each child with a copy of its partial one (added to ``copies``), sample_index i
-        and a generator seeded for sample i. [] if making room preempted the parent: it clones after its recompute."""
-        if not self._make_room(
-            self.allocator.clone_needs(parent.num_computed_tokens, parent.n - 1), [parent]
-        ):
-            return []
+        sharing its full blocks, each child with a copy of its partial one (added to ``copies``), its
+        sample_index i and a generator seeded for sample i. [] if making room preempted the parent."""
+        need = self.allocator.clone_needs(parent.num_computed_tokens, parent.n - 1)
+        if not self._make_room(need, [parent]):
+            return []  # it clones when its recompute ends
         tables, more = self.allocator.clone(parent.block_table, parent.num_computed_tokens, parent.n - 1)
         copies += more
         children = [

@@ -30,7 +30,7 @@ It prints a Markdown table and writes ``bench/results/beam-memory.json`` and
 ``--trace`` measures nothing: it runs one beam search of width TRACE_WIDTH on the first course prompt
 with blocks of TRACE_BLOCK_SIZE tokens and prints, after each of its first TRACE_STEPS steps, which beam
 each survivor continued and every beam's block table with each block's reference count (the chapter's
-section 13 shows its output).
+section 12 shows its output).
 
 Left out on purpose: arrival times (every request is submitted at once), GPUs, and other stages.
 """
