@@ -13,7 +13,7 @@ once (a prefix two requests have in common), so:
 - ``lookup`` / ``register``: the prefix-cache index, key -> block (``prefix_cache.py`` makes the keys);
 - ``grow``: more blocks, when the engine grows the pool (L3's, with a ``Block`` for each new id).
 
-``clone``: block tables for n sampled sequences (or beams) that continue one sequence, its full blocks
+``clone``: block tables for n sequences (samples, beams) that continue one sequence, its full blocks
 shared and a fresh block each in place of its partial last block (whose K/V the caller copies);
 ``clone_needs`` says how many free blocks that takes.
 

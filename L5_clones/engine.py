@@ -7,8 +7,7 @@
                                     tables, context lengths and the rows that need logits
            model.forward()       -> one forward call for all of them; each layer's attention is one
                                     kernel call over the whole batch (``attention.py``)
-           scheduler.update()    -> sample each finished row's next token (a sequence with n > 1 is
-                                    first cloned into n sequences), finish who is done
+           scheduler.update()    -> sample each row's next token (n samples: cloned first), finish who is done
 
 Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) between steps; a finished
 sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
@@ -27,15 +26,13 @@ tensors there. A step's one trip back to the host is its sampled tokens, which t
 split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path, and the default,
 ``"auto"``, takes the fastest this device has.
 
-``enable_prefix_caching=False`` turns the prefix cache off. ``stats()`` shows the sharing: blocks
-held and shared at peak, prefix-cache hits, and live bytes that count a shared block once.
+``enable_prefix_caching=False`` turns the prefix cache off; ``stats()`` shows the sharing.
 
-``generate_samples`` asks for ``n`` samples of each prompt (``SamplingParams``): one request per
-prompt, prefilled once and cloned (``share=True``), or n independent requests seeded as the clones
-are (``share=False``). ``stats().clones`` counts the requests cloned.
+``generate_samples`` asks for ``n`` samples of each prompt, cloned from one prefill (or as n requests
+seeded as the clones are); ``step`` makes the block copies the scheduler names for them.
+``generate_beams`` is beam search, an optional wing beside the lesson (``beams/``).
 
-``generate_beams`` (``beam.py``) runs beam search as HF does; left out on purpose: streaming outputs
-to callers, stop strings, beam sampling, and returning logprobs.
+Left out on purpose: streaming outputs to callers, stop strings, and returning logprobs.
 """
 
 from __future__ import annotations
@@ -50,12 +47,12 @@ from kvcourse.devices import resolve_device
 from kvcourse.limits import check_blocks, check_requests, kv_budget, resolve_max_model_len
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.sampling import SamplingParams
+from kvcourse.sampling import BeamParams, SamplingParams
 from kvcourse.stats import EngineStats, UsageMeter
 
+from . import beams
 from .allocator import BlockAllocator, blocks_needed
 from .attention import ForwardMeta, attention
-from .beam import generate_beams
 from .cache import KvPool
 from .fast import FastPath
 from .scheduler import Batch, Scheduler
@@ -63,8 +60,6 @@ from .sequence import Sequence, slots
 
 
 class Engine:
-    generate_beams = generate_beams  # beam search on every prompt, as HF's generate(num_beams=k)
-
     def __init__(
         self,
         model_dir=None,
@@ -111,7 +106,6 @@ class Engine:
         )
         self.scheduler = Scheduler(
             self.allocator,
-            self.pool,  # clones copy their partial block in it
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk_size=prefill_chunk_size,
@@ -163,8 +157,7 @@ class Engine:
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
         """Refuse a request for n samples that could never run (bad ids, longer than max_model_len, more
-        than the whole pool or its reservation, more samples than max_num_seqs, or clones whose copies cannot fit beside
-        the prompt). Returns its max_new_tokens."""
+        than the pool or its reservation, n > max_num_seqs, clones whose copies cannot fit): its max_new_tokens."""
         [max_new_tokens] = check_requests(
             [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
         )
@@ -193,18 +186,18 @@ class Engine:
         ignore_eos: bool = False,
         n: int = 1,
         sampling: SamplingParams | None = None,
+        group=None,
     ) -> Sequence:
         """Submit one request for ``n`` samples (greedy by default); it joins the batch at a coming step.
         Its ``output_ids`` grow as it runs; with n > 1 it is sample 0, and its clones (same request_id)
-        appear in the scheduler's queues when its prefill ends."""
+        appear in the scheduler's queues when its prefill ends; with a ``group``, they run as one (``beams/``)."""
         self.check_fits(prompt_ids, max_new_tokens, n=n)
         sampling = sampling or SamplingParams()  # greedy
         seq = Sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority, n, sampling)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, group)
         return seq
 
     def abort(self, request_id: int) -> list[Sequence]:
-        """Cancel a request: its sequences, the samples cloned from it included."""
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -245,7 +238,10 @@ class Engine:
         token_ids, meta = self.prepare(batch)
         logits = self.fast.run(self.forward, token_ids, meta, self.pool)  # (N, vocab): forward, or a graph
         self._count(batch, len(token_ids))
-        return self.scheduler.update(batch, logits)  # sampled there: the tokens come back to the host
+        done, copies = self.scheduler.update(batch, logits)  # sampled there: the tokens come back to the host
+        for src, dst in copies:  # a clone's partial block: the scheduler names it, the pool copies it
+            self.pool.copy_block(src, dst)
+        return done
 
     def forward(self, token_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """The model over one packed batch, attention through the kernel: (N, vocab) logits of the rows
@@ -275,22 +271,10 @@ class Engine:
         (greedy, one sample per prompt)."""
         return [s[0] for s in self.generate_samples(prompts, max_new_tokens, ignore_eos=ignore_eos)]
 
-    def generate_samples(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int | list[int],
-        *,
-        n: int = 1,
-        sampling: SamplingParams | None = None,
-        share: bool = True,
-        ignore_eos: bool = False,
-    ) -> list[list[list[int]]]:
-        """``n`` samples of every prompt: result[i][j] is the new tokens of sample j of prompt i.
-
-        share=True: one request per prompt, prefilled once and cloned into n sequences. share=False:
-        n independent requests per prompt, request j seeded ``sampling.seed_of(j)``, the seed a clone
-        gives sample j, so both ways must produce the same tokens.
-        """
+    def generate_samples(self, prompts, max_new_tokens, *, n=1, sampling=None, share=True, ignore_eos=False):
+        """``n`` samples of every prompt: result[i][j] is the new tokens of sample j of prompt i. share=True:
+        one request per prompt, prefilled once and cloned; share=False: n requests per prompt, request j
+        seeded ``sampling.seed_of(j)`` as a clone seeds sample j, so both ways give the same tokens."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         sampling = sampling or SamplingParams()
@@ -300,9 +284,7 @@ class Engine:
         for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
             self.check_fits(prompt, max_new, f"prompt {i}", n=n if share else 1)
         if self.grows_pool and not self.has_unfinished():  # each of the n samples grows on its own
-            self.fit_pool(
-                [len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True) for _ in range(n)]
-            )
+            self.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * n)
         params = [sampling] if share else [replace(sampling, seed=sampling.seed_of(j)) for j in range(n)]
         requests = [  # per prompt: one request cloned into n, or n requests seeded apart
             [self.add_request(p, b, ignore_eos=ignore_eos, n=n if share else 1, sampling=s) for s in params]
@@ -312,3 +294,7 @@ class Engine:
             self.step()
         done = sorted(self.scheduler.finished, key=Sequence.sort_key)  # each request's samples in order
         return [[d.output_ids for r in rs for d in done if d.request_id == r.request_id] for rs in requests]
+
+    def generate_beams(self, prompts, max_new_tokens, *, sampling=None, **beam) -> list[list[list[int]]]:
+        """Beam search (``BeamParams``), as HF's ``generate(num_beams=k)``: ``beams/``, an optional wing."""
+        return beams.generate_beams(self, prompts, max_new_tokens, sampling, BeamParams(**beam))

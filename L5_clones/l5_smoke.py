@@ -43,7 +43,7 @@ from kvcourse.harness.reference import hf_beams
 from kvcourse.harness.smoke import SmokeContext, StageRun, blocks_for, compare_run, prepare, run_smoke
 from kvcourse.sampling import BeamParams, SamplingParams
 from L4_paged_kernel.engine import Engine as L4Engine
-from L5_clones.beam import add_beam_request
+from L5_clones.beams import add_beam_request
 from L5_clones.engine import Engine
 
 SAMPLES = 4
@@ -181,13 +181,13 @@ def beam_search(ctx: SmokeContext) -> tuple[int, int, int]:
         params = BeamParams(k, num_return_sequences=2)
         refs = hf_beams(ctx.model_dir, prompts, budget, params, ctx.device)
         eng = engine(ctx)
-        seqs = [add_beam_request(eng, p, b, params) for p, b in zip(prompts, budget, strict=True)]
+        groups = [add_beam_request(eng, p, b, params) for p, b in zip(prompts, budget, strict=True)]
         while eng.has_unfinished():
             eng.step()
         print(f"  width {k}: {eng.stats()}")
-        for i, seq, ref in zip(chosen, seqs, refs, strict=True):
-            got = seq.group.sequences()
-            check = compare_beams(got, seq.group.steps, ref)
+        for i, group, ref in zip(chosen, groups, refs, strict=True):
+            got = group.sequences()
+            check = compare_beams(got, group.steps, ref)
             text, hf_text = ctx.tokenizer.decode(got[0]), ctx.tokenizer.decode(ref.sequences[0])
             rows.append(Row(f"k={k} {ctx.prompts[i].label}", check, None, text, hf_text, unit="step"))
     print(format_rows(rows, None))

@@ -19,10 +19,6 @@ the scheduler clones it into n sequences, itself (``sample_index`` 0) and n - 1 
 same ``request_id``), which share its full blocks. Each sequence samples with its own
 ``SamplingParams`` and ``generator``.
 
-A beam-search request (``group``, see ``beam.py``) also runs its prompt once, as one sequence that
-takes num_beams seats; its beams are then sequences of the same request too, cloned and dropped as
-the search goes (``sample_index`` is a beam's slot in its group).
-
 ``reservation_len`` is what a reservation policy holds per request at admission: ``paged`` nothing
 ahead (blocks on demand), or the vLLM paper's baselines, which hold a request's whole length (Oracle),
 its next power of two (Pow2) or the longest a request may be (Max) from its first step to its last.
@@ -41,7 +37,6 @@ import torch
 from kvcourse.sampling import SamplingParams, make_generator
 
 from .allocator import BlockAllocator, blocks_needed
-from .beam import BeamGroup
 from .prefix_cache import register_full_blocks
 
 
@@ -55,7 +50,6 @@ class FinishReason(Enum):
     EOS = "eos"  # generated an end-of-sequence token (kept in the output)
     MAX_TOKENS = "max_tokens"  # generated max_new_tokens tokens
     ABORTED = "aborted"  # cancelled by the caller
-    BEAM_SEARCH_DONE = "beam_search_done"  # a beam still live when its group's search ended
 
 
 @dataclass(eq=False)  # compared by identity: a sequence is itself, whatever its fields hold
@@ -99,10 +93,6 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: higher priority first, then first come, first served, then sample order."""
         return (-self.priority, self.request_id, self.sample_index)
-
-    # A beam of a beam search: its group (``beam.py``); the prompt of a search of n beams takes n seats
-    # until it forks, and a beam's sample_index is its slot in the group. None: not a beam.
-    group: BeamGroup | None = None
 
 
 RESERVATIONS = ("paged", "oracle", "pow2", "max")

@@ -30,7 +30,7 @@ It prints a Markdown table and writes ``bench/results/beam-memory.json`` and
 ``--trace`` measures nothing: it runs one beam search of width TRACE_WIDTH on the first course prompt
 with blocks of TRACE_BLOCK_SIZE tokens and prints, after each of its first TRACE_STEPS steps, which beam
 each survivor continued and every beam's block table with each block's reference count (the chapter's
-section 13 shows its output).
+section 12 shows its output).
 
 Left out on purpose: arrival times (every request is submitted at once), GPUs, and other stages.
 """
@@ -48,7 +48,7 @@ from bench.measure import cpu_name, provenance, save_results
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
-from L5_clones.beam import add_beam_request, beam_blocks
+from L5_clones.beams import BeamGroup, add_beam_request, beam_blocks, recompute_shares
 from L5_clones.engine import Engine
 
 WIDTHS = (2, 4, 6)
@@ -115,7 +115,7 @@ def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
         held, unshared = held + used, unshared + alone
         peak_held, peak_unshared = max(peak_held, used), max(peak_unshared, alone)
     seconds = time.perf_counter() - t0
-    outputs = [r.group.sequences() if r.group else [r.output_ids] for r in requests]
+    outputs = [r.sequences() if isinstance(r, BeamGroup) else [r.output_ids] for r in requests]
     return {
         "saved": 1 - held / unshared if unshared else 0.0,
         "peak_held": peak_held,
@@ -155,7 +155,7 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
         shared_peak,
         max(
             beam_blocks(
-                len(p), b, throughput_width, probe.allocator.block_size, probe.scheduler.recompute_shares
+                len(p), b, throughput_width, probe.allocator.block_size, recompute_shares(probe.scheduler)
             )
             for p, b in zip(prompts, budgets, strict=True)
         ),
@@ -244,8 +244,8 @@ def trace(engine: Engine, prompt: list[int], steps: int, width: int, decode=str)
     """One beam search of ``width`` on ``prompt``, stepped ``steps`` times (or to its end): per step,
     the survivors as ``parent->token`` and each beam's block table, every block with its reference
     count (``3x2``: block 3, held by 2 tables). ``decode`` turns a token id into text."""
-    seq = add_beam_request(engine, prompt, steps, BeamParams(width))
-    group, lines = seq.group, [f"prompt: {len(prompt)} tokens, block_size {engine.allocator.block_size}"]
+    group = add_beam_request(engine, prompt, steps, BeamParams(width))
+    lines = [f"prompt: {len(prompt)} tokens, block_size {engine.allocator.block_size}"]
     for step in range(1, steps + 1):
         engine.step()
         if group.done:
@@ -253,7 +253,7 @@ def trace(engine: Engine, prompt: list[int], steps: int, width: int, decode=str)
             break
         survivors = ", ".join(f"{parent}->{decode(token)!r}" for parent, token in group.steps[-1])
         lines.append(f"step {step}: survivors (parent->token) {survivors}")
-        for slot, beam in enumerate(group.beams):
+        for slot, beam in enumerate(group.seqs):
             blocks = " ".join(f"{b}x{engine.allocator.blocks[b].ref_count}" for b in beam.block_table)
             lines.append(f"  beam {slot}: [{blocks}]  {decode(beam.output_ids)!r}")
         engine.allocator.check_invariants(s.block_table for s in engine.scheduler.running)

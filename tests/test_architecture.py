@@ -12,14 +12,17 @@
 - kvcourse's layers only look down: runtime (``kvcourse/*.py``) < harness < grading < tools, and only
   the harness and the tools name a stage (nothing in kvcourse imports one; ``harness/stages.py`` looks
   one up by name for the CLI);
-- ``lessons/diffs/*.diff`` are what ``make diffs`` writes now (each stage's lesson diff, the fast paths'
-  diff apart), and the files a stage does not change are byte-identical to the previous stage's, its
+- ``lessons/diffs/*.diff`` are what ``make diffs`` writes now (each stage's lesson diff, its wings'
+  diffs apart: ``fast/``, L5's ``beams/``), and the files a stage does not change are byte-identical to the previous stage's, its
   ``fast/`` folder included;
 - the lesson path stays small: no engine of L1-L5 over 315 lines (300 until L5 took a KV budget), and L4's lesson diff adds at most
-  300 lines (its kernels, kernel choice and decode graphs live in ``fast/``);
+  300 lines (its kernels, kernel choice and decode graphs live in ``fast/``); L5's adds at most 500
+  non-blank lines and its engine is at most 300 lines (beam search lives in ``beams/``);
+- the scheduler keeps the books: ``scheduler.py`` imports nothing that holds K/V and no wing, only the
+  engine meets a wing, and L5's ``sequence.py`` knows nothing of beams;
 - a stage taught in two steps (L5: the prefix cache, then clones) has its diff in two parts that add
   up to the whole: every changed paragraph lands in exactly one, by the rule ``make diffs`` declares;
-- every ```diff block a chapter shows is a run of lines of its stage's diff file (or its fast paths'),
+- every ```diff block a chapter shows is a run of lines of its stage's diff file (or its wings'),
   so a chapter never shows code that is not the code.
 """
 
@@ -340,9 +343,9 @@ def test_files_a_stage_does_not_change_are_byte_identical(stage, names):
     assert header[1] == f"# unchanged, byte for byte: {', '.join(lesson)}"
     fast = sorted(name for name in names if name.startswith(f"{diffs.FAST}/"))
     if fast:  # the whole fast/ folder, so no fast diff of its own
-        assert fast == sorted(diffs.fast_files(ROOT / stage))
+        assert fast == sorted(diffs.wing_files(ROOT / stage))
         assert header[4].startswith(f"# {diffs.FAST}/: byte for byte {before}'s")
-        assert diffs.fast_diff(stage) is None
+        assert diffs.wing_diff(stage) is None
 
 
 def test_the_lesson_path_stays_small():
@@ -354,6 +357,62 @@ def test_the_lesson_path_stays_small():
     text = diffs.diff_path("L3_block_tensor", "L4_paged_kernel").read_text(encoding="utf-8")
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++ ")]
     assert len(added) <= 300, f"the L3 -> L4 lesson diff adds {len(added)} lines"
+
+
+def added_lines(diff_text: str) -> int:
+    """The lines a diff file adds that hold more than blanks (``+++`` file lines left out)."""
+    return sum(1 for line in diff_text.splitlines() if line.startswith("+") and not line.startswith("+++ ")
+               and line[1:].strip())  # fmt: skip
+
+
+def test_l5_keeps_its_lesson_small_with_beam_search_beside_it():
+    """L5 teaches two ideas (the prefix cache, clones) and keeps beam search in a wing (``beams/``,
+    diffed apart in ``L5_beams.diff``): its lesson diff adds at most 500 non-blank lines, the wing's
+    lines none of them, and its engine is at most 300 lines."""
+    text = diffs.diff_path("L4_paged_kernel", "L5_clones").read_text(encoding="utf-8")
+    assert added_lines(text) <= 500, f"the L4 -> L5 lesson diff adds {added_lines(text)} non-blank lines"
+    assert "/beams/" not in text and diffs.wing_diff_path("L5_clones", "beams").exists()
+    lines = (ROOT / "L5_clones" / "engine.py").read_text(encoding="utf-8").count("\n")
+    assert lines <= 300, f"L5_clones/engine.py has {lines} lines"
+
+
+def stage_imports(path: Path) -> set[str]:
+    """The modules of its own stage a file imports: ``from .cache import KvPool`` -> ``cache``,
+    ``from . import beams`` -> ``beams``, ``from ..allocator import x`` (in a wing) -> ``allocator``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+    return found
+
+
+@pytest.mark.parametrize("stage", [s for s in STAGE_DIRS if (ROOT / s / "scheduler.py").exists()])
+def test_the_scheduler_keeps_the_books_and_the_engine_owns_the_tensors(stage):
+    """A scheduler deals in ids and block tables: it imports nothing that holds K/V (``cache.py``, the
+    attention files) and no wing; only the engine meets a wing (``fast/``, ``beams/``)."""
+    holds_kv = {"cache", "attention", "paged_attention", *diffs.WINGS}
+    assert not stage_imports(ROOT / stage / "scheduler.py") & holds_kv, f"{stage}/scheduler.py"
+    for name in diffs.lesson_files(ROOT / stage):
+        if name != "engine.py":
+            assert not stage_imports(ROOT / stage / name) & set(diffs.WINGS), f"{stage}/{name} imports a wing"
+
+
+def test_a_sequence_knows_nothing_of_beams():
+    """L5's ``sequence.py`` imports nothing of the beam-search wing and names no beam: a beam's slot
+    and its group are the wing's business (the scheduler knows a group, never a beam)."""
+    path = ROOT / "L5_clones" / "sequence.py"
+    assert "beams" not in stage_imports(path)
+    assert not re.search(r"beam", path.read_text(encoding="utf-8"), flags=re.I)
+    assert "beams" not in stage_imports(ROOT / "L5_clones" / "scheduler.py")
+
+
+def test_the_import_rules_can_fail(tmp_path):
+    """``stage_imports`` sees what the two rules above look for: the pool, a wing, the beams' group."""
+    path = tmp_path / "scheduler.py"
+    path.write_text(
+        "from .cache import KvPool\nfrom .beams.group import BeamGroup\nfrom . import fast\nimport torch\n"
+    )
+    assert stage_imports(path) == {"cache", "beams", "fast"}
 
 
 def changed_lines(before: str, after: str) -> tuple[Counter, Counter]:
@@ -409,7 +468,7 @@ def test_a_chapter_shows_only_lines_of_its_stage_diff(old, new):
     blocks = re.findall(r"```diff\n(.*?)```", chapter, flags=re.S)
     assert blocks, f"lessons/{new}.md shows no ```diff block from {diffs.diff_path(old, new).name}"
     shown = [diffs.diff_path(old, new)]
-    shown += [path for path in [diffs.fast_diff_path(new)] if path.exists()]
+    shown += [path for wing in diffs.WINGS if (path := diffs.wing_diff_path(new, wing)).exists()]
     for block in blocks:
         assert any("\n" + block in "\n" + path.read_text(encoding="utf-8") for path in shown), (
             f"lessons/{new}.md shows a diff that is not in {' or '.join(p.name for p in shown)}:\n{block}"

@@ -342,8 +342,7 @@ def test_block_allocator_property(num_blocks, block_size, ops):
 
 def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
     kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, **kw}
-    pool = KvPool(1, num_blocks, block_size, 1, 1)
-    return Scheduler(BlockAllocator(num_blocks, block_size), pool, eos_ids=(EOS,), **kw)
+    return Scheduler(BlockAllocator(num_blocks, block_size), eos_ids=(EOS,), **kw)
 
 
 def submit(s: Scheduler, prompt: list[int] | int, max_new: int, n: int = 1, priority: int = 0) -> Sequence:
@@ -365,7 +364,7 @@ def fake_step(s: Scheduler):
     rows = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch)
     logits = torch.zeros(rows, VOCAB)
     logits[:, TOKEN] = 1.0  # (rows, vocab): greedy picks TOKEN
-    done = s.update(batch, logits)
+    done, _ = s.update(batch, logits)  # the block copies: the engine's to make (no pool here)
     s.check_invariants()
     return [(seq.request_id, n) for seq, n in batch], done
 
@@ -389,6 +388,20 @@ def test_a_request_with_n_samples_prefills_once_then_clones():
     drain(s)
     assert [r.output_ids for r in s.finished] == [[TOKEN] * 3] * 3
     assert s.allocator.num_free == s.allocator.num_blocks
+
+
+def test_the_scheduler_returns_a_clones_block_copies_and_holds_no_tensor():
+    """The scheduler keeps the books and the engine the tensors: cloning a 6-token prompt (block_size 4)
+    into 3 samples, ``update()`` returns the partial block's copies into the children's fresh blocks."""
+    s = make_scheduler(block_size=4)
+    seq = submit(s, 6, 3, n=3)
+    batch = s.schedule()
+    logits = torch.zeros(1, VOCAB)
+    done, copies = s.update(batch, logits)
+    children = s.running[1:]
+    assert not done and [c.sample_index for c in children] == [1, 2]
+    assert copies == [(seq.block_table[1], child.block_table[1]) for child in children]
+    assert not any(isinstance(value, torch.Tensor) for value in vars(s).values())
 
 
 def test_samples_count_against_max_num_seqs():

@@ -21,7 +21,7 @@ from kvcourse.harness.compare import TIE_GAP, beam_history, compare_beams
 from kvcourse.harness.reference import BeamReference, hf_beams, hf_greedy
 from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
-from L5_clones.beam import BeamGroup, add_beam_request, beam_blocks
+from L5_clones.beams import BeamGroup, add_beam_request, beam_blocks, fork, fork_needs, recompute_shares
 from L5_clones.engine import Engine
 from L5_clones.sequence import Sequence, reserve
 
@@ -47,7 +47,10 @@ def run_checked(engine: Engine, prompts, budgets, ideal: bool = True, **beam) ->
     with ``ideal``, the pool holds exactly the blocks the beams' histories need (shared, not copied,
     and nothing a dropped beam held); at the end every block is free."""
     params = BeamParams(**beam)
-    seqs = [add_beam_request(engine, p, b, params) for p, b in zip(prompts, budgets, strict=True)]
+    if params.num_beams == 1:  # greedy search, as in HF: a plain request
+        requests = [engine.add_request(p, b) for p, b in zip(prompts, budgets, strict=True)]
+    else:
+        requests = [add_beam_request(engine, p, b, params) for p, b in zip(prompts, budgets, strict=True)]
     while engine.has_unfinished():
         engine.step()
         engine.scheduler.check_invariants()
@@ -56,7 +59,7 @@ def run_checked(engine: Engine, prompts, budgets, ideal: bool = True, **beam) ->
             assert engine.allocator.num_used == ideal_blocks(running, engine.allocator.block_size)
     engine.scheduler.check_invariants()
     assert engine.allocator.num_free == engine.allocator.num_blocks  # nothing leaked
-    return [s.group.sequences() if s.group else [s.output_ids] for s in seqs]
+    return [r.sequences() if isinstance(r, BeamGroup) else [r.output_ids] for r in requests]
 
 
 # ---------------------------------------------------------------- the group's choice
@@ -147,7 +150,7 @@ def test_a_tight_pool_preempts_whole_groups_and_changes_no_token(eos_dir, chunk)
     if chunk:
         options["max_num_batched_tokens"] = 40
     probe = Engine(eos_dir, **options)
-    shares = probe.scheduler.recompute_shares
+    shares = recompute_shares(probe.scheduler)
     smallest = max(beam_blocks(len(p), b, 4, 4, shares) for p, b in zip(prompts, budgets, strict=True))
     engine = Engine(eos_dir, num_blocks=smallest, **options)
     got = run_checked(engine, prompts, budgets, ideal=False, num_beams=4, num_return_sequences=2)
@@ -176,18 +179,19 @@ def test_beams_beside_greedy_and_sampled_requests(tiny_qwen3_dir):
     assert engine.allocator.num_free == engine.allocator.num_blocks
     for kind, seq, p, b in jobs:
         if kind == "beam":
-            assert seq.group.sequences() == hf_beams(tiny_qwen3_dir, [p], [b], params)[0].sequences
+            assert seq.sequences() == hf_beams(tiny_qwen3_dir, [p], [b], params)[0].sequences
         else:
             assert seq.output_ids == hf_greedy(tiny_qwen3_dir, [p], [b])[0].tokens
 
 
 def test_abort_a_beam_group_frees_every_beam(tiny_qwen3_dir):
     engine = Engine(tiny_qwen3_dir, block_size=4, kernel="torch")
-    seq = add_beam_request(engine, PROMPTS[6], 10, BeamParams(4))
+    group = add_beam_request(engine, PROMPTS[6], 10, BeamParams(4))
     for _ in range(3):
         engine.step()
-    assert len(engine.scheduler.running) == 4
-    engine.abort(seq.request_id)
+    assert len(engine.scheduler.running) == 4 and engine.scheduler.groups
+    engine.abort(group.seqs[0].request_id)
+    assert not engine.scheduler.groups
     engine.scheduler.check_invariants()
     assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_blocks
 
@@ -215,6 +219,41 @@ def test_length_penalty_and_early_stopping_on_the_course_model(model_dir, course
         assert run_checked(Engine(model_dir, kernel="torch"), course_ids[:1], [24], **beam) == [
             r.sequences for r in ref
         ]
+
+
+# ---------------------------------------------------------------- the fork's books
+
+
+def forked_books():
+    """``fork``'s docstring example: block_size 4, beams [3, 5, 8] and [3, 5, 9] holding 10 positions
+    each (3 and 5 full, registered and held by both), blocks 1, 2, 4, 6, 7 held elsewhere, free list [0]."""
+    a = BlockAllocator(10, 4)
+    a.alloc_blocks(10)
+    tokens = list(range(100, 110))
+    a.register(3, 11, tokens[:4])
+    a.register(5, 12, tokens[4:8])
+    a.alloc_blocks(0, cached=[3, 5])  # the second beam's references
+    a.free([0])
+    return a
+
+
+def test_fork_docstring_example_drops_then_clones_and_returns_the_copies():
+    a = forked_books()
+    tables = [[3, 5, 8], [3, 5, 9]]
+    assert fork_needs(a, tables, 10, [0, 0]) == 0  # the clone's copy takes 1, the drop gives 9 back
+    assert fork(a, tables, 10, [0, 0]) == ([[3, 5, 8], [3, 5, 0]], [(8, 0)])
+    assert {b: a.blocks[b].ref_count for b in (3, 5, 8, 9, 0)} == {3: 2, 5: 2, 8: 1, 9: 0, 0: 1}
+    assert list(a.free_blocks) == [9]
+    a.check_invariants([[3, 5, 8], [3, 5, 0], [1, 2, 4, 6, 7]])
+
+
+def test_fork_needs_counts_copies_beyond_what_the_drops_give_back():
+    a = forked_books()
+    tables = [[3, 5, 8], [3, 5, 9]]
+    assert fork_needs(a, tables, 10, [0, 1, 0]) == 1  # a third beam, nothing dropped
+    assert fork_needs(a, tables, 10, [1, 0]) == 0  # each continued once: nothing copied
+    assert fork_needs(a, tables, 8, [0, 0]) == 0  # on a block boundary nothing is copied
+    assert fork(a, tables, 10, [1, 0]) == ([[3, 5, 9], [3, 5, 8]], [])
 
 
 # ---------------------------------------------------------------- random fork/drop on the allocator

@@ -9,8 +9,8 @@
 - ``check_match_prefix``: the cached blocks a new prompt may share, against ``prefix_cache.match_prefix``
   on allocators that earlier requests have filled, freed and partly handed out again;
 - ``check_fork_beams``: a beam search's block tables re-pointed after a step (dropped beams give their
-  blocks back, survivors share or clone their parent's), step after step, against what
-  ``Scheduler._fork`` does with the allocator: ``BlockAllocator.free`` for each dropped beam, then
+  blocks back, survivors share or clone their parent's), step after step, against the beam-search
+  wing's ``beams.fork`` (``beams/fork.py``): ``BlockAllocator.free`` for each dropped beam, then
   ``BlockAllocator.clone`` for each further survivor of a beam.
 
 The allocator states are built with this stage's own calls (``alloc_blocks``, ``free``, ``clone``,
@@ -45,6 +45,7 @@ from kvcourse.grading.hidden import Hidden, unrevealed
 from kvcourse.grading.mutations import catch_cases, catch_hidden, version
 from L5_clones import prefix_cache
 from L5_clones.allocator import BlockAllocator, blocks_needed
+from L5_clones.beams import fork
 from L5_clones.prefix_cache import block_hash, register_full_blocks
 from L5_clones.sequence import Sequence, reserve
 
@@ -524,20 +525,12 @@ def check_match_prefix(match_prefix: Callable) -> None:
 def _stage_fork(
     allocator: BlockAllocator, tables: list[list[int]], num_tokens: int, survivors, cls=BlockAllocator
 ) -> list:
-    """The stage's re-pointing (``Scheduler._fork``'s bookkeeping) on ``allocator``: every beam no
-    survivor continues is freed, then, in survivor order, a beam's first survivor keeps its table and
-    each further one gets a ``clone``. ``cls`` gives ``free`` and ``clone`` (a mutant: a known mistake)."""
-    for j, table in enumerate(tables):
-        if j not in survivors:
-            cls.free(allocator, list(table))
-    new, kept = [], set()
-    for j in survivors:
-        if j in kept:
-            new.append(cls.clone(allocator, list(tables[j]), num_tokens, 1)[0][0])
-        else:
-            kept.add(j)
-            new.append(list(tables[j]))
-    return new
+    """The stage's re-pointing, ``beams.fork``, on ``allocator`` (the copies it names left out): every
+    beam no survivor continues is freed, then, in survivor order, a beam's first survivor keeps its
+    table and each further one gets a ``clone``. ``cls`` gives ``free`` and ``clone`` (a mutant: a
+    known mistake)."""
+    allocator.__class__ = cls
+    return fork(allocator, [list(t) for t in tables], num_tokens, list(survivors))[0]
 
 
 def _fork_mistakes(before: BlockAllocator, tables, num_tokens: int, survivors) -> dict[str, Callable]:
@@ -1375,7 +1368,7 @@ HIDDEN = {
         observe_fork,
         describe_fork,
         answers=(
-            "L5_clones.scheduler:Scheduler._fork",
+            "L5_clones.beams.fork:fork",
             "L5_clones.allocator:BlockAllocator.clone",
             "L5_clones.allocator:BlockAllocator.free",
         ),

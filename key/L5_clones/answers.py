@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from exercises.L5_clones import checks
 from exercises.L5_clones.checks import HIDDEN
 from L5_clones.allocator import BlockAllocator
+from L5_clones.beams import fork
 from L5_clones.prefix_cache import block_hash, register_full_blocks
 from L5_clones.prefix_cache import match_prefix as stage_match_prefix
 
@@ -227,24 +228,17 @@ def stage_block_hashes(token_ids, block_size):
 
 
 def stage_fork_beams(tables, num_tokens, block_size, survivors, ref_counts, alloc):
-    """L5.5 by ``BlockAllocator.free`` and ``clone``, as ``Scheduler._fork`` calls them: an allocator
-    holding the same counts, whose fresh blocks come from ``alloc()``; the counts copied back."""
+    """L5.5 by ``beams.fork``: an allocator holding the same counts, whose fresh blocks come from
+    ``alloc()``; the counts copied back."""
     before = list(ref_counts)
     allocator = BlockAllocator(max(before) + 1, block_size)
     for block, count in ref_counts.items():
         allocator.blocks[block].ref_count = count
-    allocator.free_blocks = deque()
+    allocator.free_blocks = deque(
+        [-1] * len(survivors)
+    )  # clone only reads its length: blocks come from alloc()
     allocator._take_free = alloc
-    for j, table in enumerate(tables):
-        if j not in survivors:
-            allocator.free(list(table))
-    new = []
-    for i, j in enumerate(survivors):
-        if j in survivors[:i]:
-            allocator.free_blocks = deque([0])  # clone only reads its length: the block comes from alloc()
-            new.append(allocator.clone(list(tables[j]), num_tokens, 1)[0][0])
-        else:
-            new.append(list(tables[j]))
+    new, _ = fork(allocator, [list(t) for t in tables], num_tokens, list(survivors))
     for block in before:  # the fresh blocks' counts are alloc()'s
         ref_counts[block] = allocator.blocks[block].ref_count
     return new

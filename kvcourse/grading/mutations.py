@@ -337,8 +337,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L5 preemption forgets to reset what the victim computed",
         f"{L5}/scheduler.py",
-        "                s.num_computed_tokens = 0\n                self.add(s)",
-        "                self.add(s)",
+        "            s.num_computed_tokens = 0\n            self.add(s)",
+        "            self.add(s)",
         (P + "test_the_smallest_pool_preempts_and_changes_no_token[L5]",),
     ),
     Mutation(
@@ -408,34 +408,34 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "L5 clone skips the copy of the partial block's K/V",
-        f"{L5}/scheduler.py",
-        "            self.pool.copy_block(src, dst)\n        children",
-        "            pass\n        children",
+        f"{L5}/engine.py",
+        "            self.pool.copy_block(src, dst)\n        return done",
+        "            pass\n        return done",
         ("tests/test_l5.py::test_greedy_and_greedy_clones_equal_l4_and_hf[default]",),
     ),
     # ---- beam search: forks and drops of block tables
     Mutation(
         "L5 a dropped beam keeps its blocks",
-        f"{L5}/scheduler.py",
-        "        self.running.remove(beam)\n        self.allocator.free(beam.block_table)\n",
-        "        self.running.remove(beam)\n",
+        f"{L5}/beams/fork.py",
+        "            allocator.free(table)\n",
+        "            pass\n",
         (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
     ),
     Mutation(
         "L5 a surviving beam copies its parent's blocks instead of sharing them",
-        f"{L5}/scheduler.py",
-        "                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)\n",
-        "                tables = [self.allocator.alloc_blocks(len(parent.block_table)) for _ in range(c)]\n"
-        "                copies = [(s, d) for t in tables for s, d in zip(parent.block_table, t, strict=True)]\n",
+        f"{L5}/beams/fork.py",
+        "            [table], copy = allocator.clone(tables[j], num_tokens, 1)\n",
+        "            table = allocator.alloc_blocks(len(tables[j]))\n"
+        "            copy = list(zip(tables[j], table, strict=True))\n",
         (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
     ),
     Mutation(
         "L5 a surviving beam shares its parent's partial block, which both then write",
-        f"{L5}/scheduler.py",
-        "                tables, copies = self.allocator.clone(parent.block_table, parent.num_computed_tokens, c)\n",
-        "                tables, copies = [list(parent.block_table) for _ in range(c)], []\n"
-        "                for b in parent.block_table:\n"
-        "                    self.allocator.blocks[b].ref_count += c\n",
+        f"{L5}/beams/fork.py",
+        "            [table], copy = allocator.clone(tables[j], num_tokens, 1)\n",
+        "            table, copy = list(tables[j]), []\n"
+        "            for b in table:\n"
+        "                allocator.blocks[b].ref_count += 1\n",
         (B + "test_widths_1_to_6_equal_hf_on_the_tiny_qwen3[4-3]",),
     ),
     Mutation(
@@ -635,7 +635,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "L5 beam scores made on the default device (the first GPU run's bug)",
-        f"{L5}/beam.py",
+        f"{L5}/beams/__init__.py",
         "scores = torch.zeros(1, device=engine.device)",
         "scores = torch.zeros(1)",
         ("tests/test_devices.py::test_every_smoke_path_makes_nothing_on_the_default_device[L5]",),

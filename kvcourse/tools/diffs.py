@@ -5,6 +5,7 @@
     lessons/diffs/L3_L4.diff     L4_paged_kernel's lesson files against L3_block_tensor's
     lessons/diffs/L4_fast.diff   what L4_paged_kernel's fast paths (its ``fast/`` folder) add
     lessons/diffs/L4_L5.diff     L5_clones against L4_paged_kernel, in two steps: prefix cache, clones
+    lessons/diffs/L5_beams.diff  L5_clones's beam search (its ``beams/`` wing), whole
     lessons/diffs/L6_mesh.diff   L6's mesh engine against its one-device engine
     lessons/diffs/L5_L6_names.md L5's names and L6's (``kvcourse/tools/names.py``)
 
@@ -14,18 +15,20 @@ new in the stage, files gone, and where the fast paths' diff is) and then one un
 file, 3 lines of context, paths ``a/L2_token_flat/x.py`` and ``b/L3_block_tensor/x.py`` as git writes
 them.
 
-Compared: the stage's lesson files, its top-level modules. Its fast paths (``fast/``: compiled
-kernels, split-KV, decode graphs) are diffed apart, in ``LN_fast.diff``, against the previous stage's
-``fast/`` (none before L4); a stage whose ``fast/`` is byte for byte the previous one's gets no file of
-its own, and its lesson diff's header says so. Left out: ``__init__.py`` (a package marker naming the
-stage) and the smoke script (``lN_smoke.py``), the stage's own harness, not its lesson (the notebook's
-checkers and answers are not in the stage at all: ``exercises/`` and ``key/``). L6 is not
+Compared: the stage's lesson files, its top-level modules. Its wings (``WINGS``: the fast paths in
+``fast/``, compiled kernels, split-KV, decode graphs; L5's beam search in ``beams/``) are diffed apart,
+each in ``LN_<wing>.diff``, against the previous stage's folder of that name (none before L4's fast
+paths and L5's beams: the files come in whole); a stage whose wing is byte for byte the previous
+one's gets no file of its own, and its lesson diff's header says so. Left out: ``__init__.py`` (a
+package marker naming the stage) and the smoke script (``lN_smoke.py``), the stage's own harness, not
+its lesson (the notebook's checkers and answers are not in the stage at all: ``exercises/`` and
+``key/``). L6 is not
 diffed against L5: it is a rewrite in JAX, and ``names.py`` maps L5's names to Levanter's instead (a
 table, also written into the L6 chapter). Within L6, ``mesh_engine.py`` is a copy of ``engine.py``
 changed for a device mesh: ``L6_mesh.diff`` is that change, then the files only the mesh uses, whole
 (``MESH``).
 
-A stage that teaches two ideas (``STEPS``: L5, clones (with beam search) and the prefix cache) gets its diff in two
+A stage that teaches two ideas (``STEPS``: L5, the prefix cache and clones) gets its diff in two
 marked parts, each a diff of its own: the first from the previous stage to the text after step 1, the
 second from there to the stage. The text after step 1 is made by a declared rule (``split_steps``):
 every change of the whole diff is cut into paragraphs (runs of changed lines up to a blank line followed
@@ -53,6 +56,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DIFFED = ("L1_contiguous", "L2_token_flat", "L3_block_tensor", "L4_paged_kernel", "L5_clones")
 NOT_COMPARED = ("__init__.py",)
 FAST = "fast"  # each stage's folder of fast paths, apart from its lesson
+WINGS = (FAST, "beams")  # the folders beside a stage's lesson, each diffed apart (L5's beam search)
+WHAT = {FAST: "fast paths", "beams": "beam search"}  # what each wing holds, as its diff's header says
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,12 @@ STEPS = {
             "blocks shared by reference count: full blocks keyed by a chained hash of their tokens, "
             "found again by later requests",
             "n samples of a prompt cloned from one prefill: its full blocks shared, its partial last "
-            "block copied at the clone; beam search, whose beams are cloned and dropped every step",
+            "block copied by the engine, as the scheduler says; and the seam of a group of sequences "
+            "(beam search, beside the lesson in beams/)",
         ),
         words=(
             r"prefix|hash|cached|lookup|regist",
-            r"clon|sampl|copy_block|(?<!max_)num_seqs|num_running_seqs|generator|beam",
+            r"clon|sampl|cop(y|ies)|(?<!max_)num_seqs|num_running_seqs|generator|group",
         ),
     ),
 }
@@ -106,11 +112,11 @@ def lesson_files(stage_dir: Path) -> dict[str, str]:
     }
 
 
-def fast_files(stage_dir: Path) -> dict[str, str]:
-    """The stage's fast paths, ``fast/x.py`` -> text ({} for a stage without them)."""
-    folder = stage_dir / FAST
+def wing_files(stage_dir: Path, wing: str = FAST) -> dict[str, str]:
+    """The stage's files of one wing, ``fast/x.py`` -> text ({} for a stage without it)."""
+    folder = stage_dir / wing
     return {
-        f"{FAST}/{f.name}": f.read_text(encoding="utf-8")
+        f"{wing}/{f.name}": f.read_text(encoding="utf-8")
         for f in sorted([*folder.glob("*.py"), *folder.glob("*.cpp")])
     }
 
@@ -259,13 +265,15 @@ def stage_diff(old: str, new: str, root: Path = ROOT) -> str:
     two marked parts where ``new`` teaches two steps (``STEPS``)."""
     a, b = lesson_files(root / old), lesson_files(root / new)
     lines = header(old, new, a, b, "what the lesson changes")
-    fast_a, fast_b = fast_files(root / old), fast_files(root / new)
-    if fast_b and fast_b == fast_a:
-        lines.append(f"# {FAST}/: byte for byte {old}'s ({fast_diff_path(old, root).relative_to(root)})")
-    elif fast_b:
-        lines.append(
-            f"# {FAST}/: the fast paths, diffed apart in {fast_diff_path(new, root).relative_to(root)}"
-        )
+    for wing in WINGS:
+        wing_a, wing_b = wing_files(root / old, wing), wing_files(root / new, wing)
+        if wing_b and wing_b == wing_a:
+            lines.append(
+                f"# {wing}/: byte for byte {old}'s ({wing_diff_path(old, wing, root).relative_to(root)})"
+            )
+        elif wing_b:
+            where = wing_diff_path(new, wing, root).relative_to(root)
+            lines.append(f"# {wing}/: the {WHAT[wing]}, diffed apart in {where}")
     steps = STEPS.get(new)
     if steps is None:
         return "\n".join(lines + file_diffs(a, b, old, new)) + "\n"
@@ -283,14 +291,15 @@ def stage_diff(old: str, new: str, root: Path = ROOT) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fast_diff(stage: str, root: Path = ROOT) -> str | None:
-    """What stage ``stage``'s ``fast/`` adds to the previous stage's (none before its first), with a
-    header; None where it has none, or the previous stage's byte for byte."""
+def wing_diff(stage: str, wing: str = FAST, root: Path = ROOT) -> str | None:
+    """What stage ``stage``'s wing (``fast/``, ``beams/``) adds to the previous stage's (the whole
+    files where that has none), with a header; None where it has none, or the previous stage's byte
+    for byte."""
     before = DIFFED[DIFFED.index(stage) - 1]
-    a, b = fast_files(root / before), fast_files(root / stage)
+    a, b = wing_files(root / before, wing), wing_files(root / stage, wing)
     if not b or a == b:
         return None
-    lines = header(before, stage, a, b, f"its fast paths, apart from the lesson ({FAST}/)")
+    lines = header(before, stage, a, b, f"its {WHAT[wing]}, apart from the lesson ({wing}/)")
     return "\n".join(lines + file_diffs(a, b, before, stage)) + "\n"
 
 
@@ -314,9 +323,10 @@ def diff_path(old: str, new: str, root: Path = ROOT) -> Path:
     return root / "lessons" / "diffs" / f"{old.split('_')[0]}_{new.split('_')[0]}.diff"
 
 
-def fast_diff_path(stage: str, root: Path = ROOT) -> Path:
-    """``lessons/diffs/L4_fast.diff`` for ``"L4_paged_kernel"``."""
-    return root / "lessons" / "diffs" / f"{stage.split('_')[0]}_{FAST}.diff"
+def wing_diff_path(stage: str, wing: str = FAST, root: Path = ROOT) -> Path:
+    """``lessons/diffs/L4_fast.diff`` for ``"L4_paged_kernel"``, ``L5_beams.diff`` for
+    ``("L5_clones", "beams")``."""
+    return root / "lessons" / "diffs" / f"{stage.split('_')[0]}_{wing}.diff"
 
 
 def pairs() -> list[tuple[str, str]]:
@@ -325,15 +335,16 @@ def pairs() -> list[tuple[str, str]]:
 
 
 def outputs(root: Path = ROOT) -> list[tuple[Path, str]]:
-    """Every file ``make diffs`` writes, with its text: each pair's lesson diff, the fast paths' diff of
-    each stage whose ``fast/`` changes, L6's mesh diff and the table of L5's names and L6's."""
+    """Every file ``make diffs`` writes, with its text: each pair's lesson diff, the diff of each wing
+    that changes in a stage, L6's mesh diff and the table of L5's names and L6's."""
     from kvcourse.tools import names
 
     found = [(diff_path(old, new, root), stage_diff(old, new, root)) for old, new in pairs()]
     for stage in DIFFED[1:]:
-        text = fast_diff(stage, root)
-        if text is not None:
-            found.append((fast_diff_path(stage, root), text))
+        for wing in WINGS:
+            text = wing_diff(stage, wing, root)
+            if text is not None:
+                found.append((wing_diff_path(stage, wing, root), text))
     found.append((root / "lessons" / "diffs" / "L6_mesh.diff", mesh_diff(root)))
     return found + names.outputs(root)
 

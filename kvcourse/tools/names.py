@@ -5,9 +5,10 @@ L6 rewrites L5 in JAX, with Levanter's names (stanford-crfm/levanter at 9263f81,
 one-line note on what differs, or to ``""`` with the reason L6 has none. A name is
 ``"file.py:Qualname"``: a class, a function, a method or property, a dataclass field or enum member, a
 public attribute a class sets in ``__init__``, and the options of ``Engine`` as ``Engine(option=)``.
-L5's side is its engine modules (``L5_clones/*.py`` and its fast paths, ``L5_clones/fast/*.py``; not the
-smoke script); L6's names are in ``L6_tpu_jax/*.py`` the same way, or in the shared
-``kvcourse/*.py`` when written ``kvcourse/x.py:Name``. Several L6 names are separated by ``", "``.
+L5's side is its engine modules (``L5_clones/*.py`` and its wings, ``L5_clones/fast/*.py`` and
+``L5_clones/beams/*.py``; not the smoke script); L6's names are in ``L6_tpu_jax/*.py``
+the same way, or in the shared ``kvcourse/*.py`` when written ``kvcourse/x.py:Name``. Several L6 names
+are separated by ``", "``.
 
 Checked against the code with ``ast`` (``problems``): every L5 name is a key of ``NAMES``, every key is a
 name L5 has, and every L6 name it gives is a name L6 has; each failure says which name is missing on
@@ -31,6 +32,8 @@ TABLE = ROOT / "lessons" / "diffs" / "L5_L6_names.md"
 CHAPTER = ROOT / "lessons" / "L6_tpu_jax.md"
 BEGIN, END = "<!-- names: written by make diffs from kvcourse/tools/names.py -->", "<!-- names: end -->"
 OPTIONS_OF = "Engine"  # the class whose constructor parameters are listed, as Engine(option=)
+WINGS = ("fast", "beams")  # the stage's folders beside its lesson (``kvcourse.tools.diffs.WINGS``)
+BEAMS = "no beam search: L6 serves greedy requests and their clones only"
 
 # L5 name -> (L6 name(s), note). Keys and L6 names are "file.py:Qualname"; "" = L6 has no counterpart,
 # and the note says why. Rows in L5's file order.
@@ -60,7 +63,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "allocator.py:BlockAllocator.lookup": ("", "no prefix cache in L6"),
     "allocator.py:BlockAllocator.register": ("", "no prefix cache in L6"),
     "allocator.py:BlockAllocator.clone": ("page_table.py:clone_pages_from, kv_cache.py:copy_page", "one child at a time, inside the prefill call"),
-    "allocator.py:BlockAllocator.clone_needs": ("", "no beam search in L6: only a beam group's fork asks ahead what its clones take"),
+    "allocator.py:BlockAllocator.clone_needs": ("", "no preemption in L6, so nobody asks ahead: a prompt and its clones are admitted only if their pages fit"),
     "allocator.py:BlockAllocator.check_invariants": ("decode_state.py:check_invariants", "on a NumPy copy of the whole state"),
     # ---- attention.py
     "attention.py:ForwardMeta": ("page_table.py:PageBatchInfo", "built by `allocate_for_seq` on the device, not by the host"),
@@ -71,23 +74,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "attention.py:ForwardMeta.cu_q_lens": ("page_table.py:PageBatchInfo.cu_q_lens", "the same offsets"),
     "attention.py:ForwardMeta.logits_at": ("", "the step takes each sequence's last row from `cu_q_lens`"),
     "attention.py:attention": ("attention.py:paged_attend", "the model's `attend` callback: write the layer's K/V, then attend"),
-    # ---- beam.py
-    "beam.py:BeamGroup": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.params": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.max_new_tokens": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.eos_ids": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.beams": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.scores": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.finished": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.rows": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.steps": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.done": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.choose": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:BeamGroup.sequences": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:beam_blocks": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:add_beam_request": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:check_beam_request": ("", "no beam search: L6 serves greedy requests and their clones only"),
-    "beam.py:generate_beams": ("", "no beam search: L6 serves greedy requests and their clones only"),
     # ---- cache.py
     "cache.py:KvPool": ("kv_cache.py:init_kv_pages", "no class: a tuple of L arrays `[P, page_size, 2 * H_kv, D]`"),
     "cache.py:KvPool.block_size": ("page_table.py:SequenceTable.page_size", "static, in the tables"),
@@ -138,7 +124,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine.forward": ("kvcourse/jax_model.py:forward, attention.py:paged_attend", "inside the jit'd step"),
     "engine.py:Engine.generate": ("engine.py:Engine.generate", "the same"),
     "engine.py:Engine.generate_samples": ("engine.py:Engine.generate_samples", "greedy only, so the clones agree"),
-    "engine.py:Engine.generate_beams": ("", "no beam search: L6 serves greedy requests and their clones only"),
+    "engine.py:Engine.generate_beams": ("", BEAMS),
     # ---- paged_attention.py
     "paged_attention.py:online_softmax_update": ("attention.py:online_softmax_update", "the same update, in JAX"),
     "paged_attention.py:attend_blocks": ("attention.py:ragged_paged_attention", "its inner `fori_loop` over blocks of `kv_pages_per_block` pages"),
@@ -150,7 +136,6 @@ NAMES: dict[str, tuple[str, str]] = {
     # ---- scheduler.py
     "scheduler.py:Scheduler": ("", "no scheduler object: the host admits (`generate_samples`), the device's queue and loop run"),
     "scheduler.py:Scheduler.allocator": ("decode_state.py:DecodeState.page_table", "in the state"),
-    "scheduler.py:Scheduler.pool": ("engine.py:Engine.kv_pages", "the engine's"),
     "scheduler.py:Scheduler.max_num_seqs": ("engine.py:Engine.max_num_seqs", "the engine's"),
     "scheduler.py:Scheduler.max_num_batched_tokens": ("engine.py:Engine.max_prefill_tokens", "prefill calls only"),
     "scheduler.py:Scheduler.prefill_chunk_size": ("", "no chunked prefill"),
@@ -165,9 +150,9 @@ NAMES: dict[str, tuple[str, str]] = {
     "scheduler.py:Scheduler.num_preemptions": ("", "no preemption: a prompt is admitted only if its whole budget fits"),
     "scheduler.py:Scheduler.num_clones": ("engine.py:Engine.num_clones", "requests split into their n sequences"),
     "scheduler.py:Scheduler.num_cached_blocks": ("", "no prefix cache in L6"),
+    "scheduler.py:Scheduler.groups": ("", "no groups: L6 has no beam search, and a prompt's clones run as separate slots"),
     "scheduler.py:Scheduler.add": ("", "`generate` takes every prompt at once"),
     "scheduler.py:Scheduler.has_unfinished": ("", "the loop in `generate_samples` runs until nothing waits or runs"),
-    "scheduler.py:Scheduler.recompute_shares": ("", "no prefix cache and no preemption in L6"),
     "scheduler.py:Scheduler.num_running_seqs": ("decode_state.py:occupancy", "its `active_slots`"),
     "scheduler.py:Scheduler.schedule": ("decode_state.py:pack_next, engine.py:Engine.decode_width", "the device packs each round's batch; the host picks its width"),
     "scheduler.py:Scheduler.update": ("decode_state.py:update_tokens", "append, the stopping rule, queue the next token; on the device"),
@@ -182,7 +167,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "sequence.py:FinishReason.EOS": ("decode_state.py:DecodeState.stop_tokens", "the stop tokens `update_tokens` checks"),
     "sequence.py:FinishReason.MAX_TOKENS": ("decode_state.py:DecodeState.max_new_tokens", "the budget `update_tokens` checks"),
     "sequence.py:FinishReason.ABORTED": ("", "no aborts"),
-    "sequence.py:FinishReason.BEAM_SEARCH_DONE": ("", "no beam search: L6 serves greedy requests and their clones only"),
     "sequence.py:reservation_len": ("", "no reservation policies in L6 (`_admit` counts each prompt's whole budget)"),
     "sequence.py:Sequence": ("page_table.py:SequenceTable", "a sequence is a slot: its row of the tables and of `DecodeState`"),
     "sequence.py:Sequence.request_id": ("", "a prompt is its index in the list `generate` takes"),
@@ -199,7 +183,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "sequence.py:Sequence.output_ids": ("decode_state.py:DecodeState.tokens, decode_state.py:DecodeState.num_generated", "a fixed-width row per slot and its count"),
     "sequence.py:Sequence.status": ("page_table.py:SequenceTable.used_mask, decode_state.py:DecodeState.finished", "two masks over the slots"),
     "sequence.py:Sequence.finish_reason": ("", "a finished flag only"),
-    "sequence.py:Sequence.group": ("", "no beam search: L6 serves greedy requests and their clones only"),
     "sequence.py:Sequence.all_ids": ("", "no preemption, so nothing is recomputed"),
     "sequence.py:Sequence.num_tokens": ("page_table.py:SequenceTable.seq_lens", "plus the one token queued"),
     "sequence.py:Sequence.num_seqs": ("engine.py:Engine.check_fits", "a prompt's n clones take n slots; it refuses more than `max_num_seqs`"),
@@ -232,6 +215,31 @@ NAMES: dict[str, tuple[str, str]] = {
     "fast/triton_paged_attention.py:choose_launch": ("engine.py:Engine(q_block=), engine.py:Engine(kv_pages_per_block=)", "block sizes are the caller's, bound into the kernel at build time"),
     "fast/triton_paged_attention.py:combine_function": ("", "JAX's reductions compile the same on every backend"),
     "fast/triton_paged_attention.py:triton_paged_attention": ("pallas_attention.py:pallas_ragged_paged_attention", "the same algorithm as a Pallas TPU kernel: a grid, scalar prefetch"),
+    # ---- beams/__init__.py (L5's beam search, a wing beside the lesson)
+    "beams/__init__.py:recompute_shares": ("", BEAMS),
+    "beams/__init__.py:beam_blocks": ("", BEAMS),
+    "beams/__init__.py:check_beam_request": ("", BEAMS),
+    "beams/__init__.py:add_beam_request": ("", BEAMS),
+    "beams/__init__.py:generate_beams": ("", BEAMS),
+    # ---- beams/fork.py
+    "beams/fork.py:fork": ("", BEAMS),
+    "beams/fork.py:fork_needs": ("", BEAMS),
+    # ---- beams/group.py
+    "beams/group.py:BeamGroup": ("", BEAMS),
+    "beams/group.py:BeamGroup.params": ("", BEAMS),
+    "beams/group.py:BeamGroup.max_new_tokens": ("", BEAMS),
+    "beams/group.py:BeamGroup.eos_ids": ("", BEAMS),
+    "beams/group.py:BeamGroup.scores": ("", BEAMS),
+    "beams/group.py:BeamGroup.seqs": ("", BEAMS),
+    "beams/group.py:BeamGroup.finished": ("", BEAMS),
+    "beams/group.py:BeamGroup.rows": ("", BEAMS),
+    "beams/group.py:BeamGroup.steps": ("", BEAMS),
+    "beams/group.py:BeamGroup.done": ("", BEAMS),
+    "beams/group.py:BeamGroup.choose": ("", BEAMS),
+    "beams/group.py:BeamGroup.sequences": ("", BEAMS),
+    "beams/group.py:BeamGroup.update": ("", BEAMS),
+    "beams/group.py:BeamGroup.preempted": ("", BEAMS),
+    "beams/group.py:BeamGroup.check_invariants": ("", BEAMS),
 }  # fmt: skip
 
 
@@ -270,11 +278,14 @@ def module_names(path: Path) -> dict[str, int]:
 
 def stage_names(stage: str, root: Path = ROOT) -> dict[str, list[str]]:
     """Every public name of a stage's engine modules, ``"file.py:Qualname"``, by file, in file order
-    (the stage's own folder, then ``fast/`` with its ``__init__.py``; not the stage's ``__init__.py``, scripts
-    ``lN_*.py``)."""
+    (the stage's own folder, then its wings, ``fast/`` and ``beams/``, each with its ``__init__.py``; not
+    the stage's ``__init__.py`` or scripts ``lN_*.py``)."""
     folder = root / stage
     out = {}
-    for f in [*sorted(folder.glob("*.py")), *sorted((folder / "fast").glob("*.py"))]:
+    for f in [
+        *sorted(folder.glob("*.py")),
+        *(f for wing in WINGS for f in sorted((folder / wing).glob("*.py"))),
+    ]:
         if f == folder / "__init__.py" or (f.name[0] == "l" and f.name[1].isdigit()):
             continue
         rel = f.relative_to(folder).as_posix()
