@@ -1,7 +1,8 @@
 """kvcourse: everything the course shares that no lesson is about, in four layers that only look down.
 
     kvcourse/*.py        what the stages import: the model (torch and JAX), its config and store,
-                         devices, request limits, statistics, sampling, the C++ build and decode graphs
+                         the engines' shared options (engine_config), devices, request limits,
+                         statistics, sampling, the C++ build and decode graphs
     kvcourse/harness/    what runs and compares the stages: smokes, HF reference, comparison, prompts,
                          tiny checkpoints, workloads, kernel cases, the stage list and the CLI
     kvcourse/grading/    what grades the notebooks: check cases, hidden cases, integrity scan, sandbox,
