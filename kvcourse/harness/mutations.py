@@ -217,7 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L3 admission ignores max_num_seqs",
         "L3_block_tensor/scheduler.py",
-        "while self.waiting and len(self.running) < self.max_num_seqs:",
+        "while self.waiting and len(self.running) < self.config.max_num_seqs:",
         "while self.waiting:",
         ("tests/test_l3.py::test_max_num_seqs_caps_the_running_set",),
     ),
