@@ -10,6 +10,9 @@ it: a request only ever reads positions it wrote itself).
 is made there. A step's one trip back to the host is its greedy token, which the Python loop needs to
 decide whether to stop and what to feed next.
 
+Its one option (``OPTIONS``), ``max_model_len``, is checked in ``kvcourse.engine_config``, where the
+later stages' options are too.
+
 Left out on purpose: batching several requests (L3), paging the cache (L2), sampling (greedy only; L5
 adds sampling).
 """
@@ -21,7 +24,8 @@ import functools
 import torch
 
 from kvcourse.devices import resolve_device
-from kvcourse.limits import check_requests, finished, resolve_max_model_len
+from kvcourse.engine_config import EngineConfig
+from kvcourse.limits import finished
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats, UsageMeter
@@ -31,12 +35,15 @@ from .cache import KvCache
 
 
 class Engine:
-    def __init__(self, model_dir=None, device="cpu", max_model_len: int | None = None):
+    OPTIONS = ("max_model_len",)  # the shared options it takes (kvcourse.engine_config)
+
+    def __init__(self, model_dir=None, device="cpu", **options):
         self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir, self.device)
+        self.config = config = EngineConfig.build(self.model, options, self.OPTIONS)
         cfg = self.model.cfg
-        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
+        self.max_model_len = config.max_model_len  # checked
         self.cache = KvCache(cfg.num_layers, self.max_model_len, cfg.num_kv_heads, cfg.head_dim, self.device)
         self.meter = UsageMeter()  # live vs reserved positions, step by step
         self.num_steps = self.num_tokens_run = 0
@@ -84,9 +91,7 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Greedy generation for each prompt in turn; returns the new tokens of each (eos included)."""
-        max_new_tokens = check_requests(
-            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
-        )
+        max_new_tokens = self.config.check_requests(prompts, max_new_tokens)
         eos = self.model.cfg.eos_token_ids
         outputs = []
         for prompt, max_new in zip(prompts, max_new_tokens, strict=True):

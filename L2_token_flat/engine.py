@@ -10,6 +10,9 @@ to the free list when it finishes, so the next one reuses them.
 (slots, positions) is made there. A step's one trip back to the host is its greedy token, which the
 Python loop needs to decide whether to stop and what to feed next.
 
+Its options (``OPTIONS``) are checked, and the pool sized, once, in ``kvcourse.engine_config``: a pool
+left to its default holds one ``max_model_len`` sequence, L1's bytes.
+
 Left out on purpose: running several sequences at once (L3; with one at a time the default pool is
 just L1's cache cut into blocks, so memory use does not change yet), sampling (greedy only).
 """
@@ -21,34 +24,29 @@ import functools
 import torch
 
 from kvcourse.devices import resolve_device
-from kvcourse.limits import check_blocks, check_requests, finished, resolve_max_model_len
+from kvcourse.engine_config import EngineConfig
+from kvcourse.limits import finished
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats, UsageMeter
 
-from .allocator import BlockAllocator, blocks_needed
+from .allocator import BlockAllocator
 from .attention import ForwardMeta, attention
 from .cache import KvPool
 from .sequence import Sequence, reserve
 
 
 class Engine:
-    def __init__(
-        self,
-        model_dir=None,
-        device="cpu",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_model_len: int | None = None,
-    ):
+    OPTIONS = ("max_model_len", "block_size", "num_blocks")  # the shared options it takes
+
+    def __init__(self, model_dir=None, device="cpu", **options):
         self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir, self.device)
+        self.config = config = EngineConfig.build(self.model, options, self.OPTIONS)
         cfg = self.model.cfg
-        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
-        if num_blocks is None and block_size >= 1:  # one max_model_len sequence: L1's bytes
-            num_blocks = blocks_needed(self.max_model_len, block_size)
-        self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
+        num_blocks, block_size = config.num_blocks, config.block_size  # checked; the pool sized
+        self.allocator = BlockAllocator(num_blocks, block_size)
         num_slots = num_blocks * block_size
         self.pool = KvPool(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.device)
         self.meter = UsageMeter()  # live vs held positions, step by step
@@ -116,13 +114,7 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Greedy generation for each prompt in turn; returns the new tokens of each (eos included)."""
-        max_new_tokens = check_requests(
-            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
-        )
-        block_size, num_blocks = self.allocator.block_size, self.allocator.num_blocks
-        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            total = len(prompt) + max_new
-            check_blocks(f"prompt {i}", total, blocks_needed(total, block_size), block_size, num_blocks)
+        max_new_tokens = self.config.check_requests(prompts, max_new_tokens)  # and each fits the pool
         eos = self.model.cfg.eos_token_ids
         outputs = []
         for prompt, max_new in zip(prompts, max_new_tokens, strict=True):

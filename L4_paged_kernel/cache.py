@@ -9,9 +9,6 @@ L2 used, is row s % block_size of block s // block_size; writes still go by slot
 ``KvPool`` is only the tensors: it knows nothing about who owns which block (``allocator.py`` and the
 sequences keep those books).
 
-``grow`` adds blocks at the end of the block axis, between runs: the engine grows a pool left to its
-default size when a ``generate`` call brings more requests than it holds at once.
-
 Left out on purpose (and the stage that adds it): copying a block (L5, for clones).
 """
 
@@ -48,11 +45,8 @@ class KvPool:
         self.v[layer].view(-1, *v.shape[1:])[slot_mapping] = v
 
     def grow(self, num_blocks: int) -> None:
-        """Append n = ``num_blocks`` zeroed blocks (ids N .. N + n - 1) to every layer's K and V.
-
-        The blocks that were there keep their ids and contents. The tensors are new (the old ones are
-        copied), so call it only when no step is running.
-        """
+        """Append ``num_blocks`` zeroed blocks to every layer's K and V, between steps (the tensors are
+        new); the blocks there keep their ids and contents. The engine grows a pool left to its default."""
         extra = self.k.new_zeros(self.k.shape[0], num_blocks, *self.k.shape[2:])  # (L, n, B, H_kv, D)
         self.k = torch.cat([self.k, extra], dim=1)  # (L, N + n, B, H_kv, D), on the same device
         self.v = torch.cat([self.v, extra], dim=1)

@@ -12,14 +12,12 @@ Requests join (``add_request``) and leave (eos, max_new_tokens, ``abort``) betwe
 sequence's blocks go straight back to the free list. ``generate`` submits every prompt at once and
 steps until all are done; ``add_request`` + ``step`` let a caller feed requests in over time.
 
-Sizes: a pool left to its default starts with L1's bytes (one ``max_model_len`` sequence), and
-``generate`` grows it first, if need be, so that its requests run side by side (as many as
-``max_num_seqs``, the largest first) without preemption; a ``num_blocks`` given is kept as it is;
-a ``kv_cache_bytes`` budget (or ``gpu_memory_utilization``) is sized into blocks once and never grown
-(``kvcourse.limits.kv_budget``). ``reservation`` picks what admission holds (``scheduler.py``).
-
 ``device`` ("cpu", "cuda", ...) is where the weights and the pool live; ``prepare`` makes the step's
 tensors there. A step's one trip back to the host is its greedy tokens, which the scheduler needs.
+
+Its options (``OPTIONS``) are checked, and the pool sized, once, in ``kvcourse.engine_config``: a pool
+left to its default starts with L1's bytes, and ``generate`` grows it, if need be, to run its requests
+side by side (``fit_pool``); a pool given in blocks or bytes is never grown.
 
 ``kernel``, ``num_splits`` and ``cuda_graphs`` choose a fast path (``fast/``: compiled kernels,
 split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path, and the default,
@@ -37,12 +35,12 @@ import itertools
 import torch
 
 from kvcourse.devices import resolve_device
-from kvcourse.limits import check_blocks, check_requests, kv_budget, resolve_max_model_len
+from kvcourse.engine_config import ALL_OPTIONS, EngineConfig
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats, UsageMeter
 
-from .allocator import BlockAllocator, blocks_needed
+from .allocator import BlockAllocator
 from .attention import ForwardMeta, attention
 from .cache import KvPool
 from .fast import FastPath
@@ -51,124 +49,37 @@ from .sequence import Sequence, slots
 
 
 class Engine:
+    OPTIONS = ALL_OPTIONS  # the shared options it takes: all of them, the scheduler's included
+
     def __init__(
         self,
         model_dir=None,
         device="cpu",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float | None = None,
-        reservation: str = "paged",
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int | None = None,
-        prefill_chunk_size: int | None = None,
-        max_model_len: int | None = None,
+        *,
         kernel: str = "auto",
         num_splits: int = 1,
         cuda_graphs: bool = False,
+        **options,
     ):
         self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model_dir)
         self.model = Transformer.from_dir(self.model_dir, self.device)
+        self.config = config = EngineConfig.build(self.model, options, self.OPTIONS)
         cfg = self.model.cfg
-        self.max_model_len = resolve_max_model_len(max_model_len, cfg)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = self.max_model_len
-        if prefill_chunk_size is None and max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
-                f"{max_num_batched_tokens} < max_model_len={self.max_model_len}"
-            )
-        num_blocks, self.budget = kv_budget(  # a budget in bytes: sized into blocks once, never grown
-            num_blocks, kv_cache_bytes, gpu_memory_utilization, block_size, self.model, max_num_batched_tokens
-        )
-        self.grows_pool = num_blocks is None  # generate() grows it to fit its requests
-        if num_blocks is None and block_size >= 1:  # L1's bytes (one max_model_len sequence), now shared
-            num_blocks = blocks_needed(self.max_model_len, block_size)
-        self.allocator = BlockAllocator(num_blocks, block_size)  # refuses sizes below 1
+        num_blocks, block_size = config.num_blocks, config.block_size  # checked; the pool sized
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        max_num_seqs, max_model_len = config.max_num_seqs, config.max_model_len  # what sizes decode graphs
         self.fast = FastPath(  # fast/: the kernel attention calls, and decode graphs
-            self.device, kernel, num_splits, cuda_graphs, max_num_seqs, self.max_model_len, block_size
+            self.device, kernel, num_splits, cuda_graphs, max_num_seqs, max_model_len, block_size
         )
         padding = self.fast.padding_blocks  # blocks past the allocator's last id (decode graphs' padding)
         self.pool = KvPool(
             cfg.num_layers, num_blocks + padding, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
         )
-        self.scheduler = Scheduler(
-            self.allocator,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk_size=prefill_chunk_size,
-            eos_ids=cfg.eos_token_ids,
-            reservation=reservation,
-            max_model_len=self.max_model_len,
-        )
+        self.scheduler = Scheduler(self.allocator, config, cfg.eos_token_ids)
         self.meter = UsageMeter()  # live vs held positions, step by step
         self.num_steps = self.num_tokens_run = 0
         self._ids = itertools.count()
-
-    def stats(self) -> EngineStats:
-        """KV reserved vs live, blocks held and the scheduler's counters, since the engine was built."""
-        per_token = self.model.cfg.kv_bytes_per_token()
-        return EngineStats(
-            kv_bytes_reserved=self.pool.nbytes,
-            kv_bytes_live=self.meter.live_peak * per_token,
-            kv_utilization=self.meter.utilization,
-            block_size=self.allocator.block_size,
-            num_blocks=self.allocator.num_blocks,
-            blocks_held=self.meter.blocks_held_peak,
-            steps=self.num_steps,
-            tokens_run=self.num_tokens_run,
-            preemptions=self.scheduler.num_preemptions,
-            device=str(self.device),
-            kernel=self.fast.name,
-            max_num_seqs=self.scheduler.max_num_seqs,
-            kv_budget=self.budget.line if self.budget else "",
-            reservation=self.scheduler.reservation,
-        )
-
-    def fit_pool(self, lengths: list[int]) -> None:
-        """Grow the pool, if it is smaller, to hold requests of these total lengths (prompt + max_new_tokens)
-        side by side: as many as ``max_num_seqs`` run at once, so the largest ``max_num_seqs`` of them.
-
-        Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
-        and 32 of them run at once: a pool of 128 blocks grows to 224.
-        """
-        block_size = self.allocator.block_size
-        needed = sorted((blocks_needed(n, block_size) for n in lengths), reverse=True)
-        missing = sum(needed[: self.scheduler.max_num_seqs]) - self.allocator.num_blocks
-        if missing > 0:
-            self.allocator.grow(missing)
-            self.pool.grow(missing)
-
-    def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request") -> int:
-        """Refuse a request that could never run (bad ids, longer than max_model_len, more than the
-        whole pool, its reservation included). Returns its max_new_tokens."""
-        [max_new_tokens] = check_requests(
-            [prompt], max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
-        )
-        total, block_size = len(prompt) + max_new_tokens, self.allocator.block_size
-        total = max(total, self.scheduler.hold_len(total))  # what admission holds under a reservation policy
-        needed = blocks_needed(total, block_size)
-        check_blocks(label, total, needed, block_size, self.allocator.num_blocks, self.budget)
-        return max_new_tokens
-
-    def add_request(
-        self, prompt_ids: list[int], max_new_tokens: int, *, priority: int = 0, ignore_eos: bool = False
-    ) -> Sequence:
-        """Submit one request; it joins the batch at a coming step. Its ``output_ids`` grow as it runs."""
-        self.check_fits(prompt_ids, max_new_tokens)
-        seq = Sequence(
-            next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos=ignore_eos, priority=priority
-        )
-        self.scheduler.add(seq)
-        return seq
-
-    def abort(self, request_id: int) -> Sequence:
-        return self.scheduler.abort(request_id)
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, ForwardMeta]:
         """Pack the scheduled tokens of every sequence into one flat batch, and describe it."""
@@ -221,21 +132,61 @@ class Engine:
         held = self.allocator.num_used
         self.meter.step(live, held * self.allocator.block_size, held)
 
+    def stats(self) -> EngineStats:
+        """KV reserved vs live, blocks held and the step counters, since the engine was built."""
+        per_token = self.model.cfg.kv_bytes_per_token()
+        return EngineStats(
+            kv_bytes_reserved=self.pool.nbytes,
+            kv_bytes_live=self.meter.live_peak * per_token,
+            kv_utilization=self.meter.utilization,
+            block_size=self.allocator.block_size,
+            num_blocks=self.allocator.num_blocks,
+            blocks_held=self.meter.blocks_held_peak,
+            steps=self.num_steps,
+            tokens_run=self.num_tokens_run,
+            preemptions=self.scheduler.num_preemptions,
+            device=str(self.device),
+            kernel=self.fast.name,
+            max_num_seqs=self.config.max_num_seqs,
+            kv_budget=self.config.budget_line,
+            reservation=self.config.reservation,
+        )
+
+    def fit_pool(self, lengths: list[int]) -> None:
+        """Grow a pool left to its default, between runs, to hold requests of these total lengths
+        (prompt + max_new_tokens) side by side (``EngineConfig.pool_blocks``)."""
+        missing = self.config.pool_blocks(lengths) - self.allocator.num_blocks
+        if self.config.grows_pool and missing > 0 and not self.has_unfinished():
+            self.allocator.grow(missing)
+            self.pool.grow(missing)
+
+    def add_request(
+        self, prompt_ids: list[int], max_new_tokens: int, *, priority: int = 0, ignore_eos: bool = False
+    ) -> Sequence:
+        """Submit one request; it joins the batch at a coming step. Its ``output_ids`` grow as it runs."""
+        [max_new_tokens] = self.config.check_requests([prompt_ids], max_new_tokens, label="request")
+        return self._submit(prompt_ids, max_new_tokens, priority, ignore_eos)
+
+    def _submit(self, prompt_ids: list[int], max_new_tokens: int, priority=0, ignore_eos=False) -> Sequence:
+        """Queue a request already checked."""
+        seq = Sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: int) -> Sequence:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int | list[int], *, ignore_eos: bool = False
     ) -> list[list[int]]:
         """Submit every prompt at once and step until all requests finish; new tokens in input order."""
-        max_new_tokens = check_requests(
-            prompts, max_new_tokens, self.model.cfg.vocab_size, self.max_model_len
-        )
-        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            self.check_fits(prompt, max_new, f"prompt {i}")
-        if self.grows_pool and not self.has_unfinished():
-            self.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)])
-        seqs = [
-            self.add_request(p, b, ignore_eos=ignore_eos)
-            for p, b in zip(prompts, max_new_tokens, strict=True)
-        ]
+        max_new_tokens = self.config.check_requests(prompts, max_new_tokens)  # and each fits the pool
+        requests = list(zip(prompts, max_new_tokens, strict=True))
+        self.fit_pool([len(p) + b for p, b in requests])
+        seqs = [self._submit(p, b, ignore_eos=ignore_eos) for p, b in requests]
         while self.has_unfinished():
             self.step()
         return [seq.output_ids for seq in seqs]

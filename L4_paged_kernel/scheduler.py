@@ -11,15 +11,15 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
    arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
-``reservation`` picks what admission holds (``sequence.reservation_len``): ``"paged"`` takes blocks as
-positions are computed; ``"oracle"``, ``"pow2"`` and ``"max"`` (the vLLM paper's baselines) hold a
-request's whole reservation from admission to finish, so a running sequence never needs a block and
-nothing is preempted: a request waits until its reservation fits.
+``reservation`` picks what admission holds (``hold_len``): ``"paged"`` nothing ahead; the vLLM paper's
+baselines hold a request's whole reservation from admission to finish, so a running sequence never
+needs a block and nothing is preempted: a request waits until its reservation fits.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
 whole step. ``update()`` takes the model's next tokens and finishes the sequences that are done (eos,
 max_new_tokens); a finished sequence frees its blocks at once, so the next step can hand them out.
+These options come from the engine's config (``kvcourse.engine_config.EngineConfig``), checked.
 
 Left out on purpose: swapping KV to CPU memory instead of recomputing it, keeping a reserve of free
 blocks so that running sequences rarely need preempting, preempting running sequences to admit a
@@ -30,44 +30,18 @@ from __future__ import annotations
 
 from bisect import insort
 
+from kvcourse.engine_config import EngineConfig
 from kvcourse.limits import finished
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
-from .sequence import RESERVATIONS, FinishReason, Sequence, Status, reservation_len, reserve
+from .sequence import FinishReason, Sequence, Status, reserve
 
 Batch = list[tuple[Sequence, int]]  # the sequences of one step, each with the number of tokens it runs
 
 
 class Scheduler:
-    def __init__(
-        self,
-        allocator: BlockAllocator,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        prefill_chunk_size: int | None = None,
-        eos_ids: tuple[int, ...] = (),
-        reservation: str = "paged",
-        max_model_len: int | None = None,
-    ):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if prefill_chunk_size is not None and prefill_chunk_size < 1:
-            raise ValueError(
-                f"prefill_chunk_size must be >= 1 or None (no chunking), got {prefill_chunk_size}"
-            )
-        if reservation not in RESERVATIONS:
-            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {reservation!r}")
-        if reservation == "max" and max_model_len is None:
-            raise ValueError("reservation 'max' needs max_model_len")
-        self.allocator = allocator
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_chunk_size = prefill_chunk_size
-        self.eos_ids = eos_ids
-        self.reservation, self.max_model_len = reservation, max_model_len
+    def __init__(self, allocator: BlockAllocator, config: EngineConfig, eos_ids: tuple[int, ...] = ()):
+        self.allocator, self.config, self.eos_ids = allocator, config, eos_ids
         self.waiting: list[Sequence] = []  # in Sequence.sort_key order
         self.running: list[Sequence] = []  # in Sequence.sort_key order: the last one is preempted first
         self.finished: list[Sequence] = []
@@ -83,7 +57,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Plan the next step: (sequence, number of new tokens) pairs, running sequences first."""
         batch: Batch = []
-        token_budget = self.max_num_batched_tokens
+        token_budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
         while i < len(self.running) and token_budget > 0:
@@ -95,17 +69,15 @@ class Scheduler:
                 i += 1
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
-        while self.waiting and len(self.running) < self.max_num_seqs:  # 2. waiting sequences, in order
+        while self.waiting and len(self.running) < self.config.max_num_seqs:  # 2. waiting ones, in order
             seq = self.waiting[0]
             n = self._num_new_tokens(seq, token_budget)
             if n == 0:
                 break  # the step's token budget is spent
-            try:
-                reserve(seq, self.allocator, seq.num_computed_tokens + n)
+            try:  # its first tokens' blocks, or a reservation policy's whole reservation
+                reserve(seq, self.allocator, max(seq.num_computed_tokens + n, self.hold_len(seq)))
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
-            ahead = self._held_blocks(seq) - len(seq.block_table)  # a reservation policy's; checked to fit
-            seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
@@ -152,36 +124,26 @@ class Scheduler:
         assert all(r.status is Status.FINISHED and not r.block_table for r in self.finished)
         assert all(not r.block_table and r.num_computed_tokens == 0 for r in self.waiting)
         for r in self.running:
-            held = max(r.num_computed_tokens, self.hold_len(len(r.prompt_ids) + r.max_new_tokens))
+            held = max(r.num_computed_tokens, self.hold_len(r))
             assert len(r.block_table) == blocks_needed(held, self.allocator.block_size), (
                 f"sequence {r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} tokens"
             )
-        assert len(self.running) <= self.max_num_seqs
+        assert len(self.running) <= self.config.max_num_seqs
         ids = [r.request_id for r in self.waiting + self.running + self.finished]
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         self.allocator.check_invariants(r.block_table for r in self.running)
 
-    def _held_blocks(self, seq: Sequence) -> int:
-        """Blocks ``seq`` holds from admission under the reservation policy (0 for paged)."""
-        return blocks_needed(
-            self.hold_len(len(seq.prompt_ids) + seq.max_new_tokens), self.allocator.block_size
-        )
-
-    def hold_len(self, length: int) -> int:
-        """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
-        under this scheduler's reservation policy (0 for paged)."""
-        return reservation_len(self.reservation, length, self.max_model_len)
+    def hold_len(self, seq: Sequence) -> int:
+        """Positions ``seq`` holds blocks for from admission to finish (``EngineConfig.hold_len``)."""
+        return self.config.hold_len(len(seq.prompt_ids) + seq.max_new_tokens)
 
     def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens ``seq`` runs this step: all it has not computed yet, cut to the prefill chunk and the
-        step's token budget; without chunking, all of them or nothing (0). Also 0 while a reservation
-        policy's blocks for it do not fit the free list."""
-        if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
-            return 0  # its whole reservation must fit first (paged holds none ahead)
+        step's token budget; without chunking, all of them or nothing (0)."""
         n = seq.num_tokens - seq.num_computed_tokens
-        if self.prefill_chunk_size is None:
+        if self.config.prefill_chunk_size is None:
             return n if n <= token_budget else 0
-        return min(n, self.prefill_chunk_size, token_budget)
+        return min(n, self.config.prefill_chunk_size, token_budget)
 
     def _reserve_or_preempt(self, seq: Sequence, target_len: int) -> bool:
         """Reserve blocks for ``seq``, preempting from the back of ``running`` until they fit.

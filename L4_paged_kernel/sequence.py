@@ -11,10 +11,6 @@ computed when needed:
 (block t // block_size, row t % block_size). With block_size 4 and block table [2, 0], positions
 0..5 live in slots 8, 9, 10, 11, 0, 1, exactly as in L2.
 
-``reservation_len`` is what a reservation policy holds per request at admission: ``paged`` nothing
-ahead (blocks on demand), or the vLLM paper's baselines, which hold a request's whole length (Oracle),
-its next power of two (Pow2) or the longest a request may be (Max) from its first step to its last.
-
 Left out on purpose (and the stage that adds it): several sequences of one request (L5 clones a
 request into n samples), and sampling (greedy only).
 """
@@ -67,29 +63,6 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: higher priority first, then first come, first served."""
         return (-self.priority, self.request_id)
-
-
-RESERVATIONS = ("paged", "oracle", "pow2", "max")
-
-
-def reservation_len(policy: str, length: int, max_model_len: int) -> int:
-    """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
-    admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
-
-    - ``paged``: none ahead; a block comes when a position falls past the last one (this course's way);
-    - ``oracle``: exactly its length, known in advance (Orca (Oracle));
-    - ``pow2``: the next power of two of its length, at most max_model_len (Orca (Pow2));
-    - ``max``: max_model_len, whatever its length (Orca (Max)).
-
-    Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
-    """
-    if policy == "paged":
-        return 0
-    if policy == "oracle":
-        return length
-    if policy == "pow2":
-        return min(1 << (length - 1).bit_length(), max_model_len)
-    return max_model_len
 
 
 def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int) -> None:

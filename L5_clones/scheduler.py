@@ -18,16 +18,16 @@ computed: the victims come from the back of ``running``, behind the sequence bei
 are not in the batch yet, and nothing is admitted after a preemption. So a block registered in the
 prefix cache this step is always filled by this step, whoever else shares it.
 
-``reservation`` picks what admission holds (``sequence.reservation_len``): ``"paged"`` takes blocks as
-positions are computed; ``"oracle"``, ``"pow2"`` and ``"max"`` (the vLLM paper's baselines) hold a
-request's whole reservation from admission to finish, so a running sequence never needs a block and
-nothing is preempted: a request waits until its reservation fits.
+``reservation`` picks what admission holds (``hold_len``): ``"paged"`` nothing ahead; the vLLM paper's
+baselines hold a request's whole reservation from admission to finish, so a running sequence never
+needs a block and nothing is preempted: a request waits until its reservation fits.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
 whole step. ``update()`` takes the step's logits, samples each sequence's next token with its own
 generator, and finishes the sequences that are done (eos, max_new_tokens); a finished sequence frees
 its blocks at once, so the next step can hand them out.
+These options come from the engine's config (``kvcourse.engine_config.EngineConfig``), checked.
 
 Clones: a sequence with n samples takes n seats of ``max_num_seqs`` until it clones. When its prefill
 ends, ``update()`` first clones it (``BlockAllocator.clone``): its n sequences all sample their first
@@ -51,12 +51,13 @@ from dataclasses import replace
 
 import torch
 
+from kvcourse.engine_config import EngineConfig
 from kvcourse.limits import finished
 from kvcourse.sampling import sample
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .prefix_cache import match_prefix
-from .sequence import RESERVATIONS, FinishReason, Sequence, Status, reservation_len, reserve
+from .sequence import FinishReason, Sequence, Status, reserve
 
 Batch = list[tuple[Sequence, int]]  # the sequences of one step, each with the number of tokens it runs
 Copies = list[tuple[int, int]]  # (src, dst): blocks whose K/V the engine copies before the next forward
@@ -66,34 +67,12 @@ class Scheduler:
     def __init__(
         self,
         allocator: BlockAllocator,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        prefill_chunk_size: int | None = None,
+        config: EngineConfig,
         eos_ids: tuple[int, ...] = (),
         enable_prefix_caching: bool = True,
-        reservation: str = "paged",
-        max_model_len: int | None = None,
     ):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if prefill_chunk_size is not None and prefill_chunk_size < 1:
-            raise ValueError(
-                f"prefill_chunk_size must be >= 1 or None (no chunking), got {prefill_chunk_size}"
-            )
-        if reservation not in RESERVATIONS:
-            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {reservation!r}")
-        if reservation == "max" and max_model_len is None:
-            raise ValueError("reservation 'max' needs max_model_len")
-        self.allocator = allocator
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_chunk_size = prefill_chunk_size
-        self.eos_ids = eos_ids
+        self.allocator, self.config, self.eos_ids = allocator, config, eos_ids
         self.enable_prefix_caching = enable_prefix_caching
-        self.reservation, self.max_model_len = reservation, max_model_len
         self.waiting: list[Sequence] = []  # in Sequence.sort_key order
         self.running: list[Sequence] = []  # in Sequence.sort_key order: the last one is preempted first
         self.finished: list[Sequence] = []
@@ -103,8 +82,8 @@ class Scheduler:
         self.groups: dict[int, object] = {}  # request_id -> the group its sequences run as (beams/)
 
     def add(self, seq: Sequence, group=None) -> None:
-        if seq.n > 1 and self.reservation != "paged":  # clones share blocks; a reservation is one sequence's
-            raise ValueError(f"n={seq.n} samples need reservation='paged', got {self.reservation!r}")
+        if seq.n > 1 and self.config.reservation != "paged":  # clones share; a reservation is one sequence's
+            raise ValueError(f"n={seq.n} samples need reservation='paged', got {self.config.reservation!r}")
         if group is not None:  # its sequences run as one group, this one first (``groups``)
             self.groups[seq.request_id], group.seqs = group, [seq]
         seq.status = Status.WAITING
@@ -120,7 +99,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Plan the next step: (sequence, number of new tokens) pairs, running sequences first."""
         batch: Batch = []
-        token_budget = self.max_num_batched_tokens
+        token_budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         bs = self.allocator.block_size
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
@@ -139,21 +118,21 @@ class Scheduler:
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
         # 2. waiting sequences, in order
-        while self.waiting and self.num_running_seqs() + self.waiting[0].num_seqs <= self.max_num_seqs:
+        while self.waiting and self.num_running_seqs() + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = match_prefix(seq.all_ids, self.allocator) if self.enable_prefix_caching else []
             start = len(cached) * self.allocator.block_size  # positions the prefix cache already holds
             n = self._num_new_tokens(seq, token_budget, start)
             if n == 0:
                 break  # the step's token budget is spent
-            try:
+            try:  # its first tokens' blocks (a reservation's blocks ahead come after, unkeyed)
                 reserve(seq, self.allocator, start + n, cached)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
             seq.num_computed_tokens = start  # its prefill skips the prefix-cache hits
             self.num_cached_blocks += len(cached)
             ahead = self._held_blocks(seq) - len(seq.block_table)  # a reservation policy's; checked to fit
-            seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))
+            seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))  # filled later, not keyed yet
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
@@ -216,11 +195,11 @@ class Scheduler:
         assert all(r.status is Status.FINISHED and not r.block_table for r in self.finished)
         assert all(not r.block_table and r.num_computed_tokens == 0 for r in self.waiting)
         for r in self.running:
-            held = max(r.num_computed_tokens, self.hold_len(len(r.prompt_ids) + r.max_new_tokens))
+            held = max(r.num_computed_tokens, self.hold_len(r))
             assert len(r.block_table) == blocks_needed(held, self.allocator.block_size), (
                 f"sequence {r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} tokens"
             )
-        assert self.num_running_seqs() <= self.max_num_seqs
+        assert self.num_running_seqs() <= self.config.max_num_seqs
         ids = [(r.request_id, r.sample_index) for r in self.waiting + self.running + self.finished]
         assert len(ids) == len(set(ids)), "a sequence is in two queues"
         for group in self.groups.values():
@@ -229,14 +208,11 @@ class Scheduler:
 
     def _held_blocks(self, seq: Sequence) -> int:
         """Blocks ``seq`` holds from admission under the reservation policy (0 for paged)."""
-        return blocks_needed(
-            self.hold_len(len(seq.prompt_ids) + seq.max_new_tokens), self.allocator.block_size
-        )
+        return blocks_needed(self.hold_len(seq), self.allocator.block_size)
 
-    def hold_len(self, length: int) -> int:
-        """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
-        under this scheduler's reservation policy (0 for paged)."""
-        return reservation_len(self.reservation, length, self.max_model_len)
+    def hold_len(self, seq: Sequence) -> int:
+        """Positions ``seq`` holds blocks for from admission to finish (``EngineConfig.hold_len``)."""
+        return self.config.hold_len(len(seq.prompt_ids) + seq.max_new_tokens)
 
     def _num_new_tokens(self, seq: Sequence, token_budget: int, computed: int) -> int:
         """Tokens ``seq`` runs this step when ``computed`` of its positions are in the pool: all the
@@ -245,9 +221,9 @@ class Scheduler:
         if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
             return 0  # its whole reservation must fit first (paged holds none ahead)
         n = seq.num_tokens - computed
-        if self.prefill_chunk_size is None:
+        if self.config.prefill_chunk_size is None:
             return n if n <= token_budget else 0
-        return min(n, self.prefill_chunk_size, token_budget)
+        return min(n, self.config.prefill_chunk_size, token_budget)
 
     def _unit(self, seq: Sequence) -> list[Sequence]:
         """What is served and preempted as one: ``seq``, or every running sequence of its group."""

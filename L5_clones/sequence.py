@@ -19,10 +19,6 @@ the scheduler clones it into n sequences, itself (``sample_index`` 0) and n - 1 
 same ``request_id``), which share its full blocks. Each sequence samples with its own
 ``SamplingParams`` and ``generator``.
 
-``reservation_len`` is what a reservation policy holds per request at admission: ``paged`` nothing
-ahead (blocks on demand), or the vLLM paper's baselines, which hold a request's whole length (Oracle),
-its next power of two (Pow2) or the longest a request may be (Max) from its first step to its last.
-
 Left out on purpose: stop strings, and logprobs.
 """
 
@@ -93,29 +89,6 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: higher priority first, then first come, first served, then sample order."""
         return (-self.priority, self.request_id, self.sample_index)
-
-
-RESERVATIONS = ("paged", "oracle", "pow2", "max")
-
-
-def reservation_len(policy: str, length: int, max_model_len: int) -> int:
-    """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
-    admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
-
-    - ``paged``: none ahead; a block comes when a position falls past the last one (this course's way);
-    - ``oracle``: exactly its length, known in advance (Orca (Oracle));
-    - ``pow2``: the next power of two of its length, at most max_model_len (Orca (Pow2));
-    - ``max``: max_model_len, whatever its length (Orca (Max)).
-
-    Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
-    """
-    if policy == "paged":
-        return 0
-    if policy == "oracle":
-        return length
-    if policy == "pow2":
-        return min(1 << (length - 1).bit_length(), max_model_len)
-    return max_model_len
 
 
 def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:

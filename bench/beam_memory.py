@@ -97,7 +97,7 @@ def copy_everything(allocator: BlockAllocator) -> None:
 
 def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
     """Every request at once, stepped to the end; the saving and what each request returned."""
-    if engine.grows_pool:  # room for every sequence unshared, as generate_beams grows it (no budget given)
+    if engine.config.grows_pool:  # room for every sequence unshared, as generate_beams grows it (no budget)
         engine.fit_pool([len(p) + b for p, b in zip(prompts, budgets, strict=True) for _ in range(width)])
     requests = []
     for p, b in zip(prompts, budgets, strict=True):

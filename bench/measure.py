@@ -2,8 +2,8 @@
 
 Times come from ``time.perf_counter`` around whole calls, after an untimed warm-up, as the median of
 several runs (all kept), the systems' runs interleaved (``timed_together``); memory from each
-engine's ``stats()``. Nothing here knows a stage by name: pools are sized from an engine's constructor
-signature.
+engine's ``stats()``. Nothing here knows a stage by name: pools are sized from the options an engine
+takes (``kvcourse.harness.stages.engine_options``).
 
 On a GPU every timed region starts and ends with ``torch.cuda.synchronize()``, so no run's kernels
 spill into the next one's time. JAX needs no call of its own: an L6 ``generate`` ends by reading the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import inspect
 import json
 import platform
 import statistics
@@ -34,6 +33,7 @@ from kvcourse.cpp_kernels import build_problem
 from kvcourse.devices import resolve_device
 from kvcourse.harness.compare import compare
 from kvcourse.harness.reference import Reference
+from kvcourse.harness.stages import engine_options
 from kvcourse.model_store import REPO_ROOT
 
 
@@ -350,7 +350,7 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     arithmetic at 46,080 B per token),
     and the device (``"cpu"`` or ``"cuda"``: L1-L5 put their tensors there, L6 picks that JAX backend).
 
-    Read from the constructor's signature, so no stage is named here: L2-L5 take ``num_blocks`` and
+    Read from the options the engine takes (``engine_options``), so no stage is named here: L2-L5 take ``num_blocks`` and
     L3-L6 ``max_num_seqs``; L6 calls its pool ``num_pages`` (Levanter's name). A stage with a
     ``kernel`` choice (L4, L5) runs, on a CPU, its compiled C++ kernel, the fastest it has there (its
     PyTorch kernel where no compiler could build the C++ one; ``cpp_kernel_problem`` says why); on a
@@ -360,9 +360,8 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     1.5x L4 on (u) in the ``make bench`` run committed in a26ba50, 2026-11-23, that found this). (c)'s sharing is the clone, which needs
     no cache.
     """
-    params = inspect.signature(engine_cls).parameters
-    size = params["block_size"].default if "block_size" in params else 16
-    size = params["page_size"].default if "page_size" in params else size
+    params = engine_options(engine_cls)
+    size = params.get("page_size", params.get("block_size", 16))
     blocks = max(
         sizes["b_requests"] * -(-(sizes["b_prompt"][1] + sizes["b_new"][1]) // size),  # (b), all at once
         sizes["c_n"] * -(-(sizes["c_prompt"] + sizes["c_new"]) // size),  # (c) without sharing

@@ -82,7 +82,6 @@ the copy bandwidth: a part of its own).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -120,7 +119,7 @@ from bench.systems import hf_batch1, hf_batched, hf_generate_batch, present_stag
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.cpp_kernels import compile_seconds
 from kvcourse.devices import describe
-from kvcourse.harness.stages import engine_class
+from kvcourse.harness.stages import engine_class, engine_options
 from kvcourse.model import Transformer
 from kvcourse.model_store import REPO_ROOT, resolve_model_dir
 
@@ -234,7 +233,7 @@ def main(argv=None) -> int:
     results["cpp_kernel_problems"] = {n: p for n, p in problems.items() if p}
     makers |= {n: lambda n=n: stage(n, model_dir, **options[n]) for n in stages}
     if gpu:  # the decode-graph fast path beside each stage that has it, as a system of its own
-        for n in [n for n in stages if "cuda_graphs" in inspect.signature(engine_class(n)).parameters]:
+        for n in [n for n in stages if "cuda_graphs" in engine_options(engine_class(n))]:
             label = f"{n} + decode graphs"
             options[label] = options[n] | {"cuda_graphs": True}  # results["stage_options"] is this dict
             makers[label] = lambda n=n, label=label: stage(n, model_dir, label=label, **options[label])

@@ -41,12 +41,12 @@ import torch
 from bench.measure import agreement, cpu_name, package_version, provenance
 from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
+from kvcourse.engine_config import RESERVATIONS
 from kvcourse.harness.reference import Reference
 from kvcourse.harness.serving import Timeline, request_metrics, serve, summary
 from kvcourse.harness.stream import MIXES, Request, at_rate, describe, synthetic_stream
 from kvcourse.model_store import resolve_model_dir
 from L3_block_tensor.engine import Engine as L3Engine
-from L3_block_tensor.sequence import RESERVATIONS
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine
 

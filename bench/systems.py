@@ -25,14 +25,13 @@ graphs (its ``use_cuda_graph`` left at None, inferred), as a user calling it wou
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcourse.harness.reference import Reference, load_hf_model
-from kvcourse.harness.stages import STAGES, engine_class
+from kvcourse.harness.stages import STAGES, engine_class, engine_options
 
 Run = Callable[[list[list[int]], list[int]], list[list[int]]]
 PAGE = 16  # generate_batch's page size: the stages' block size
@@ -169,8 +168,7 @@ def stage(name: str, model_dir, label: str | None = None, **options) -> System:
     def run(prompts, budgets):
         return engine.generate(prompts, budgets, ignore_eos=True)
 
-    params = inspect.signature(engine_class(name)).parameters
-    batched = "max_num_seqs" in params  # L1 and L2 run one request at a time
+    batched = "max_num_seqs" in engine_options(engine_class(name))  # L1 and L2 run one request at a time
     return System(label or name, run, engine, one_at_a_time=not batched)
 
 

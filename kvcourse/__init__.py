@@ -1,7 +1,8 @@
 """kvcourse: everything the course shares that no lesson is about, in four layers that only look down.
 
     kvcourse/*.py        what the stages import: the model (``model``; in JAX, ``jax_model``), its
-                         config (``config``) and store (``model_store``), devices (``devices``), request
+                         config (``config``) and store (``model_store``), the engines' shared options
+                         (``engine_config``), devices (``devices``), request
                          limits and KV budgets (``limits``), statistics (``stats``), sampling
                          (``sampling``), the C++ build (``cpp_kernels``) and decode graphs
                          (``decode_graphs``); ``__main__`` is ``python -m kvcourse``

@@ -1,4 +1,5 @@
-"""Checks and stopping rules every engine applies the same way (not lesson material).
+"""Checks and stopping rules every engine applies the same way (not lesson material); the engines of
+L1-L4 reach them through their ``EngineConfig`` (``kvcourse/engine_config.py``).
 
 ``resolve_max_model_len`` picks an engine's length limit; ``check_requests`` validates what a caller
 hands ``Engine.generate`` (prompts, budgets, the length limit); ``check_context`` what a script reads
@@ -34,9 +35,14 @@ def resolve_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
 
 
 def check_requests(
-    prompts: list[list[int]], max_new_tokens: int | list[int], vocab_size: int, max_model_len: int
+    prompts: list[list[int]],
+    max_new_tokens: int | list[int],
+    vocab_size: int,
+    max_model_len: int,
+    label: str = "prompt {i}",
 ) -> list[int]:
-    """Validate prompts and their max_new_tokens; return one max_new_tokens per prompt.
+    """Validate prompts and their max_new_tokens; return one max_new_tokens per prompt. ``label`` names
+    request i in the errors (``"request"`` for one submitted alone).
 
     Example: ``check_requests([[1, 2], [3]], 8, 100, 64) -> [8, 8]``;
     ``check_requests([[]], 8, 100, 64)`` raises ``ValueError: prompt 0 is empty``;
@@ -47,17 +53,18 @@ def check_requests(
     if len(budgets) != len(prompts):
         raise ValueError(f"got {len(budgets)} max_new_tokens values for {len(prompts)} prompts")
     for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        name = label.format(i=i)
         if len(ids) == 0:
-            raise ValueError(f"prompt {i} is empty")
+            raise ValueError(f"{name} is empty")
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
         if not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"prompt {i}: max_new_tokens must be an integer >= 1, got {budget!r}")
+            raise ValueError(f"{name}: max_new_tokens must be an integer >= 1, got {budget!r}")
         total = len(ids) + budget
         if total > max_model_len:
             raise ValueError(
-                f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {budget} = {total} "
+                f"{name}: {len(ids)} prompt tokens + max_new_tokens {budget} = {total} "
                 f"exceeds max_model_len={max_model_len}"
             )
     return budgets

@@ -20,12 +20,13 @@ import jax
 import pytest
 
 from kvcourse.config import ModelConfig
+from kvcourse.engine_config import RESERVATIONS, EngineConfig, reservation_len
 from kvcourse.harness.reference import hf_greedy
 from kvcourse.limits import budget_blocks
 from L3_block_tensor.allocator import BlockAllocator
 from L3_block_tensor.engine import Engine as L3Engine
 from L3_block_tensor.scheduler import Scheduler
-from L3_block_tensor.sequence import RESERVATIONS, Sequence, reservation_len
+from L3_block_tensor.sequence import Sequence
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine
 from L6_tpu_jax.engine import Engine as L6Engine
@@ -58,13 +59,8 @@ def test_reservation_len_of_each_policy():
 def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
     """20 requests of prompt 3 + max_new_tokens 7 (length 10) on 16 blocks of 4, max_model_len 32:
     how many the first step admits, and the blocks each holds."""
-    s = Scheduler(
-        BlockAllocator(16, 4),
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        reservation=policy,
-        max_model_len=32,
-    )
+    config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, reservation=policy, max_model_len=32)
+    s = Scheduler(BlockAllocator(16, 4), config)
     for i in range(20):
         s.add(Sequence(i, [7] * 3, 7, ignore_eos=True))
     batch = s.schedule()
@@ -88,9 +84,8 @@ def test_each_policy_admits_what_its_reservation_allows(policy, count, blocks):
 def test_reserving_policies_never_preempt_and_drain_clean(policy):
     """Stepped to the end with a fake model: the books balance after every step (a running sequence
     holds its reservation), blocks in use never pass the pool, and only paged ever preempts."""
-    s = Scheduler(
-        BlockAllocator(12, 4), max_num_seqs=8, max_num_batched_tokens=64, reservation=policy, max_model_len=32
-    )
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, reservation=policy, max_model_len=32)
+    s = Scheduler(BlockAllocator(12, 4), config)
     for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS, strict=True)):
         s.add(Sequence(i, list(p), b, ignore_eos=True))
     while s.has_unfinished():
@@ -107,9 +102,9 @@ def test_unknown_policy_and_max_without_a_length_are_refused():
     with pytest.raises(
         ValueError, match=r"reservation must be one of \('paged', 'oracle', 'pow2', 'max'\), got 'lru'"
     ):
-        Scheduler(BlockAllocator(4, 4), max_num_seqs=1, max_num_batched_tokens=8, reservation="lru")
+        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, reservation="lru")
     with pytest.raises(ValueError, match="reservation 'max' needs max_model_len"):
-        Scheduler(BlockAllocator(4, 4), max_num_seqs=1, max_num_batched_tokens=8, reservation="max")
+        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, reservation="max")
 
 
 # ---------------------------------------------------------------- a budget in bytes

@@ -35,6 +35,7 @@ from checker_asserts import (
 
 from exercises.L3_block_tensor import checks
 from key.L3_block_tensor import answers
+from kvcourse.engine_config import EngineConfig
 from kvcourse.grading import hidden
 from kvcourse.grading.mutations import CORRECT, MUTATIONS, version
 from L3_block_tensor.allocator import BlockAllocator
@@ -252,7 +253,7 @@ def test_the_answer_keys_test_catches_every_bug(capsys, fn):
 
 def only_max_num_seqs(Scheduler):
     """A weak test: it checks max_num_seqs and nothing else."""
-    sched = Scheduler(BlockAllocator(8, 2), max_num_seqs=1, max_num_batched_tokens=32)
+    sched = Scheduler(BlockAllocator(8, 2), EngineConfig(max_num_seqs=1, max_num_batched_tokens=32))
     for i in range(2):
         sched.add(Sequence(i, [5, 6], 2, ignore_eos=True))
     assert [seq.request_id for seq, _ in sched.schedule()] == [0]
@@ -447,13 +448,12 @@ def test_the_new_mutation_breaks_max_num_seqs():
     """The new mutation names a test of the course's that fails on it (``make mutants`` runs it)."""
     bug = next(m for m in MUTATIONS if m.name == "L3 admission ignores max_num_seqs")
     assert bug.tests == ("tests/test_l3.py::test_max_num_seqs_caps_the_running_set",)
-    sched = version(checks.SCHEDULER, bug.name)(
-        BlockAllocator(8, 2), max_num_seqs=1, max_num_batched_tokens=32
-    )
+    one_seat = EngineConfig(max_num_seqs=1, max_num_batched_tokens=32)
+    sched = version(checks.SCHEDULER, bug.name)(BlockAllocator(8, 2), one_seat)
     for i in range(2):
         sched.add(Sequence(i, [5, 6], 2, ignore_eos=True))
     assert len(sched.schedule()) == 2  # the bug: both run with one seat
-    real = Scheduler(BlockAllocator(8, 2), max_num_seqs=1, max_num_batched_tokens=32)
+    real = Scheduler(BlockAllocator(8, 2), one_seat)
     for i in range(2):
         real.add(Sequence(i, [5, 6], 2, ignore_eos=True))
     assert len(real.schedule()) == 1

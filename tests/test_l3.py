@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smoke_runs import course_smoke
 
+from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
 from kvcourse.harness.workloads import staggered
 from L2_token_flat.allocator import BlockAllocator as L2Allocator
@@ -96,7 +97,7 @@ def test_reserve_and_out_of_blocks_leave_state_unchanged():
 
 def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
     kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, **kw}
-    return Scheduler(BlockAllocator(num_blocks, block_size), eos_ids=(EOS,), **kw)
+    return Scheduler(BlockAllocator(num_blocks, block_size), EngineConfig(**kw), eos_ids=(EOS,))
 
 
 def submit(
@@ -284,7 +285,9 @@ def test_scheduler_property(num_blocks, block_size, max_num_seqs, chunk, arrival
     while pending or s.has_unfinished():
         while pending and pending[0][0] <= step:
             _, prompt_len, max_new, priority, eos = pending.pop(0)
-            prompt_len = min(prompt_len, capacity - 1)  # what Engine.check_fits guarantees: it fits alone
+            prompt_len = min(
+                prompt_len, capacity - 1
+            )  # what EngineConfig.check_requests guarantees: it fits alone
             seqs.append(submit(s, prompt_len, min(max_new, capacity - prompt_len), priority))
             eos_at[seqs[-1].request_id] = eos
         for at, which in aborts:
@@ -439,8 +442,8 @@ def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, budget, message
     with pytest.raises(ValueError, match=message):
         eng.generate(prompts, budget)
     assert not eng.has_unfinished(), "a refused batch must not be half submitted"
-    with pytest.raises(ValueError, match=re.sub(r"^prompt \d+: ", "", message)):
-        eng.add_request(prompts[-1], budget)  # the same check, one request at a time
+    with pytest.raises(ValueError, match=re.sub(r"^prompt \d+", "request", message)):
+        eng.add_request(prompts[-1], budget)  # the same check, one request at a time, named so
 
 
 @pytest.mark.parametrize(

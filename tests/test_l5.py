@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smoke_runs import course_smoke
 
+from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
 from kvcourse.sampling import SamplingParams
 from L4_paged_kernel.engine import Engine as L4Engine
@@ -342,7 +343,7 @@ def test_block_allocator_property(num_blocks, block_size, ops):
 
 def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
     kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, **kw}
-    return Scheduler(BlockAllocator(num_blocks, block_size), eos_ids=(EOS,), **kw)
+    return Scheduler(BlockAllocator(num_blocks, block_size), EngineConfig(**kw), eos_ids=(EOS,))
 
 
 def submit(s: Scheduler, prompt: list[int] | int, max_new: int, n: int = 1, priority: int = 0) -> Sequence:

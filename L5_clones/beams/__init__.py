@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from kvcourse.limits import check_requests
 from kvcourse.sampling import BeamParams, SamplingParams
 
 from ..allocator import blocks_needed
@@ -39,7 +38,7 @@ def recompute_shares(scheduler) -> bool:
     """Whether sequences recomputed side by side after a preemption find each other's full blocks
     again: with the prefix cache on, and each prompt run whole (a chunk registers only the blocks it
     fills, so a sequence admitted beside it may compute the rest a second time)."""
-    return scheduler.enable_prefix_caching and scheduler.prefill_chunk_size is None
+    return scheduler.enable_prefix_caching and scheduler.config.prefill_chunk_size is None
 
 
 def beam_blocks(
@@ -65,8 +64,8 @@ def check_beam_request(beam: BeamParams, label: str, prompt_len: int, max_new_to
     k = beam.num_beams
     if k < 2:
         raise ValueError(f"{label}: num_beams={k} is greedy search, not a beam search: use add_request")
-    if k > scheduler.max_num_seqs:
-        raise ValueError(f"{label}: num_beams={k} exceeds max_num_seqs={scheduler.max_num_seqs}")
+    if k > scheduler.config.max_num_seqs:
+        raise ValueError(f"{label}: num_beams={k} exceeds max_num_seqs={scheduler.config.max_num_seqs}")
     allocator = scheduler.allocator
     need = beam_blocks(prompt_len, max_new_tokens, k, allocator.block_size, recompute_shares(scheduler))
     if need > allocator.num_blocks:
@@ -82,15 +81,16 @@ def add_beam_request(
     """Submit one beam search (num_beams > 1) to ``engine``, checked once: a request for num_beams
     seats whose sequences run as a ``BeamGroup``. Returns the group; once it is ``done``, its
     ``sequences()`` hold the result."""
+    [max_new_tokens] = engine.config.check_requests([prompt], max_new_tokens, label=label)
     check_beam_request(beam, label, len(prompt), max_new_tokens, engine.scheduler)
     return _submit(engine, prompt, max_new_tokens, beam)
 
 
 def _submit(engine, prompt: list[int], max_new_tokens: int, beam: BeamParams) -> BeamGroup:
-    """The request, its group registered with it (``add_request(group=)``)."""
+    """The request, already checked, its group registered with it (``Engine._submit(group=)``)."""
     scores = torch.zeros(1, device=engine.device)  # the prompt is the one beam, its score 0
     group = BeamGroup(beam, max_new_tokens, engine.model.cfg.eos_token_ids, scores)
-    engine.add_request(prompt, max_new_tokens, n=beam.num_beams, group=group)  # the seats, until it forks
+    engine._submit(prompt, max_new_tokens, n=beam.num_beams, group=group)  # the seats, until it forks
     return group
 
 
@@ -111,12 +111,10 @@ def generate_beams(
         )
     if beam.num_beams == 1:
         return [[tokens] for tokens in engine.generate(prompts, max_new_tokens)]
-    cfg = engine.model.cfg
-    max_new_tokens = check_requests(prompts, max_new_tokens, cfg.vocab_size, engine.max_model_len)
+    max_new_tokens = engine.config.check_requests(prompts, max_new_tokens)
     for i, (p, b) in enumerate(zip(prompts, max_new_tokens, strict=True)):
         check_beam_request(beam, f"prompt {i}", len(p), b, engine.scheduler)
-    if engine.grows_pool and not engine.has_unfinished():  # each beam grows on its own
-        engine.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * beam.num_beams)
+    engine.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * beam.num_beams)  # each beam grows
     groups = [_submit(engine, p, b, beam) for p, b in zip(prompts, max_new_tokens, strict=True)]
     while engine.has_unfinished():
         engine.step()

@@ -42,6 +42,7 @@ import io
 import re
 from collections.abc import Callable
 
+from kvcourse.engine_config import EngineConfig
 from kvcourse.grading.cases import Case, named_mistake, run_cases
 from kvcourse.grading.hidden import CaseTimeout, Hidden, unrevealed
 from kvcourse.grading.mutations import catch_cases, catch_hidden, version
@@ -103,12 +104,12 @@ def scheduler_plan(running, waiting, max_num_batched_tokens, prefill_chunk_size,
     """What ``Scheduler.schedule`` plans, in ``plan_step``'s terms, with plenty of free blocks: a running
     request has a prompt of 20 tokens, all but its ``todo`` computed; a waiting one has ``todo`` tokens.
     Example with budget 8, chunk 4, max_num_seqs 4: running [1, 1], waiting [10, 3] -> ([1, 1], [4, 2])."""
-    sched = Scheduler(
-        BlockAllocator(256, 4),
+    config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         prefill_chunk_size=prefill_chunk_size,
     )
+    sched = Scheduler(BlockAllocator(256, 4), config)
     seqs = []
     for i, todo in enumerate(running):
         seq = Sequence(i, [1] * 20, 8)
@@ -199,13 +200,13 @@ def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len) 
     ``Scheduler.schedule`` admits in one step under ``policy``, seats and token budget never the limit."""
     allocator = BlockAllocator(num_blocks, block_size)
     tokens = sum(p for p, _ in requests) + 1
-    sched = Scheduler(
-        allocator,
+    config = EngineConfig(
         max_num_seqs=len(requests) + 1,
         max_num_batched_tokens=tokens,
         reservation=policy,
         max_model_len=max_model_len,
     )
+    sched = Scheduler(allocator, config)
     for i, (prompt_len, max_new) in enumerate(requests):
         sched.add(Sequence(i, [7] * prompt_len, max_new, ignore_eos=True))
     return len(sched.schedule())
@@ -355,7 +356,9 @@ def check_preempt(preempt: Callable) -> None:
     """
 
     def reference(allocator, running, waiting) -> Sequence:
-        sched = Scheduler(allocator, max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=4096)
+        sched = Scheduler(
+            allocator, EngineConfig(max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=4096)
+        )
         sched.running, sched.waiting = running, waiting  # the same lists: they change in place
 
         def first_preemption(seq: Sequence) -> None:
@@ -757,8 +760,8 @@ HIDDEN = {
         observe_admitted,
         describe_admitted,
         answers=(
-            "L3_block_tensor.sequence:reservation_len",
-            "L3_block_tensor.scheduler:Scheduler._held_blocks",
+            "kvcourse.engine_config:reservation_len",
+            "L3_block_tensor.scheduler:Scheduler.hold_len",
         ),
     ),
 }
@@ -813,7 +816,9 @@ def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> di
     allocator = BlockAllocator(max(1, held + num_free), block_size)
     if held + num_free == 0:
         allocator.alloc_blocks(1)  # a pool of 0 blocks: BlockAllocator wants one, so hold it
-    sched = Scheduler(allocator, max_num_seqs=len(running) + 1, max_num_batched_tokens=len(running) + 1)
+    sched = Scheduler(
+        allocator, EngineConfig(max_num_seqs=len(running) + 1, max_num_batched_tokens=len(running) + 1)
+    )
     for i, n in enumerate(running):
         seq = Sequence(i, [1] * (n - 1), n)
         seq.output_ids = [7]  # its newest token, not cached yet
@@ -827,7 +832,9 @@ def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> di
     if room < 1 or not waiting:
         return {"returned": [0, allocator.num_free]}
     admission = BlockAllocator(room, block_size)
-    newcomers = Scheduler(admission, max_num_seqs=len(waiting), max_num_batched_tokens=sum(waiting))
+    newcomers = Scheduler(
+        admission, EngineConfig(max_num_seqs=len(waiting), max_num_batched_tokens=sum(waiting))
+    )
     for j, prompt_len in enumerate(waiting):
         newcomers.add(Sequence(j, [1] * prompt_len, 1))
     admitted = len(newcomers.schedule())
@@ -1103,7 +1110,7 @@ def run_predicted_steps() -> dict:
     3, 2, 1, 2 tokens and max_new_tokens 5, 4, 2, 3 (eos ignored) submitted together; four steps of
     ``schedule`` then ``update``, the model's next token always 7. Returns the state the learner
     predicts."""
-    sched = Scheduler(BlockAllocator(5, 2), max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(BlockAllocator(5, 2), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
     seqs = [
         Sequence(i, [100 + i] * prompt_len, max_new, ignore_eos=True)
         for i, (prompt_len, max_new) in enumerate([(3, 5), (2, 4), (1, 2), (2, 3)])

@@ -32,6 +32,7 @@ from exercises.L3_block_tensor.checks import (
     scheduler_plan,
     scheduler_watermark,
 )
+from kvcourse.engine_config import EngineConfig
 from L3_block_tensor.allocator import BlockAllocator
 from L3_block_tensor.scheduler import Scheduler
 from L3_block_tensor.sequence import Sequence, Status
@@ -109,7 +110,9 @@ def admitted(policy, requests, num_blocks, block_size, max_model_len):
 def scheduler_preempt(running, waiting, allocator):
     """``Scheduler._preempt`` as ``preempt``: on the given queues, of ``running[-1]``, the victim
     ``_reserve_or_preempt`` picks."""
-    sched = Scheduler(allocator, max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=1)
+    sched = Scheduler(
+        allocator, EngineConfig(max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=1)
+    )
     sched.running, sched.waiting = running, waiting
     victim = running[-1]
     sched._preempt(victim)
@@ -169,7 +172,7 @@ def test_scheduler(Scheduler):
         return [(seq.request_id, n) for seq, n in batch]
 
     # 1. max_num_seqs 2: the third request waits until one finishes
-    sched = Scheduler(BlockAllocator(16, 2), max_num_seqs=2, max_num_batched_tokens=64)
+    sched = Scheduler(BlockAllocator(16, 2), EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
     for i in range(3):
         sched.add(Sequence(i, [1, 2], 2, ignore_eos=True))
     assert step(sched) == [(0, 2), (1, 2)]
@@ -177,7 +180,7 @@ def test_scheduler(Scheduler):
     assert sched.allocator.num_free == 16 and step(sched) == [(2, 2)]
 
     # 2. a low-priority request that came first is preempted, gives back all its blocks, recomputes
-    sched = Scheduler(BlockAllocator(4, 2), max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(BlockAllocator(4, 2), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
     low = Sequence(0, [1, 2], 6, ignore_eos=True, priority=-1)
     high = Sequence(1, [3, 4], 6, ignore_eos=True, priority=1)
     sched.add(low)
@@ -188,7 +191,7 @@ def test_scheduler(Scheduler):
     assert high.status is Status.RUNNING and sched.allocator.num_free == 4 - len(high.block_table)
 
     # 3. a step that preempts admits nobody; then the newcomer runs; everything is given back
-    sched = Scheduler(BlockAllocator(4, 2), max_num_seqs=2, max_num_batched_tokens=64)
+    sched = Scheduler(BlockAllocator(4, 2), EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
     sched.add(Sequence(0, [1, 2], 6, ignore_eos=True))
     sched.add(Sequence(1, [3, 4], 6, ignore_eos=True))
     step(sched)
@@ -250,7 +253,9 @@ def oracle_test(Subject):
     in a step that preempts."""
 
     def run(cls, num_blocks, max_num_seqs, requests, late=None):
-        sched = cls(BlockAllocator(num_blocks, 2), max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+        sched = cls(
+            BlockAllocator(num_blocks, 2), EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+        )
         seqs = [
             Sequence(i, [1 + i] * n, m, ignore_eos=True, priority=p) for i, (n, m, p) in enumerate(requests)
         ]

@@ -358,8 +358,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L5 a request with n samples takes one seat",
         f"{L5}/scheduler.py",
-        "self.num_running_seqs() + self.waiting[0].num_seqs <= self.max_num_seqs",
-        "self.num_running_seqs() + 1 <= self.max_num_seqs",
+        "self.num_running_seqs() + self.waiting[0].num_seqs <= self.config.max_num_seqs",
+        "self.num_running_seqs() + 1 <= self.config.max_num_seqs",
         ("tests/test_l5.py::test_samples_count_against_max_num_seqs",),
     ),
     Mutation(
@@ -373,7 +373,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L3 admission ignores max_num_seqs",
         f"{L3}/scheduler.py",
-        "while self.waiting and len(self.running) < self.max_num_seqs:",
+        "while self.waiting and len(self.running) < self.config.max_num_seqs:",
         "while self.waiting:",
         ("tests/test_l3.py::test_max_num_seqs_caps_the_running_set",),
     ),

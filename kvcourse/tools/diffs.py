@@ -63,11 +63,14 @@ WHAT = {FAST: "fast paths", "beams": "beam search"}  # what each wing holds, as 
 @dataclass(frozen=True)
 class Steps:
     """The ideas a stage teaches one after the other: a name and a line for each, and for each the
-    words that name it (a regular expression, matched case-insensitively)."""
+    words that name it (a regular expression, matched case-insensitively). ``mixed`` names changed
+    paragraphs, by file and first line, that may name both ideas: they go whole into step 2. It is
+    for a stage that has not caught up with a change to the one before it."""
 
     names: tuple[str, str]
     about: tuple[str, str]
     words: tuple[str, str]
+    mixed: tuple[tuple[str, str], ...] = ()
 
     def step_of(self, lines: list[str]) -> set[int]:
         """The steps whose words the lines name: ``{0}``, ``{1}``, both, or none."""
@@ -216,6 +219,8 @@ def split_steps(before: str, after: str, steps: Steps, name: str = "") -> str:
         found = []
         for paragraph in paragraphs(b[j1:j2]):
             named = steps.step_of(paragraph)
+            if (name, next(line for line in paragraph if line.strip()).strip()) in steps.mixed:
+                named = {1}
             if len(named) > 1:
                 raise MixedParagraph(
                     f"{name}: this paragraph names both {steps.names[0]} and {steps.names[1]}; keep them "

@@ -26,6 +26,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from kvcourse.engine_config import ALL_OPTIONS
+
 ROOT = Path(__file__).resolve().parents[2]
 L5, L6 = "L5_clones", "L6_tpu_jax"
 TABLE = ROOT / "lessons" / "diffs" / "L5_L6_names.md"
@@ -104,9 +106,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine.device": ("engine.py:Engine.device", "a JAX device"),
     "engine.py:Engine.model_dir": ("engine.py:Engine.model_dir", "the same"),
     "engine.py:Engine.model": ("engine.py:Engine.params, engine.py:Engine.cfg", "weights as a pytree; the model is `kvcourse.jax_model.forward`"),
-    "engine.py:Engine.max_model_len": ("engine.py:Engine.max_model_len", "the same"),
-    "engine.py:Engine.budget": ("engine.py:Engine.kv_cache_bytes, engine.py:Engine.budget_line", "the bytes, and the sizing line"),
-    "engine.py:Engine.grows_pool": ("", "the pool never grows"),
+    "engine.py:Engine.OPTIONS": ("", "its options are named in its signature, each checked where it is used"),
+    "engine.py:Engine.config": ("engine.py:Engine.max_model_len, engine.py:Engine.budget_line", "no shared config: the engine keeps what it needs, its length limit and the KV budget's sizing line"),
     "engine.py:Engine.allocator": ("decode_state.py:DecodeState.page_table", "on the device, in the state"),
     "engine.py:Engine.pool": ("engine.py:Engine.kv_pages", "a tuple of L arrays"),
     "engine.py:Engine.scheduler": ("", "no scheduler object: the host admits (`generate_samples`), the device's queue and loop run"),
@@ -115,7 +116,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine.num_tokens_run": ("device_stats.py:DeviceStats.tokens_run, device_stats.py:Totals.tokens_run", "counted on the device"),
     "engine.py:Engine.stats": ("engine.py:Engine.stats", "the same `EngineStats`; `occupancy()` is the pool right now"),
     "engine.py:Engine.fit_pool": ("", "the pool is sized once; a request that does not fit is refused (`check_fits`)"),
-    "engine.py:Engine.check_fits": ("engine.py:Engine.check_fits", "the same limits, in pages"),
     "engine.py:Engine.add_request": ("", "no request-at-a-time API: `generate` takes every prompt at once"),
     "engine.py:Engine.abort": ("", "no aborts"),
     "engine.py:Engine.has_unfinished": ("", "the loop in `generate_samples` runs until nothing waits or runs"),
@@ -136,13 +136,9 @@ NAMES: dict[str, tuple[str, str]] = {
     # ---- scheduler.py
     "scheduler.py:Scheduler": ("", "no scheduler object: the host admits (`generate_samples`), the device's queue and loop run"),
     "scheduler.py:Scheduler.allocator": ("decode_state.py:DecodeState.page_table", "in the state"),
-    "scheduler.py:Scheduler.max_num_seqs": ("engine.py:Engine.max_num_seqs", "the engine's"),
-    "scheduler.py:Scheduler.max_num_batched_tokens": ("engine.py:Engine.max_prefill_tokens", "prefill calls only"),
-    "scheduler.py:Scheduler.prefill_chunk_size": ("", "no chunked prefill"),
+    "scheduler.py:Scheduler.config": ("engine.py:Engine.max_num_seqs, engine.py:Engine.max_prefill_tokens", "the engine's own: slots and a prefill call's tokens; no chunked prefill, no reservation policies"),
     "scheduler.py:Scheduler.eos_ids": ("decode_state.py:DecodeState.stop_tokens", "an i32 array"),
     "scheduler.py:Scheduler.enable_prefix_caching": ("", "no prefix cache in L6"),
-    "scheduler.py:Scheduler.reservation": ("", "one rule: a prompt is admitted only if its whole budget fits"),
-    "scheduler.py:Scheduler.max_model_len": ("engine.py:Engine.max_model_len", "the engine's"),
     "scheduler.py:Scheduler.hold_len": ("", "no reservation ahead: pages come as positions fill"),
     "scheduler.py:Scheduler.waiting": ("", "a local deque of prompt indices in `generate_samples`; a waiting prompt holds no slot"),
     "scheduler.py:Scheduler.running": ("page_table.py:SequenceTable.used_mask, decode_state.py:TokenQueue", "used slots, and their next tokens queued"),
@@ -167,7 +163,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "sequence.py:FinishReason.EOS": ("decode_state.py:DecodeState.stop_tokens", "the stop tokens `update_tokens` checks"),
     "sequence.py:FinishReason.MAX_TOKENS": ("decode_state.py:DecodeState.max_new_tokens", "the budget `update_tokens` checks"),
     "sequence.py:FinishReason.ABORTED": ("", "no aborts"),
-    "sequence.py:reservation_len": ("", "no reservation policies in L6 (`_admit` counts each prompt's whole budget)"),
     "sequence.py:Sequence": ("page_table.py:SequenceTable", "a sequence is a slot: its row of the tables and of `DecodeState`"),
     "sequence.py:Sequence.request_id": ("", "a prompt is its index in the list `generate` takes"),
     "sequence.py:Sequence.prompt_ids": ("", "the prompt goes straight into the prefill call; nothing keeps it"),
@@ -269,6 +264,8 @@ def module_names(path: Path) -> dict[str, int]:
                 if node.name == OPTIONS_OF:
                     args = item.args.args[1:] + item.args.kwonlyargs
                     found |= {f"{node.name}({a.arg}=)": a.lineno for a in args}
+                    if item.args.kwarg:  # **options: the shared ones, checked by kvcourse.engine_config
+                        found |= {f"{node.name}({o}=)": item.lineno for o in ALL_OPTIONS}
                 for sub in ast.walk(item):  # the attributes it sets, self.x = ...
                     if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
                         if isinstance(sub.value, ast.Name) and sub.value.id == "self" and sub.attr[0] != "_":

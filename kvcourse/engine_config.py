@@ -1,0 +1,184 @@
+"""One config for the options the engines share, checked once (nano-vllm's ``Config``; not lesson material).
+
+An engine takes its shared options as keywords, ``Engine(model_dir, block_size=8, max_num_seqs=4)``,
+and turns them into an ``EngineConfig`` with ``EngineConfig.build(model, options, takes)``. ``takes``
+names the options that stage has (L1 only ``max_model_len``; L2 adds the pool's ``block_size`` and
+``num_blocks``; L3 on take them all); any other is refused. ``build`` resolves the defaults that
+depend on the model and checks every value once, each error naming the option and its value:
+
+- ``max_model_len``: the longest request (prompt + max_new_tokens); None: min(2048, the model's
+  max_position_embeddings) (``kvcourse.limits.resolve_max_model_len``);
+- the pool, sized once: ``num_blocks`` blocks of ``block_size`` tokens, or a KV budget in bytes,
+  ``kv_cache_bytes`` (or ``gpu_memory_utilization``: that share of a CUDA device's memory), sized
+  into blocks and never grown (``kvcourse.limits.kv_budget``); with neither, L1's bytes (one
+  ``max_model_len`` sequence), which a batching engine's ``generate`` grows to fit its requests
+  (``grows_pool``, ``pool_blocks``);
+- scheduling: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a step (None:
+  max_model_len), prompts fed ``prefill_chunk_size`` tokens a step (None: whole, so a whole prompt
+  must fit one step), and ``reservation``, what admission holds per request (``reservation_len``).
+
+A request meets one check on its way in, ``check_requests``: its ids and lengths, and whether the
+pool could ever hold it, its reservation included. The scheduler (L3 on) is handed the config and
+reads its limits there: ``Scheduler(allocator, config)``.
+
+Left out on purpose: options only one stage has (L4's kernel choice, L5's prefix cache), which stay
+keyword parameters of that stage's engine, and anything about a particular request (its
+``max_new_tokens``, priority, sampling), which goes with the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from kvcourse.limits import KvBudget, check_blocks, check_requests, kv_budget, resolve_max_model_len
+
+RESERVATIONS = ("paged", "oracle", "pow2", "max")
+
+
+def reservation_len(policy: str, length: int, max_model_len: int) -> int:
+    """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
+    admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
+
+    - ``paged``: none ahead; a block comes when a position falls past the last one (this course's way);
+    - ``oracle``: exactly its length, known in advance (Orca (Oracle));
+    - ``pow2``: the next power of two of its length, at most max_model_len (Orca (Pow2));
+    - ``max``: max_model_len, whatever its length (Orca (Max)).
+
+    Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
+    """
+    if policy == "paged":
+        return 0
+    if policy == "oracle":
+        return length
+    if policy == "pow2":
+        return min(1 << (length - 1).bit_length(), max_model_len)
+    return max_model_len
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The options the engines share, checked, and the pool they size.
+
+    An engine makes its config with ``build``, which resolves every None that depends on the model.
+    Example, SmolLM2-135M (max_position_embeddings 8192): ``EngineConfig.build(model, {"block_size": 8},
+    ALL_OPTIONS)`` has max_model_len 2048, max_num_batched_tokens 2048, num_blocks 256 (2048 positions
+    in blocks of 8: L1's bytes) and grows_pool True; ``{"max_num_seqs": 0}`` raises ``max_num_seqs must
+    be >= 1, got 0``. Made directly, as tests and exercises make one for a ``Scheduler``
+    (``EngineConfig(max_num_seqs=4, max_num_batched_tokens=64)``), it is checked the same way and keeps
+    what it is not given at its default.
+    """
+
+    max_model_len: int | None = None  # the longest request, prompt + max_new_tokens
+    block_size: int = 16  # tokens a block
+    num_blocks: int | None = None  # blocks in the pool (its first size, when it grows)
+    kv_cache_bytes: int | None = None  # a KV budget in bytes: the pool is what it holds
+    gpu_memory_utilization: float | None = None  # a KV budget as a share of a CUDA device's memory
+    reservation: str = "paged"  # what admission holds per request (``reservation_len``)
+    max_num_seqs: int = 32  # most sequences running at once
+    max_num_batched_tokens: int | None = None  # most tokens a step
+    prefill_chunk_size: int | None = None  # a prompt's tokens a step (None: the whole prompt)
+    # resolved by ``build``, not options:
+    vocab_size: int = 0
+    budget: KvBudget | None = None  # how a KV budget was sized into blocks (None: no budget)
+    grows_pool: bool = False  # the pool was left to its default: ``generate`` grows it
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        chunk = self.prefill_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk_size must be >= 1 or None (no chunking), got {chunk!r}")
+        if self.reservation not in RESERVATIONS:
+            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
+        if self.reservation in ("pow2", "max") and self.max_model_len is None:
+            raise ValueError(f"reservation {self.reservation!r} needs max_model_len")
+
+    @classmethod
+    def build(cls, model, options: dict, takes: tuple[str, ...]) -> EngineConfig:
+        """The config of an engine running ``model`` (a ``kvcourse.model.Transformer``), made from the
+        keyword ``options`` it was given, which must be among the ``takes`` it has: checked, with every
+        default resolved."""
+        for name, value in options.items():
+            if name not in takes:
+                raise TypeError(f"unknown option {name}={value!r}: this engine takes {', '.join(takes)}")
+        max_model_len = resolve_max_model_len(options.get("max_model_len"), model.cfg)
+        given = cls(**{**options, "max_model_len": max_model_len})
+        step = given.max_num_batched_tokens or max_model_len  # a step's tokens: None means max_model_len
+        if given.prefill_chunk_size is None and step < max_model_len:
+            raise ValueError(
+                f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
+                f"{step} < max_model_len={max_model_len}"
+            )
+        num_blocks, budget = kv_budget(  # a budget in bytes: sized into blocks once, never grown
+            given.num_blocks,
+            given.kv_cache_bytes,
+            given.gpu_memory_utilization,
+            given.block_size,
+            model,
+            step,
+        )
+        default = -(-max_model_len // given.block_size)  # L1's bytes: one max_model_len sequence
+        return replace(
+            given,
+            max_num_batched_tokens=step,
+            num_blocks=default if num_blocks is None else num_blocks,
+            vocab_size=model.cfg.vocab_size,
+            budget=budget,
+            grows_pool=num_blocks is None,
+        )
+
+    @property
+    def budget_line(self) -> str:
+        """The KV budget's sizing, for ``stats()`` ("" without a budget)."""
+        return self.budget.line if self.budget else ""
+
+    def hold_len(self, length: int) -> int:
+        """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
+        under the reservation policy (0 for paged)."""
+        return reservation_len(self.reservation, length, self.max_model_len)
+
+    def check_requests(
+        self, prompts: list[list[int]], max_new_tokens: int | list[int], label: str = "prompt {i}", n: int = 1
+    ) -> list[int]:
+        """The one check of requests on their way in: ids, lengths (``kvcourse.limits.check_requests``)
+        and the pool, which must hold each request alone, its reservation included (``check_blocks``);
+        with ``n`` samples of each (L5's clones), n fits ``max_num_seqs`` and the clones' copies the pool.
+        Returns one max_new_tokens per prompt. ``label`` names request i in errors.
+
+        Example, blocks of 4 and a pool of 3: ``check_requests([[1] * 4, [1] * 10], 3)`` raises
+        ``prompt 1: 13 tokens need 4 blocks of 4, but the pool has only 3 blocks``.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        budgets = check_requests(prompts, max_new_tokens, self.vocab_size, self.max_model_len, label)
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            total = max(len(prompt) + budget, self.hold_len(len(prompt) + budget))  # what admission holds
+            needed = -(-total // self.block_size)
+            check_blocks(label.format(i=i), total, needed, self.block_size, self.num_blocks, self.budget)
+            if n > self.max_num_seqs:
+                raise ValueError(f"{label.format(i=i)}: n={n} samples exceed max_num_seqs={self.max_num_seqs}")
+            clones = -(-len(prompt) // self.block_size) + (n - 1) * (len(prompt) % self.block_size > 0)
+            if clones > self.num_blocks:  # n samples of one prefill: a copy of its partial block each
+                raise ValueError(
+                    f"{label.format(i=i)}: cloning {n} samples needs {clones} blocks (the prompt's, plus a copy "
+                    f"of its last partial block per extra sample), but the pool has only {self.num_blocks} blocks"
+                )
+        return budgets
+
+    def pool_blocks(self, lengths: list[int]) -> int:
+        """Blocks that hold requests of these total lengths (prompt + max_new_tokens) side by side: as many
+        as ``max_num_seqs`` run at once, so the largest ``max_num_seqs`` of them.
+
+        Example, block_size 16 and max_num_seqs 32: 40 requests of 104 positions need 7 blocks each,
+        and 32 of them run at once: 224 blocks.
+        """
+        needed = sorted((-(-n // self.block_size) for n in lengths), reverse=True)
+        return sum(needed[: self.max_num_seqs])
+
+
+# every option an engine may take, in the order of the fields (the others are resolved by ``build``)
+ALL_OPTIONS = tuple(
+    f.name for f in fields(EngineConfig) if f.name not in ("vocab_size", "budget", "grows_pool")
+)

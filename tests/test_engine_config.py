@@ -1,0 +1,119 @@
+"""``EngineConfig`` (``kvcourse/engine_config.py``): the options L1-L4 share, checked once, and the pool
+they size, on a tiny seeded checkpoint's config (no weights are loaded).
+
+- ``build`` resolves what depends on the model (max_model_len, a step's tokens, the default pool of
+  one max_model_len sequence, which grows; a pool given in blocks or in bytes, which does not);
+- an option a stage does not take is refused, naming it and what the stage takes; a bad value is
+  refused naming the option and the value; without chunking a whole prompt must fit one step;
+- ``check_requests`` is the one check on the way in: ids and lengths, then the pool, a reservation
+  policy's length included, each error naming ``prompt i`` (or ``request``, for one submitted alone);
+- ``pool_blocks`` and ``hold_len`` on the docstrings' examples;
+- ``engine_options`` (the harness) lists what each stage's engine takes, with its defaults.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvcourse.config import ModelConfig
+from kvcourse.engine_config import ALL_OPTIONS, RESERVATIONS, EngineConfig, reservation_len
+from kvcourse.harness.stages import engine_class, engine_options
+
+L2_OPTIONS = ("max_model_len", "block_size", "num_blocks")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    """What ``build`` reads of a model: its config (the tiny Llama: 512 bytes of KV a token, max 2048)."""
+    return SimpleNamespace(cfg=ModelConfig.from_dir(tiny_llama_dir), device="cpu")
+
+
+def test_build_resolves_the_defaults_and_sizes_the_pool(model):
+    config = EngineConfig.build(model, {}, ALL_OPTIONS)
+    assert (config.max_model_len, config.max_num_batched_tokens, config.block_size) == (2048, 2048, 16)
+    assert (config.num_blocks, config.grows_pool, config.budget) == (128, True, None)  # L1's bytes
+    assert config.vocab_size == model.cfg.vocab_size and config.max_num_seqs == 32
+    given = EngineConfig.build(model, {"block_size": 4, "num_blocks": 6, "max_model_len": 64}, ALL_OPTIONS)
+    assert (given.num_blocks, given.grows_pool, given.max_num_batched_tokens) == (6, False, 64)
+    budget = EngineConfig.build(model, {"block_size": 4, "kv_cache_bytes": 10 * 2048 + 5}, ALL_OPTIONS)
+    assert (budget.num_blocks, budget.grows_pool) == (10, False)
+    assert budget.budget_line.endswith("= 10 blocks") and given.budget_line == ""
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"max_num_seqs": 4}, TypeError, "unknown option max_num_seqs=4: this engine takes max_model_len, "),
+        ({"block_size": 0}, ValueError, "block_size must be >= 1, got 0"),
+        ({"num_blocks": 0}, ValueError, "num_blocks must be >= 1, got 0"),
+        ({"num_blocks": 2.5}, ValueError, "num_blocks must be >= 1, got 2.5"),
+        ({"max_model_len": 4096}, ValueError, r"max_model_len must be in \[1, 2048\] .*got 4096"),
+    ],
+)
+def test_l2s_options_are_checked_and_no_other_is_taken(model, options, error, message):
+    with pytest.raises(error, match=message):
+        EngineConfig.build(model, options, L2_OPTIONS)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
+        ({"prefill_chunk_size": 0}, r"prefill_chunk_size must be >= 1 or None \(no chunking\), got 0"),
+        (
+            {"reservation": "lru"},
+            r"reservation must be one of \('paged', 'oracle', 'pow2', 'max'\), got 'lru'",
+        ),
+        (
+            {"max_num_batched_tokens": 100},
+            "a whole prompt must fit one step, but max_num_batched_tokens=100 <",
+        ),
+        ({"num_blocks": 4, "kv_cache_bytes": 4096}, "give num_blocks or kv_cache_bytes, not both"),
+        ({"block_size": 4, "kv_cache_bytes": 2047}, "kv_cache_bytes=2,047 holds no block"),
+    ],
+)
+def test_every_option_is_checked_once_by_name(model, options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.build(model, options, ALL_OPTIONS)
+
+
+def test_a_chunked_step_may_be_shorter_than_a_prompt(model):
+    config = EngineConfig.build(model, {"max_num_batched_tokens": 100, "prefill_chunk_size": 8}, ALL_OPTIONS)
+    assert (config.max_num_batched_tokens, config.prefill_chunk_size) == (100, 8)
+
+
+def test_check_requests_names_the_request_and_counts_a_reservation(model):
+    small = EngineConfig.build(model, {"block_size": 4, "num_blocks": 3, "max_model_len": 32}, ALL_OPTIONS)
+    assert small.check_requests([[1] * 4, [1] * 5], [3, 7]) == [3, 7]  # 12 positions: 3 blocks
+    with pytest.raises(ValueError, match="prompt 1: 13 tokens need 4 blocks of 4, but the pool has only 3"):
+        small.check_requests([[1] * 4, [1] * 10], 3)
+    with pytest.raises(ValueError, match="^request is empty$"):
+        small.check_requests([[]], 3, label="request")
+    with pytest.raises(ValueError, match="request: token id -1 is outside the vocabulary"):
+        small.check_requests([[-1]], 3, label="request")
+    maxed = EngineConfig.build(
+        model, {"block_size": 4, "num_blocks": 6, "max_model_len": 32, "reservation": "max"}, ALL_OPTIONS
+    )
+    with pytest.raises(ValueError, match="request: 32 tokens need 8 blocks of 4, but the pool has only 6"):
+        maxed.check_requests([[5]], 1, label="request")  # one token, but Max holds max_model_len
+
+
+def test_pool_blocks_and_hold_len_are_the_docstrings_arithmetic():
+    assert EngineConfig(block_size=16, max_num_seqs=32).pool_blocks([104] * 40) == 224
+    assert EngineConfig(block_size=4, max_num_seqs=2).pool_blocks([5, 17, 9]) == 5 + 3
+    assert [reservation_len(p, 100, 2048) for p in RESERVATIONS] == [0, 100, 128, 2048]
+    assert EngineConfig(reservation="pow2", max_model_len=64).hold_len(40) == 64
+    with pytest.raises(ValueError, match="reservation 'pow2' needs max_model_len"):
+        EngineConfig(reservation="pow2")
+
+
+def test_engine_options_lists_what_each_stage_takes():
+    assert engine_options(engine_class("L1")) == {"max_model_len": None}
+    assert engine_options(engine_class("L2")) == {"max_model_len": None, "block_size": 16, "num_blocks": None}
+    l3, l4 = engine_options(engine_class("L3")), engine_options(engine_class("L4"))
+    assert list(l3) == list(ALL_OPTIONS) and l3["max_num_seqs"] == 32 and l3["reservation"] == "paged"
+    assert l4 == {"kernel": "auto", "num_splits": 1, "cuda_graphs": False} | l3
+    assert {"num_pages", "page_size", "max_num_seqs"} <= set(engine_options(engine_class("L6")))
