@@ -32,6 +32,7 @@ from bench.workloads import mixed_workload
 from kvcourse.cpp_kernels import build_problem
 from kvcourse.devices import resolve_device
 from kvcourse.harness.compare import compare
+from kvcourse.harness.provenance import tree_commit
 from kvcourse.harness.reference import Reference
 from kvcourse.harness.stages import engine_options
 from kvcourse.model_store import REPO_ROOT
@@ -309,20 +310,10 @@ def gpu_info(device: torch.device) -> dict:
 
 def provenance() -> dict:
     """What a results file records of where it was measured, for the tables ``make numbers`` draws from
-    it: the commit (``+dirty`` when the working tree differed from it) and the date, e.g.
-    ``{"commit": "c14a18f", "date": "2026-11-26"}``; ``"unknown"`` outside a git checkout."""
-
-    def git(*args):
-        try:
-            return subprocess.run(
-                ["git", *args], capture_output=True, text=True, check=True, cwd=REPO_ROOT
-            ).stdout
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    commit = (git("rev-parse", "--short", "HEAD") or "unknown").strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit + ("+dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d")}
+    it: the commit (``kvcourse.harness.provenance.tree_commit``: ``+dirty`` when the working tree
+    differed from it, ``$KVCOURSE_COMMIT`` on a copy without ``.git``, as ``make gpu-run`` sends) and the
+    date, e.g. ``{"commit": "c14a18f", "date": "2026-11-26"}``; ``"unknown"`` outside a git checkout."""
+    return {"commit": tree_commit(), "date": time.strftime("%Y-%m-%d")}
 
 
 def save_results(results: dict, out: str | None, default: str, quick: bool) -> None:

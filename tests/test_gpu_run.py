@@ -95,3 +95,18 @@ def test_wheels_are_needed_only_where_the_pins_are_missing(monkeypatch, tmp_path
     monkeypatch.setattr(gpu_run, "PINNED", {"transformers": "0.0.1", "tokenizers": "0.0.1"})
     with pytest.raises(SystemExit, match=r"holds no wheels: run make gpu-wheels"):
         gpu_run.wheel_site(tmp_path / "none", tmp_path / "site")
+
+
+def test_a_results_file_names_the_commit_a_copy_without_git_was_sent_at(monkeypatch):
+    """On a GPU machine the tree is a copy without ``.git``: ``make gpu-run COMMIT=`` hands the commit to
+    every step through ``KVCOURSE_COMMIT``, and the bench's results record it; in a checkout, git's."""
+    import re
+
+    from bench.measure import provenance
+    from kvcourse.harness.provenance import COMMIT_ENV, tree_commit
+
+    monkeypatch.delenv(COMMIT_ENV, raising=False)
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?|unknown", tree_commit())
+    assert tree_commit("abc1234") == "abc1234"
+    monkeypatch.setenv(COMMIT_ENV, "def5678")
+    assert tree_commit() == "def5678" and provenance()["commit"] == "def5678"
