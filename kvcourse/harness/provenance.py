@@ -43,11 +43,11 @@ def tree_commit(given: str | None = None) -> str:
 LIBRARIES = ("torch", "triton", "jax", "jaxlib", "transformers")
 
 
-def library_versions() -> dict[str, str | None]:
-    """The libraries the check ran with, name -> version (None: not installed), read without importing
+def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
+    """The libraries a run ran with, name -> version (None: not installed), read without importing
     them (importing JAX would claim GPU memory in this process)."""
     found = {}
-    for name in LIBRARIES:
+    for name in names:
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -118,12 +117,7 @@ def wheel_site(wheels: Path, site: Path) -> tuple[Path | None, str]:
     Example, on a machine with transformers 5.17.0 and the two wheels carried:
     ``(Path(".cache/gpu-site"), "installed transformers 5.23.0, tokenizers 0.23.3 from .cache/gpu-wheels")``.
     """
-    have = {}
-    for name in WHEELS:
-        try:
-            have[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            have[name] = None
+    have = library_versions(WHEELS)
     if have == PINNED:
         return None, "the machine's " + ", ".join(f"{n} {v}" for n, v in have.items()) + " are the pins"
     found = sorted(wheels.glob("*.whl"))
