@@ -76,10 +76,10 @@ class Engine:
         self.meter.step(live=cached, held=self.max_model_len)
 
     def stats(self) -> EngineStats:
-        """KV reserved vs live and the step counters, since the engine was built (see kvcourse.stats)."""
+        """KV pool vs live and the step counters, since the engine was built (see kvcourse.stats)."""
         per_token = self.model.cfg.kv_bytes_per_token()
         return EngineStats(
-            kv_bytes_reserved=self.cache.nbytes,
+            kv_bytes_pool=self.cache.nbytes,
             kv_bytes_live=self.meter.live_peak * per_token,
             kv_utilization=self.meter.utilization,
             steps=self.num_steps,

@@ -1,7 +1,7 @@
 """L2 engine: L1's prefill/decode loop, with K/V kept in a paged pool instead of a contiguous cache.
 
-    prefill:  reserve blocks for the prompt, write its K/V to their slots, read them back by slot
-    decode:   reserve (a new block only every block_size tokens), write one slot, read 0..t by slot
+    prefill:  allocate blocks for the prompt, write its K/V to their slots, read them back by slot
+    decode:   allocate_slots (a new block only every block_size tokens), write one slot, read 0..t by slot
 
 Sequences still run one after another. A sequence owns blocks only while it runs and gives them back
 to the free list when it finishes, so the next one reuses them.
@@ -33,7 +33,7 @@ from kvcourse.stats import EngineStats, UsageMeter
 from .allocator import BlockAllocator
 from .attention import ForwardMeta, attention
 from .cache import KvPool
-from .sequence import Sequence, reserve
+from .sequence import Sequence, allocate_slots
 
 
 class Engine:
@@ -55,7 +55,7 @@ class Engine:
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Run the whole prompt, caching positions 0..P-1 in the sequence's blocks. Returns (vocab,)."""
         n, device = len(seq.prompt_ids), self.device
-        reserve(seq, self.allocator, n)
+        allocate_slots(seq, self.allocator, n)
         slots = torch.tensor(seq.slot_indices[:n], device=device)  # (P,) write set == read set
         meta = ForwardMeta(
             positions=torch.arange(n, device=device), slot_mapping=slots, kv_indices=slots, is_prefill=True
@@ -74,7 +74,7 @@ class Engine:
     def decode_step(self, seq: Sequence, token: int) -> torch.Tensor:
         """Run ``token`` at position seq.num_computed_tokens (all before it cached). Returns (vocab,)."""
         pos, device = seq.num_computed_tokens, self.device
-        reserve(seq, self.allocator, pos + 1)
+        allocate_slots(seq, self.allocator, pos + 1)
         meta = ForwardMeta(
             positions=torch.tensor([pos], device=device),
             slot_mapping=torch.tensor([seq.slot_indices[pos]], device=device),  # (1,)
@@ -96,10 +96,10 @@ class Engine:
         self.meter.step(seq.num_computed_tokens, held * self.allocator.block_size, held)
 
     def stats(self) -> EngineStats:
-        """KV reserved vs live, blocks held and the step counters, since the engine was built."""
+        """KV pool vs live, blocks held and the step counters, since the engine was built."""
         per_token = self.model.cfg.kv_bytes_per_token()
         return EngineStats(
-            kv_bytes_reserved=self.pool.nbytes,
+            kv_bytes_pool=self.pool.nbytes,
             kv_bytes_live=self.meter.live_peak * per_token,
             kv_utilization=self.meter.utilization,
             block_size=self.allocator.block_size,

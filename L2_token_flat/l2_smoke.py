@@ -5,7 +5,7 @@
 
 With no --model it runs the course model and a seeded random tiny Qwen3. L2 runs three times: with
 block_size 16 (the default), 1 (every token its own block) and 7 (blocks that never line up with the
-powers of two the prompts and budgets tend to be), since odd sizes catch slot-index bugs.
+powers of two the prompts and max_new_tokens tend to be), since odd sizes catch slot-index bugs.
 """
 
 from kvcourse.harness.smoke import SmokeContext, StageRun, run_smoke

@@ -1,4 +1,4 @@
-"""A sequence as the L2 engine tracks it, and ``reserve()``, which grows its blocks as it grows.
+"""A sequence as the L2 engine tracks it, and ``allocate_slots()``, which grows its blocks as it grows.
 
 ``Sequence`` is one request's token stream: its prompt, its generated tokens, the blocks that hold
 its K/V (``block_table``) and the slot of every position it has reserved (``slot_indices``).
@@ -25,14 +25,14 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)  # generated tokens; the newest is not cached yet
 
 
-def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int) -> None:
+def allocate_slots(seq: Sequence, allocator: BlockAllocator, target_len: int) -> None:
     """Grow ``seq.block_table`` and ``seq.slot_indices`` until positions 0 .. target_len - 1 have slots.
 
     A block is allocated only when a position falls past the last one. With block_size 4, a sequence
     ``a`` holding blocks [0], another holding [1], and the free list 2, 3, ...:
 
-        reserve(a, allocator, 4) -> a.block_table [0]      (4 positions fit in one block; nothing allocated)
-        reserve(a, allocator, 6) -> a.block_table [0, 2]   a.slot_indices [0, 1, 2, 3, 8, 9, 10, 11]
+        allocate_slots(a, allocator, 4) -> a.block_table [0]      (4 positions fit in one block; nothing allocated)
+        allocate_slots(a, allocator, 6) -> a.block_table [0, 2]   a.slot_indices [0, 1, 2, 3, 8, 9, 10, 11]
 
     If the free list is too short, ``OutOfBlocksError`` is raised and ``seq`` is left as it was.
     """

@@ -66,12 +66,12 @@ class Engine:
         block_size = self.allocator.block_size
         token_ids, positions, slot_mapping, logits_at = [], [], [], []
         cu_q_lens, context_lens = [0], []
-        for seq, n in batch:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for seq, num_new in batch:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             token_ids += seq.all_ids[start:end]
             positions += range(start, end)
             slot_mapping += slots(seq.block_table, start, end, block_size)
-            cu_q_lens.append(cu_q_lens[-1] + n)
+            cu_q_lens.append(cu_q_lens[-1] + num_new)
             context_lens.append(end)
             if end == seq.num_tokens:  # its last known token runs: that row's logits give the next one
                 logits_at.append(cu_q_lens[-1] - 1)
@@ -108,10 +108,10 @@ class Engine:
         self.meter.step(live, held * self.allocator.block_size, held)
 
     def stats(self) -> EngineStats:
-        """KV reserved vs live, blocks held and the step counters, since the engine was built."""
+        """KV pool vs live, blocks held and the step counters, since the engine was built."""
         per_token = self.model.cfg.kv_bytes_per_token()
         return EngineStats(
-            kv_bytes_reserved=self.pool.nbytes,
+            kv_bytes_pool=self.pool.nbytes,
             kv_bytes_live=self.meter.live_peak * per_token,
             kv_utilization=self.meter.utilization,
             block_size=self.allocator.block_size,
@@ -122,8 +122,8 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             device=str(self.device),
             max_num_seqs=self.config.max_num_seqs,
-            kv_budget=self.config.budget_line,
-            reservation=self.config.reservation,
+            kv_sizing=self.config.sizing_line,
+            admission_policy=self.config.admission_policy,
         )
 
     def fit_pool(self, lengths: list[int]) -> None:

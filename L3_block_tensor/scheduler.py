@@ -4,14 +4,14 @@ Three queues: ``waiting`` (submitted or preempted; no blocks), ``running`` (admi
 every computed position) and ``finished``. ``schedule()`` plans ONE forward call over a flat batch:
 
 1. running sequences, most important first, each get their next tokens: 1 for a sequence that is
-   decoding, the next chunk for one still prefilling. Their block tables grow with ``reserve()``.
+   decoding, the next chunk for one still prefilling. Their block tables grow with ``allocate_slots()``.
    When the free list runs dry, the least important running sequence (lowest priority, then newest)
    is preempted: it frees all its blocks and goes back to waiting. When it is admitted again it
    recomputes its prompt and the tokens it had already generated ("preemption by recompute");
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
    arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
-``reservation`` picks what admission holds (``hold_len``): ``"paged"`` nothing ahead; the vLLM paper's
+``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the vLLM paper's
 baselines hold a request's whole reservation from admission to finish, so a running sequence never
 needs a block and nothing is preempted: a request waits until its reservation fits.
 
@@ -34,7 +34,7 @@ from kvcourse.engine_config import EngineConfig
 from kvcourse.limits import finished
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
-from .sequence import FinishReason, Sequence, Status, reserve
+from .sequence import FinishReason, Sequence, Status, allocate_slots
 
 Batch = list[tuple[Sequence, int]]  # the sequences of one step, each with the number of tokens it runs
 
@@ -62,27 +62,29 @@ class Scheduler:
         i = 0  # 1. running sequences, most important first; a preemption removes one from the back
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, token_budget)
-            if self._reserve_or_preempt(seq, seq.num_computed_tokens + n):
-                batch.append((seq, n))
-                token_budget -= n
+            num_new = self._num_new_tokens(seq, token_budget)
+            if self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new):
+                batch.append((seq, num_new))
+                token_budget -= num_new
                 i += 1
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
         while self.waiting and len(self.running) < self.config.max_num_seqs:  # 2. waiting ones, in order
             seq = self.waiting[0]
-            n = self._num_new_tokens(seq, token_budget)
-            if n == 0:
+            num_new = self._num_new_tokens(seq, token_budget)
+            if num_new == 0:
                 break  # the step's token budget is spent
-            try:  # its first tokens' blocks, or a reservation policy's whole reservation
-                reserve(seq, self.allocator, max(seq.num_computed_tokens + n, self.hold_len(seq)))
+            try:  # its first tokens' blocks, or an admission policy's whole reservation
+                allocate_slots(
+                    seq, self.allocator, max(seq.num_computed_tokens + num_new, self.hold_len(seq))
+                )
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
-            batch.append((seq, n))
-            token_budget -= n
+            batch.append((seq, num_new))
+            token_budget -= num_new
         return batch
 
     def update(self, batch: Batch, next_tokens: list[int]) -> list[Sequence]:
@@ -90,8 +92,8 @@ class Scheduler:
         token gets the next one from ``next_tokens`` (in batch order). Returns the sequences finished."""
         tokens = iter(next_tokens)
         done = []
-        for seq, n in batch:
-            seq.num_computed_tokens += n
+        for seq, num_new in batch:
+            seq.num_computed_tokens += num_new
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not end the prompt: no new token yet
             token = next(tokens)
@@ -140,17 +142,17 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens ``seq`` runs this step: all it has not computed yet, cut to the prefill chunk and the
         step's token budget; without chunking, all of them or nothing (0)."""
-        n = seq.num_tokens - seq.num_computed_tokens
+        num_new = seq.num_tokens - seq.num_computed_tokens
         if self.config.prefill_chunk_size is None:
-            return n if n <= token_budget else 0
-        return min(n, self.config.prefill_chunk_size, token_budget)
+            return num_new if num_new <= token_budget else 0
+        return min(num_new, self.config.prefill_chunk_size, token_budget)
 
-    def _reserve_or_preempt(self, seq: Sequence, target_len: int) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, target_len: int) -> bool:
         """Reserve blocks for ``seq``, preempting from the back of ``running`` until they fit.
         False if ``seq`` itself had to go."""
         while True:
             try:
-                reserve(seq, self.allocator, target_len)
+                allocate_slots(seq, self.allocator, target_len)
                 return True
             except OutOfBlocksError:
                 victim = self.running[-1]  # lowest priority, newest

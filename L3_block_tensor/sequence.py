@@ -1,4 +1,4 @@
-"""A sequence through its life (waiting, running, finished), ``reserve()`` and ``slots()``.
+"""A sequence through its life (waiting, running, finished), ``allocate_slots()`` and ``slots()``.
 
 ``Sequence`` is one request's token stream. L2 ran one at a time; here many wait, run and finish
 side by side, so a sequence carries a status, a finish reason, a priority and its submission order,
@@ -65,14 +65,14 @@ class Sequence:
         return (-self.priority, self.request_id)
 
 
-def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int) -> None:
+def allocate_slots(seq: Sequence, allocator: BlockAllocator, target_len: int) -> None:
     """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks.
 
     A block is allocated only when a position falls past the last one. With block_size 4, a sequence
     ``a`` holding blocks [0], another holding [1], and the free list 2, 3, ...:
 
-        reserve(a, allocator, 4) -> a.block_table [0]      (4 positions fit in one block; nothing allocated)
-        reserve(a, allocator, 6) -> a.block_table [0, 2]
+        allocate_slots(a, allocator, 4) -> a.block_table [0]      (4 positions fit in one block; nothing allocated)
+        allocate_slots(a, allocator, 6) -> a.block_table [0, 2]
 
     If the free list is too short, ``OutOfBlocksError`` is raised and ``seq`` is left as it was.
     """

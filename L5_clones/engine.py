@@ -96,12 +96,12 @@ class Engine:
         block_size = self.allocator.block_size
         token_ids, positions, slot_mapping, logits_at = [], [], [], []
         cu_q_lens, context_lens = [0], []
-        for seq, n in batch:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for seq, num_new in batch:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             token_ids += seq.all_ids[start:end]
             positions += range(start, end)
             slot_mapping += slots(seq.block_table, start, end, block_size)
-            cu_q_lens.append(cu_q_lens[-1] + n)
+            cu_q_lens.append(cu_q_lens[-1] + num_new)
             context_lens.append(end)
             if end == seq.num_tokens:  # its last known token runs: that row's logits give the next one
                 logits_at.append(cu_q_lens[-1] - 1)
@@ -153,10 +153,10 @@ class Engine:
         self.meter.step(sum(filled.values()), held * block_size, held, self.allocator.num_shared)
 
     def stats(self) -> EngineStats:
-        """KV reserved vs live, blocks held and shared, and the scheduler's counters, since the engine was built."""
+        """KV pool vs live, blocks held and shared, and the scheduler's counters, since the engine was built."""
         per_token = self.model.cfg.kv_bytes_per_token()
         return EngineStats(
-            kv_bytes_reserved=self.pool.nbytes,
+            kv_bytes_pool=self.pool.nbytes,
             kv_bytes_live=self.meter.live_peak * per_token,
             kv_utilization=self.meter.utilization,
             block_size=self.allocator.block_size,
@@ -165,14 +165,14 @@ class Engine:
             blocks_shared=self.meter.blocks_shared_peak,
             steps=self.num_steps,
             tokens_run=self.num_tokens_run,
-            prefix_cache_hits=self.scheduler.num_cached_blocks,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
             preemptions=self.scheduler.num_preemptions,
             clones=self.scheduler.num_clones,
             device=str(self.device),
             kernel=self.fast.name,
             max_num_seqs=self.config.max_num_seqs,
-            kv_budget=self.config.budget_line,
-            reservation=self.config.reservation,
+            kv_sizing=self.config.sizing_line,
+            admission_policy=self.config.admission_policy,
         )
 
     def fit_pool(self, lengths: list[int]) -> None:
@@ -192,7 +192,9 @@ class Engine:
         [max_new_tokens] = self.config.check_requests([prompt_ids], max_new_tokens, label="request", n=n)
         return self._submit(prompt_ids, max_new_tokens, priority, ignore_eos, n, sampling)
 
-    def _submit(self, prompt_ids, max_new_tokens, priority=0, ignore_eos=False, n=1, sampling=None, group=None):
+    def _submit(
+        self, prompt_ids, max_new_tokens, priority=0, ignore_eos=False, n=1, sampling=None, group=None
+    ):
         """Queue a request already checked; with a ``group``, its sequences run as one (``beams/``)."""
         sampling = sampling or SamplingParams()  # greedy
         seq = Sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority, n, sampling)
@@ -218,7 +220,9 @@ class Engine:
         seeded ``sampling.seed_of(j)`` as a clone seeds sample j, so both ways give the same tokens."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        max_new_tokens = self.config.check_requests(prompts, max_new_tokens, n=n if share else 1)  # and the pool
+        max_new_tokens = self.config.check_requests(
+            prompts, max_new_tokens, n=n if share else 1
+        )  # and the pool
         self.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * n)
         sampling = sampling or SamplingParams()
         params = [sampling] if share else [replace(sampling, seed=sampling.seed_of(j)) for j in range(n)]

@@ -25,7 +25,7 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
     shortest prompts, CLONE_TOKENS tokens each: == SAMPLES independent requests seeded 1234 ..,
     with nothing shared, token for token. Sampling has no HF reference: these rows compare L5 with
     itself, cloned against unshared;
-(f) the prefix-cache prompt file (``kvcourse/harness/prompts_prefix.jsonl``, its own budgets): the same
+(f) the prefix-cache prompt file (``kvcourse/harness/prompts_prefix.jsonl``, its own max_new_tokens): the same
     16-token blocks after different prefixes, one request at a time and then all at once, against HF.
     A cache key that forgot the blocks before its block would hit there and change the tokens;
 (g) beam search of widths BEAM_WIDTHS on the BEAM_PROMPTS shortest prompts, BEAM_TOKENS tokens, all
@@ -49,16 +49,18 @@ from L5_clones.engine import Engine
 SAMPLES = 4
 CLONE_TOKENS = 24
 SAMPLED_PROMPTS = 3
-PREFIX_TOKENS = 16  # the budget of a line of the prefix-cache file that sets none (the course's set them all)
+PREFIX_TOKENS = (
+    16  # the max_new_tokens of a line of the prefix-cache file that sets none (the course's set them all)
+)
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
 BEAM_WIDTHS = (2, 4, 6)  # width 1 is greedy decoding, in HF as here: the rows above
 BEAM_PROMPTS = 2
 BEAM_TOKENS = 24
 
 
-def one_at_a_time(engine, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+def one_at_a_time(engine, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
     """Each request runs alone, after the one before it has finished and freed its blocks."""
-    return [engine.generate([p], [b])[0] for p, b in zip(prompts, budgets, strict=True)]
+    return [engine.generate([p], [b])[0] for p, b in zip(prompts, max_new_tokens, strict=True)]
 
 
 def runs(ctx: SmokeContext) -> list[StageRun]:
@@ -91,15 +93,15 @@ def previous(ctx: SmokeContext) -> StageRun:
     )
 
 
-def clone_engine(ctx: SmokeContext, prompts: list[list[int]], budget: list[int], **options) -> Engine:
+def clone_engine(ctx: SmokeContext, prompts: list[list[int]], max_new: list[int], **options) -> Engine:
     """An engine whose pool holds SAMPLES unshared copies of every request at once: no preemption."""
-    room = sum(SAMPLES * blocks_for(len(p) + b, 16) for p, b in zip(prompts, budget, strict=True))
+    room = sum(SAMPLES * blocks_for(len(p) + b, 16) for p, b in zip(prompts, max_new, strict=True))
     return engine(ctx, max_num_seqs=SAMPLES * len(prompts), num_blocks=room, **options)
 
 
 def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
     """(d): SAMPLES greedy clones per prompt, each compared with HF up to CLONE_TOKENS."""
-    capped = [min(b, CLONE_TOKENS) for b in ctx.budgets]
+    capped = [min(b, CLONE_TOKENS) for b in ctx.max_new_tokens]
     engine = clone_engine(ctx, ctx.ids, capped)
     clones = engine.generate_samples(ctx.ids, capped, n=SAMPLES)
     rows = []
@@ -119,11 +121,11 @@ def sampled_clones(ctx: SmokeContext) -> tuple[int, int]:
     """(e): cloned sampled clones == independent requests with nothing shared."""
     chosen = ctx.shortest(SAMPLED_PROMPTS)
     prompts = [ctx.ids[i] for i in chosen]
-    budget = [CLONE_TOKENS] * len(prompts)
-    cloned = clone_engine(ctx, prompts, budget)
-    unshared = clone_engine(ctx, prompts, budget, enable_prefix_caching=False)
-    a = cloned.generate_samples(prompts, budget, n=SAMPLES, sampling=SAMPLING)
-    b = unshared.generate_samples(prompts, budget, n=SAMPLES, sampling=SAMPLING, share=False)
+    max_new = [CLONE_TOKENS] * len(prompts)
+    cloned = clone_engine(ctx, prompts, max_new)
+    unshared = clone_engine(ctx, prompts, max_new, enable_prefix_caching=False)
+    a = cloned.generate_samples(prompts, max_new, n=SAMPLES, sampling=SAMPLING)
+    b = unshared.generate_samples(prompts, max_new, n=SAMPLES, sampling=SAMPLING, share=False)
     print(
         f"-- L5 {SAMPLES} sampled clones (temperature {SAMPLING.temperature}, top-p {SAMPLING.top_p}, top-k "
         f"{SAMPLING.top_k}, seed {SAMPLING.seed}) of the {len(prompts)} shortest prompts, {CLONE_TOKENS} tokens: "
@@ -171,7 +173,7 @@ def beam_search(ctx: SmokeContext) -> tuple[int, int, int]:
     """(g): beam search against HF, a row per width and prompt; (passed, total, ties)."""
     chosen = ctx.shortest(BEAM_PROMPTS)
     prompts = [ctx.ids[i] for i in chosen]
-    budget = [min(ctx.budgets[i], BEAM_TOKENS) for i in chosen]
+    max_new = [min(ctx.max_new_tokens[i], BEAM_TOKENS) for i in chosen]
     rows = []
     print(
         f"-- L5 beam search, widths {', '.join(map(str, BEAM_WIDTHS))}, 2 hypotheses each, of the "
@@ -179,9 +181,9 @@ def beam_search(ctx: SmokeContext) -> tuple[int, int, int]:
     )
     for k in BEAM_WIDTHS:
         params = BeamParams(k, num_return_sequences=2)
-        refs = hf_beams(ctx.model_dir, prompts, budget, params, ctx.device)
+        refs = hf_beams(ctx.model_dir, prompts, max_new, params, ctx.device)
         eng = engine(ctx)
-        groups = [add_beam_request(eng, p, b, params) for p, b in zip(prompts, budget, strict=True)]
+        groups = [add_beam_request(eng, p, b, params) for p, b in zip(prompts, max_new, strict=True)]
         while eng.has_unfinished():
             eng.step()
         print(f"  width {k}: {eng.stats()}")

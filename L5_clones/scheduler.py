@@ -4,7 +4,7 @@ Three queues: ``waiting`` (submitted or preempted; no blocks), ``running`` (admi
 every computed position) and ``finished``. ``schedule()`` plans ONE forward call over a flat batch:
 
 1. running sequences, most important first, each get their next tokens: 1 for a sequence that is
-   decoding, the next chunk for one still prefilling. Their block tables grow with ``reserve()``.
+   decoding, the next chunk for one still prefilling. Their block tables grow with ``allocate_slots()``.
    When the free list runs dry, the least important running sequence (lowest priority, then newest)
    is preempted: it frees all its blocks and goes back to waiting. When it is admitted again it
    recomputes its prompt and the tokens it had already generated ("preemption by recompute");
@@ -18,7 +18,7 @@ computed: the victims come from the back of ``running``, behind the sequence bei
 are not in the batch yet, and nothing is admitted after a preemption. So a block registered in the
 prefix cache this step is always filled by this step, whoever else shares it.
 
-``reservation`` picks what admission holds (``hold_len``): ``"paged"`` nothing ahead; the vLLM paper's
+``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the vLLM paper's
 baselines hold a request's whole reservation from admission to finish, so a running sequence never
 needs a block and nothing is preempted: a request waits until its reservation fits.
 
@@ -57,7 +57,7 @@ from kvcourse.sampling import sample
 
 from .allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .prefix_cache import match_prefix
-from .sequence import FinishReason, Sequence, Status, reserve
+from .sequence import FinishReason, Sequence, Status, allocate_slots
 
 Batch = list[tuple[Sequence, int]]  # the sequences of one step, each with the number of tokens it runs
 Copies = list[tuple[int, int]]  # (src, dst): blocks whose K/V the engine copies before the next forward
@@ -76,14 +76,18 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # in Sequence.sort_key order
         self.running: list[Sequence] = []  # in Sequence.sort_key order: the last one is preempted first
         self.finished: list[Sequence] = []
-        self.num_cached_blocks = 0  # prefix-cache hits: blocks shared at admission instead of computed
+        self.prefix_cache_hits = 0  # prefix-cache hits: blocks shared at admission instead of computed
         self.num_preemptions = 0
         self.num_clones = 0  # sequences split into their n samples
         self.groups: dict[int, object] = {}  # request_id -> the group its sequences run as (beams/)
 
     def add(self, seq: Sequence, group=None) -> None:
-        if seq.n > 1 and self.config.reservation != "paged":  # clones share; a reservation is one sequence's
-            raise ValueError(f"n={seq.n} samples need reservation='paged', got {self.config.reservation!r}")
+        if (
+            seq.num_samples > 1 and self.config.admission_policy != "on_demand"
+        ):  # clones share; a reservation is one sequence's
+            raise ValueError(
+                f"n={seq.num_samples} samples need admission_policy='on_demand', got {self.config.admission_policy!r}"
+            )
         if group is not None:  # its sequences run as one group, this one first (``groups``)
             self.groups[seq.request_id], group.seqs = group, [seq]
         seq.status = Status.WAITING
@@ -106,14 +110,16 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             unit, plan, need = self._unit(self.running[i]), [], 0  # a sequence, or its group's: served whole
             for seq in unit:
-                n = self._num_new_tokens(seq, token_budget - sum(m for _, m in plan), seq.num_computed_tokens)
-                plan += [(seq, n)] if n else []
-                need += max(0, blocks_needed(seq.num_computed_tokens + n, bs) - len(seq.block_table))
+                num_new = self._num_new_tokens(
+                    seq, token_budget - sum(m for _, m in plan), seq.num_computed_tokens
+                )
+                plan += [(seq, num_new)] if num_new else []
+                need += max(0, blocks_needed(seq.num_computed_tokens + num_new, bs) - len(seq.block_table))
             if self._make_room(need, unit):  # others preempted from the back first, perhaps this unit
-                for seq, n in plan:
-                    reserve(seq, self.allocator, seq.num_computed_tokens + n)
+                for seq, num_new in plan:
+                    allocate_slots(seq, self.allocator, seq.num_computed_tokens + num_new)
                 batch += plan
-                token_budget -= sum(n for _, n in plan)
+                token_budget -= sum(num_new for _, num_new in plan)
                 i += len(unit)
         if self.num_preemptions > preemptions_before:
             return batch  # memory is tight: admit nobody this step
@@ -122,34 +128,34 @@ class Scheduler:
             seq = self.waiting[0]
             cached = match_prefix(seq.all_ids, self.allocator) if self.enable_prefix_caching else []
             start = len(cached) * self.allocator.block_size  # positions the prefix cache already holds
-            n = self._num_new_tokens(seq, token_budget, start)
-            if n == 0:
+            num_new = self._num_new_tokens(seq, token_budget, start)
+            if num_new == 0:
                 break  # the step's token budget is spent
             try:  # its first tokens' blocks (a reservation's blocks ahead come after, unkeyed)
-                reserve(seq, self.allocator, start + n, cached)
+                allocate_slots(seq, self.allocator, start + num_new, cached)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
             seq.num_computed_tokens = start  # its prefill skips the prefix-cache hits
-            self.num_cached_blocks += len(cached)
-            ahead = self._held_blocks(seq) - len(seq.block_table)  # a reservation policy's; checked to fit
+            self.prefix_cache_hits += len(cached)
+            ahead = self._held_blocks(seq) - len(seq.block_table)  # an admission policy's; checked to fit
             seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))  # filled later, not keyed yet
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
-            batch.append((seq, n))
-            token_budget -= n
+            batch.append((seq, num_new))
+            token_budget -= num_new
         return batch
 
     def update(self, batch: Batch, logits: torch.Tensor) -> tuple[list[Sequence], Copies]:
         """Record a step and sample: each sequence computed its scheduled tokens; each that ran its
         last known token samples the next one from its row of ``logits`` (N, vocab), rows in batch
-        order. A sequence with n > 1 whose prefill just ended is cloned first, and all its n sequences
+        order. A sequence with num_new > 1 whose prefill just ended is cloned first, and all its num_new sequences
         sample from that row, each with its own generator; a group's sequences hand it their row.
         Returns the sequences finished, and the block copies the engine makes before the next forward."""
         rows = iter(logits)
         ended = []  # each sequence that ran its last known token, with its row of logits
-        for seq, n in batch:
-            seq.num_computed_tokens += n
+        for seq, num_new in batch:
+            seq.num_computed_tokens += num_new
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not end the prompt: no new token yet
             ended.append((seq, next(rows)))
@@ -207,7 +213,7 @@ class Scheduler:
         self.allocator.check_invariants(r.block_table for r in self.running)
 
     def _held_blocks(self, seq: Sequence) -> int:
-        """Blocks ``seq`` holds from admission under the reservation policy (0 for paged)."""
+        """Blocks ``seq`` holds from admission under the admission policy (0 for paged)."""
         return blocks_needed(self.hold_len(seq), self.allocator.block_size)
 
     def hold_len(self, seq: Sequence) -> int:
@@ -217,13 +223,13 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, token_budget: int, computed: int) -> int:
         """Tokens ``seq`` runs this step when ``computed`` of its positions are in the pool: all the
         others, cut to the prefill chunk and the token budget; without chunking, all of them or nothing (0).
-        Also 0 while a reservation policy's blocks for it do not fit the free list."""
+        Also 0 while an admission policy's blocks for it do not fit the free list."""
         if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
             return 0  # its whole reservation must fit first (paged holds none ahead)
-        n = seq.num_tokens - computed
+        num_new = seq.num_tokens - computed
         if self.config.prefill_chunk_size is None:
-            return n if n <= token_budget else 0
-        return min(n, self.config.prefill_chunk_size, token_budget)
+            return num_new if num_new <= token_budget else 0
+        return min(num_new, self.config.prefill_chunk_size, token_budget)
 
     def _unit(self, seq: Sequence) -> list[Sequence]:
         """What is served and preempted as one: ``seq``, or every running sequence of its group."""
@@ -244,13 +250,15 @@ class Scheduler:
         """Split a sequence whose prefill just ended into its n samples: [parent, child 1, .., child n-1],
         sharing its full blocks, each child with a copy of its partial one (added to ``copies``), its
         sample_index i and a generator seeded for sample i. [] if making room preempted the parent."""
-        need = self.allocator.clone_needs(parent.num_computed_tokens, parent.n - 1)
+        need = self.allocator.clone_needs(parent.num_computed_tokens, parent.num_samples - 1)
         if not self._make_room(need, [parent]):
             return []  # it clones when its recompute ends
-        tables, more = self.allocator.clone(parent.block_table, parent.num_computed_tokens, parent.n - 1)
+        tables, more = self.allocator.clone(
+            parent.block_table, parent.num_computed_tokens, parent.num_samples - 1
+        )
         copies += more
         children = [
-            replace(parent, n=1, sample_index=i, generator=None, block_table=table, output_ids=[])
+            replace(parent, num_samples=1, sample_index=i, generator=None, block_table=table, output_ids=[])
             for i, table in enumerate(tables, start=1)
         ]
         for child in children:

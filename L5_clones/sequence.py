@@ -1,4 +1,4 @@
-"""A sequence through its life (waiting, running, finished), ``reserve()`` and ``slots()``, with shared blocks.
+"""A sequence through its life (waiting, running, finished), ``allocate_slots()`` and ``slots()``, with shared blocks.
 
 ``Sequence`` is one request's token stream. L2 ran one at a time; here many wait, run and finish
 side by side, so a sequence carries a status, a finish reason, a priority and its submission order,
@@ -11,7 +11,7 @@ computed when needed:
 (block t // block_size, row t % block_size). With block_size 4 and block table [2, 0], positions
 0..5 live in slots 8, 9, 10, 11, 0, 1, exactly as in L2.
 
-``reserve()`` now shares the blocks the prefix cache found, and gives every block that fills its
+``allocate_slots()`` now shares the blocks the prefix cache found, and gives every block that fills its
 prefix-cache key.
 
 A request may also want ``n`` samples. It runs its prompt once as one sequence; when the prefill ends,
@@ -58,7 +58,7 @@ class Sequence:
     max_new_tokens: int
     ignore_eos: bool = False
     priority: int = 0  # higher runs first
-    n: int = 1  # samples wanted; a sequence with n > 1 is cloned when its prefill ends
+    num_samples: int = 1  # samples wanted (the request's ``n``); cloned when its prefill ends if > 1
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sample_index: int = 0  # 0: the request's first sequence; 1 .. n-1: its clones
     generator: torch.Generator | None = None  # this sequence's random stream; default: seeded by sampling
@@ -84,14 +84,14 @@ class Sequence:
     @property
     def num_seqs(self) -> int:
         """Places this sequence takes in the running set: n until it clones, then 1."""
-        return self.n if not self.output_ids else 1
+        return self.num_samples if not self.output_ids else 1
 
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: higher priority first, then first come, first served, then sample order."""
         return (-self.priority, self.request_id, self.sample_index)
 
 
-def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:
+def allocate_slots(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: Ids[int] = ()) -> None:
     """Grow ``seq.block_table`` until positions 0 .. target_len - 1 have blocks, and give every block
     that positions up to target_len fill its prefix-cache key.
 
@@ -99,9 +99,9 @@ def reserve(seq: Sequence, allocator: BlockAllocator, target_len: int, cached: I
     shared (ref_count + 1) instead of allocated. With block_size 4, a sequence ``a`` holding [0],
     another holding [1], and the free list 2, 3, ...:
 
-        reserve(a, allocator, 4) -> a.block_table [0]      (nothing allocated; block 0 is now full:
+        allocate_slots(a, allocator, 4) -> a.block_table [0]      (nothing allocated; block 0 is now full:
                                                             registered under block_hash(None, a's 4 tokens))
-        reserve(a, allocator, 6) -> a.block_table [0, 2]
+        allocate_slots(a, allocator, 6) -> a.block_table [0, 2]
 
     The step that computes those positions runs right after, and in every layer it writes all new
     K/V before attention reads any, so a sequence that shares a block registered in the same step

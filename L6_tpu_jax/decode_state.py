@@ -2,7 +2,7 @@
 
 ``DecodeState`` is the single source of truth on the device: the ``SequenceTable`` and ``PageTable``
 (``page_table.py``), the ``TokenQueue`` of tokens waiting to run, each slot's generated tokens and
-budget, a ``finished`` flag per slot, and the counters behind ``Engine.stats()`` (``stats``, kept by
+max_new_tokens, a ``finished`` flag per slot, and the counters behind ``Engine.stats()`` (``stats``, kept by
 ``device_stats.py``). It is one pytree, so a whole decode round (pack the queue, allocate pages,
 forward, pick tokens, count, update, free what finished) runs inside ``jax.lax.while_loop`` without
 the host.
@@ -105,7 +105,7 @@ class DecodeState:
     tqueue: TokenQueue
     tokens: jax.Array  # i32[S, max_new]: generated tokens of each slot
     num_generated: jax.Array  # i32[S]
-    max_new_tokens: jax.Array  # i32[S]: each slot's budget
+    max_new_tokens: jax.Array  # i32[S]: each slot's max_new_tokens
     ignore_eos: jax.Array  # bool[S]
     finished: jax.Array  # bool[S]
     stop_tokens: jax.Array  # i32[E]: eos ids, INVALID padding
@@ -151,14 +151,14 @@ def reset_logical(state: DecodeState) -> DecodeState:
     )
 
 
-def admit(state: DecodeState, slot_mask, budgets, ignore_eos) -> DecodeState:
-    """Start new sequences in the slots of ``slot_mask`` (bool[S]) with their budgets (i32[S])."""
+def admit(state: DecodeState, slot_mask, max_new, ignore_eos) -> DecodeState:
+    """Start new sequences in the slots of ``slot_mask`` (bool[S]) with their max_new_tokens (i32[S])."""
     return replace(
         state,
         sequences=reserve_slots(state.sequences, slot_mask),
         tokens=jnp.where(slot_mask[:, None], INVALID, state.tokens),
         num_generated=jnp.where(slot_mask, 0, state.num_generated),
-        max_new_tokens=jnp.where(slot_mask, budgets, state.max_new_tokens),
+        max_new_tokens=jnp.where(slot_mask, max_new, state.max_new_tokens),
         ignore_eos=jnp.where(slot_mask, ignore_eos, state.ignore_eos),
         finished=state.finished & ~slot_mask,
     )
@@ -168,7 +168,7 @@ def update_tokens(state: DecodeState, info: PageBatchInfo, sampled: jax.Array) -
     """Append each batch sequence's new token, apply HF's stopping rule, and queue what continues.
 
     sampled: (S,) the token picked for batch sequence i (slot ``info.slot_ids[i]``). A slot finishes
-    when it reaches its budget or (unless it ignores eos) produces a stop token, which is kept. A
+    when it reaches its max_new_tokens or (unless it ignores eos) produces a stop token, which is kept. A
     continuing slot's token is queued at position ``info.seq_lens[i]``, the next one.
     """
     n_seqs = state.finished.shape[0]
@@ -197,7 +197,7 @@ def clone_sequence(state: DecodeState, kv_pages: tuple, parent, child) -> tuple[
 def start_clone(state: DecodeState, seqs: SequenceTable, pages: PageTable, parent, child, ok) -> DecodeState:
     """The state once slot ``child``'s pages are decided (``seqs``, ``pages``; ``ok`` False: none was free).
 
-    The child gets the parent's outputs and budget and, unless the parent already finished, a queued
+    The child gets the parent's outputs and max_new_tokens and, unless the parent already finished, a queued
     copy of the parent's next token. Out of pages: nothing changes and the shortage is recorded.
     """
     active = child >= 0

@@ -15,7 +15,7 @@
 The weights, the state and the pages live on ``device``. ``cleanup`` says when a finished sequence's
 pages go back: ``"incremental"`` in the decode loop, ``"end"`` after each host call, ``"none"`` at the
 next ``generate`` (Levanter's behaviour as its February 2026 notes describe it). The host admits a
-prompt only if the pool can hold it to its full budget beside what running sequences may still grow
+prompt only if the pool can hold it to its full max_new_tokens beside what running sequences may still grow
 into; the device still checks every allocation, and a shortage raises ``OutOfPagesError``, never a
 wrong answer. ``stats()`` is counted on the device (``device_stats.py``).
 
@@ -35,10 +35,10 @@ import numpy as np
 from kvcourse.devices import describe_jax_device, jax_device, jax_kv_bytes_for_fraction
 from kvcourse.jax_model import forward, load_params
 from kvcourse.limits import (
-    budget_blocks,
-    budget_note,
+    blocks_for_bytes,
+    bytes_note,
     check_requests,
-    describe_budget,
+    describe_sizing,
     resolve_max_model_len,
 )
 from kvcourse.model_store import resolve_model_dir
@@ -111,8 +111,8 @@ class Engine:
         if gpu_memory_utilization is not None:  # vLLM's way, from JAX's allocator (kvcourse/devices.py)
             kv_cache_bytes = jax_kv_bytes_for_fraction(self.device, gpu_memory_utilization)
         self.kv_cache_bytes = kv_cache_bytes
-        if kv_cache_bytes is not None:  # a budget: sized into pages once, never grown
-            num_pages = budget_blocks(kv_cache_bytes, page_size, cfg, num_pages)
+        if kv_cache_bytes is not None:  # bytes: sized into pages once, never grown
+            num_pages = blocks_for_bytes(kv_cache_bytes, page_size, cfg, num_pages)
         self.num_pages = self.pages_per_seq if num_pages is None else num_pages
         if self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
@@ -173,7 +173,7 @@ class Engine:
 
     def _prefill_fn(self, params, state, kv_pages, work):
         self.traces["prefill"] += 1
-        state = ds.admit(state, work["new"], work["budgets"], work["ignore_eos"])
+        state = ds.admit(state, work["new"], work["max_new"], work["ignore_eos"])
         new, kv_pages, info = self._step(
             params, state, kv_pages, work["tokens"], work["slots"], work["pos"], self.kernel
         )
@@ -185,7 +185,9 @@ class Engine:
         state, kv_pages = jax.lax.fori_loop(0, self.max_num_seqs, clone_one, (state, kv_pages))
         state = record_peaks(state)  # the clones' pages, before anything frees them
         if self.cleanup == "incremental":
-            state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)
+            state = ds.free_finished(
+                state
+            )  # a sequence can finish on its prefill token (eos, max_new_tokens 1)
         return state, kv_pages
 
     def _decode_fn(self, params, state, kv_pages, width):
@@ -226,12 +228,12 @@ class Engine:
         return jax.device_get(self.state)
 
     def stats(self) -> EngineStats:
-        """KV reserved vs live, pages held and shared, steps, tokens, clones and compiles, since the
+        """KV pool vs live, pages held and shared, steps, tokens, clones and compiles, since the
         engine was built, counted on the device (``device_stats.py``)."""
         totals = self.totals.plus(jax.device_get(self.state.stats))
         meter = totals.meter
         return EngineStats(
-            kv_bytes_reserved=sum(pool.nbytes for pool in self.kv_pages),
+            kv_bytes_pool=sum(pool.nbytes for pool in self.kv_pages),
             kv_bytes_live=meter.live_peak * self.cfg.kv_bytes_per_token(),
             kv_utilization=meter.utilization,
             block_size=self.page_size,
@@ -245,14 +247,14 @@ class Engine:
             device=f"{self.platform}:{self.device.id}",
             kernel=self.attention,
             max_num_seqs=self.max_num_seqs,
-            kv_budget=self.budget_line(),
+            kv_sizing=self.sizing_line(),
         )
 
-    def budget_line(self) -> str:
-        """How the KV budget was sized into pages, or "" without one."""
+    def sizing_line(self) -> str:
+        """How kv_cache_bytes were sized into pages, or "" for a pool sized in pages."""
         if self.kv_cache_bytes is None:
             return ""
-        return describe_budget(self.kv_cache_bytes, self.page_size, self.cfg)
+        return describe_sizing(self.kv_cache_bytes, self.page_size, self.cfg)
 
     def describe(self) -> str:
         """Where and how this engine runs, in one line.
@@ -274,23 +276,23 @@ class Engine:
 
     def check_fits(self, prompt: list[int], max_new_tokens: int, label: str = "request", n: int = 1) -> int:
         """Refuse a request that could never run (bad ids, longer than max_model_len, more clones than
-        slots, more pages than the pool). Returns its budget."""
-        [budget] = check_requests([prompt], max_new_tokens, self.cfg.vocab_size, self.max_model_len)
+        slots, more pages than the pool). Returns its max_new_tokens."""
+        [max_new] = check_requests([prompt], max_new_tokens, self.cfg.vocab_size, self.max_model_len)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"{label}: n must be an integer >= 1, got {n!r}")
         if n > self.max_num_seqs:
             raise ValueError(f"{label}: n={n} sequences exceed max_num_seqs={self.max_num_seqs}")
-        need = pages_for(len(prompt), budget, n, self.page_size)
+        need = pages_for(len(prompt), max_new, n, self.page_size)
         if need > self.num_pages:
             raise ValueError(
                 f"{label}: needs {need} pages of {self.page_size} tokens, but the pool has only {self.num_pages}"
-                + self.budget_note(need)
+                + self.bytes_note(need)
             )
-        return budget
+        return max_new
 
-    def budget_note(self, pages: int) -> str:
-        """The bytes ``pages`` pages take and the KV budget gives, for a refusal ("" without a budget)."""
-        return budget_note(pages, self.page_size * self.cfg.kv_bytes_per_token(), self.kv_cache_bytes)
+    def bytes_note(self, pages: int) -> str:
+        """The bytes ``pages`` pages take and kv_cache_bytes give, for a refusal ("" for a pool sized in pages)."""
+        return bytes_note(pages, self.page_size * self.cfg.kv_bytes_per_token(), self.kv_cache_bytes)
 
     def raise_if_short(self, host: ds.DecodeState) -> None:
         """Raise OutOfPagesError if the device recorded a failed allocation."""
@@ -320,9 +322,9 @@ class Engine:
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        budgets = check_requests(prompts, max_new_tokens, self.cfg.vocab_size, self.max_model_len)
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            self.check_fits(prompt, budget, f"prompt {i}", n)
+        max_new_tokens = check_requests(prompts, max_new_tokens, self.cfg.vocab_size, self.max_model_len)
+        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            self.check_fits(prompt, max_new, f"prompt {i}", n)
         self.reset()
         waiting = deque(range(len(prompts)))
         running: dict[int, list[int]] = {}  # prompt index -> its slots (parent first)
@@ -339,7 +341,7 @@ class Engine:
                 host = self.host_state()
             if not waiting and not running:
                 return results
-            work = self._admit(host, waiting, running, prompts, budgets, n, ignore_eos)
+            work = self._admit(host, waiting, running, prompts, max_new_tokens, n, ignore_eos)
             if work is not None:
                 # Prefill, then collect again before admitting more (a prompt can finish on its prefill
                 # token and free its slot): everything that fits is admitted before the next decode.
@@ -360,8 +362,8 @@ class Engine:
         queued = int(host.tqueue.num_queued)
         return min(self.max_num_seqs, bucket(queued, smallest=1)) if queued else 0
 
-    def _admit(self, host, waiting, running, prompts, budgets, n, ignore_eos):
-        """Give waiting prompts (in order) free slots while the pool can hold them to their budgets.
+    def _admit(self, host, waiting, running, prompts, max_new_tokens, n, ignore_eos):
+        """Give waiting prompts (in order) free slots while the pool can hold them to their max_new_tokens.
 
         Returns the prefill work, the tokens padded to a power-of-two bucket; or None.
         """
@@ -376,10 +378,10 @@ class Engine:
                     spare -= cdiv(int(seqs.seq_lens[s]) + left, ps) - int(held[s])
         tokens, slot_ids, pos, pairs = [], [], [], []
         new = np.zeros(self.max_num_seqs, bool)
-        seq_budgets = np.zeros(self.max_num_seqs, np.int32)
+        seq_max_new = np.zeros(self.max_num_seqs, np.int32)
         while waiting:
             i = waiting[0]
-            need = pages_for(len(prompts[i]), budgets[i], n, ps)
+            need = pages_for(len(prompts[i]), max_new_tokens[i], n, ps)
             room = not tokens or len(tokens) + len(prompts[i]) <= self.max_prefill_tokens  # in this call
             if len(free_slots) < n or need > spare or not room:
                 break
@@ -390,7 +392,7 @@ class Engine:
             tokens += prompts[i]
             slot_ids += [mine[0]] * len(prompts[i])
             pos += range(len(prompts[i]))
-            new[mine[0]], seq_budgets[mine[0]] = True, budgets[i]
+            new[mine[0]], seq_max_new[mine[0]] = True, max_new_tokens[i]
             pairs += [(mine[0], child) for child in mine[1:]]
             self.num_clones += n > 1  # one request split into its n sequences
         if not tokens:
@@ -402,7 +404,7 @@ class Engine:
             "slots": np.asarray(slot_ids + [INVALID] * pad, np.int32),  # (T,)
             "pos": np.asarray(pos + [0] * pad, np.int32),  # (T,)
             "new": new,  # (S,)
-            "budgets": seq_budgets,  # (S,)
+            "max_new": seq_max_new,  # (S,)
             "ignore_eos": np.full(self.max_num_seqs, ignore_eos),  # (S,)
             "parents": np.asarray([p for p, _ in pairs], np.int32),  # (S,)
             "children": np.asarray([c for _, c in pairs], np.int32),  # (S,)

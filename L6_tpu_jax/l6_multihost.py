@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", help="JSONL prompt file (default: the course prompt set)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=64, help="per-prompt budget unless the file sets one"
+        "--max-new-tokens", type=int, default=64, help="per-prompt max_new_tokens unless the file sets one"
     )
     p.add_argument(
         "--diverge", action="store_true", help="first demonstrate the guard catching diverging hosts"
@@ -98,7 +98,9 @@ def max_num_seqs_for(devices: int, wanted: int = 16) -> int:
 # ---- a host ----
 
 
-def diverge_demos(engine, ids: list[list[int]], budgets: list[int], expected: list[list[int]]) -> list[dict]:
+def diverge_demos(
+    engine, ids: list[list[int]], max_new_tokens: list[int], expected: list[list[int]]
+) -> list[dict]:
     """The multi-host rules, broken on purpose one at a time; returns what happened in each.
 
     Every host runs this same function; ``me`` decides which host misbehaves. A divergence caught by
@@ -118,13 +120,13 @@ def diverge_demos(engine, ids: list[list[int]], budgets: list[int], expected: li
         except HostDivergenceError as e:
             demos.append({"name": name, "ok": expect_caught, "said": str(e)})
         else:
-            same = engine.generate(ids, budgets) == expected
+            same = engine.generate(ids, max_new_tokens) == expected
             said = "no error; outputs equal single-process L6" if same else "no error, but outputs DIFFER"
             demos.append({"name": name, "ok": same and not expect_caught, "said": said})
         print(f"  [{'ok' if demos[-1]['ok'] else 'FAILED'}] {name}: {demos[-1]['said']}", flush=True)
 
     def host_only_logging():
-        engine.generate(ids, budgets)
+        engine.generate(ids, max_new_tokens)
         if me == 0:  # reads this host's own copy of the state: no jit call, nothing the others must join
             print(f"    host 0 only: occupancy {engine.occupancy()}; {engine.stats()}", flush=True)
             engine.check_invariants()
@@ -139,7 +141,7 @@ def diverge_demos(engine, ids: list[list[int]], budgets: list[int], expected: li
 
         engine._call = with_extra
         try:
-            engine.generate(ids, budgets)
+            engine.generate(ids, max_new_tokens)
         finally:
             del engine._call
 
@@ -147,7 +149,7 @@ def diverge_demos(engine, ids: list[list[int]], budgets: list[int], expected: li
         if me == 1:
             engine.decode_width = lambda host: 2 * type(engine).decode_width(engine, host)
         try:
-            engine.generate(ids, budgets)
+            engine.generate(ids, max_new_tokens)
         finally:
             engine.__dict__.pop("decode_width", None)
 
@@ -155,7 +157,7 @@ def diverge_demos(engine, ids: list[list[int]], budgets: list[int], expected: li
         if me == 1:
             engine.reset = lambda: None
         try:
-            engine.generate(ids, budgets)
+            engine.generate(ids, max_new_tokens)
         finally:
             engine.__dict__.pop("reset", None)
 
@@ -213,11 +215,11 @@ def host_main(args: argparse.Namespace) -> int:
         )
         if args.diverge and k == 0:
             few = slice(0, 2)
-            budgets = [min(b, 8) for b in model["budgets"][few]]
+            max_new_tokens = [min(b, 8) for b in model["max_new_tokens"][few]]
             expected = [t[:8] for t in model["l6"][few]]
-            report["demos"] = diverge_demos(engine, model["ids"][few], budgets, expected)
+            report["demos"] = diverge_demos(engine, model["ids"][few], max_new_tokens, expected)
         t0 = time.perf_counter()
-        tokens = engine.generate(model["ids"], model["budgets"])
+        tokens = engine.generate(model["ids"], model["max_new_tokens"])
         seconds = time.perf_counter() - t0
         n = sum(map(len, tokens))
         print(f"== {model['title']}: host {me} generated {n} new tokens in {seconds:.1f} s", flush=True)
@@ -353,14 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         entries = []
         for title, ctx in contexts:
             t0 = time.perf_counter()
-            l6 = Engine(ctx.model_dir, max_model_len=ctx.max_model_len).generate(ctx.ids, ctx.budgets)
+            l6 = Engine(ctx.model_dir, max_model_len=ctx.max_model_len).generate(ctx.ids, ctx.max_new_tokens)
             print(f"== {title}: single-process L6 in {time.perf_counter() - t0:.1f} s ({ctx.model_dir})")
             entries.append(
                 {
                     "title": title,
                     "model_dir": str(ctx.model_dir),
                     "ids": ctx.ids,
-                    "budgets": ctx.budgets,
+                    "max_new_tokens": ctx.max_new_tokens,
                     "max_model_len": ctx.max_model_len,
                     "l6": l6,
                 }

@@ -20,7 +20,7 @@ Then, counted in the summary line through the smoke's ``extra`` hook:
     up to CLONE_TOKENS tokens (the row shows the clone that differs first, if any);
 (c) two consecutive ``generate`` calls with logical reset == the same two with physical reset, and
     both == HF, on a pool just big enough for the longest request (``SmokeContext.longest_blocks``):
-    a prompt is admitted only while the pool can hold it to its whole budget next to what the running
+    a prompt is admitted only while the pool can hold it to its whole max_new_tokens next to what the running
     ones may still grow into, so prompts wait for pages, and decoding must never run dry.
 
 ``--device`` (or ``$KVCOURSE_DEVICE``) puts L6 on that JAX device and L5 and HF on that torch device;
@@ -56,7 +56,7 @@ def engine(ctx: SmokeContext, **options) -> Engine:
 def runs(ctx: SmokeContext) -> list[StageRun]:
     """The configurations compared row by row with L5 and HF."""
     chosen = ctx.shortest(PALLAS_PROMPTS)
-    pallas_len = max(len(ctx.ids[i]) + min(ctx.budgets[i], PALLAS_TOKENS) for i in chosen)
+    pallas_len = max(len(ctx.ids[i]) + min(ctx.max_new_tokens[i], PALLAS_TOKENS) for i in chosen)
     return [
         StageRun(
             "L6 JAX reference attention 16x16, incremental cleanup",
@@ -87,7 +87,7 @@ def previous(ctx: SmokeContext) -> StageRun:
 
 def greedy_clones(ctx: SmokeContext) -> tuple[int, int]:
     """(b): CLONES greedy clones of each prompt, each compared with HF up to CLONE_TOKENS."""
-    capped = [min(b, CLONE_TOKENS) for b in ctx.budgets]
+    capped = [min(b, CLONE_TOKENS) for b in ctx.max_new_tokens]
     l6 = engine(ctx, max_num_seqs=CLONES * len(ctx.ids), max_model_len=ctx.max_model_len)
     samples = l6.generate_samples(ctx.ids, capped, n=CLONES)
     rows = []
@@ -113,8 +113,8 @@ def two_calls(ctx: SmokeContext) -> tuple[int, int]:
     outputs = {}
     for mode in ("logical", "physical"):
         l6 = engine(ctx, reset=mode, num_pages=pages, max_model_len=ctx.max_model_len)
-        first = l6.generate(ctx.ids[:half], ctx.budgets[:half])
-        outputs[mode] = first + l6.generate(ctx.ids[half:], ctx.budgets[half:])
+        first = l6.generate(ctx.ids[:half], ctx.max_new_tokens[:half])
+        outputs[mode] = first + l6.generate(ctx.ids[half:], ctx.max_new_tokens[half:])
         print(f"  {mode} reset: one more took {1000 * reset_seconds(l6):.1f} ms; {l6.stats()}")
     rows = [
         Row(

@@ -39,13 +39,13 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def pages_for(prompt_len: int, budget: int, n: int, page_size: int) -> int:
-    """Pages a prompt needs to finish its budget, with n clones sharing its full prompt pages.
+def pages_for(prompt_len: int, max_new: int, n: int, page_size: int) -> int:
+    """Pages a prompt needs to finish its max_new_tokens, with n clones sharing its full prompt pages.
 
-    Example, page_size 16: a 20-token prompt, budget 30, n=4 -> 4 pages for one sequence (50 tokens)
+    Example, page_size 16: a 20-token prompt, max_new_tokens 30, n=4 -> 4 pages for one sequence (50 tokens)
     plus 3 clones x (4 - 1 shared) = 13.
     """
-    total = cdiv(prompt_len + budget, page_size)
+    total = cdiv(prompt_len + max_new, page_size)
     return total + (n - 1) * (total - prompt_len // page_size)
 
 

@@ -1,5 +1,5 @@
 """Blocks saved by sharing (the vLLM paper's Fig. 15 at this scale), and beam search with and without
-sharing at one KV budget: ``python -m bench.beam_memory [--model DIR] [--quick] [--out FILE]``.
+sharing at one pool size: ``python -m bench.beam_memory [--model DIR] [--quick] [--out FILE]``.
 
 L5's engine runs, for every workload, parallel sampling with n = 2, 4, 6 (temperature 0.8, top-p 0.9,
 seed 0) and beam search of width 2, 4, 6, all requests of the workload at once, with the prefix cache
@@ -18,7 +18,7 @@ without sharing (the sum of their block-table lengths); the saving is
   lengths capped at MAX_NEW_TOKENS for the CPU's sake. The request-stream work of issue #35 was not
   used: these mixes are this script's own.
 
-Then beam search of width THROUGHPUT_WIDTH on the course prompts at one KV budget (the larger of the
+Then beam search of width THROUGHPUT_WIDTH on the course prompts at one pool size (the larger of the
 peak the shared run held and the largest single group unshared): with sharing, and with every fork
 copying all its parent's blocks (``copy_everything``: what a block manager without reference counts
 must do); the two must return the same tokens, and their seconds, steps and preemptions are reported
@@ -67,17 +67,17 @@ PAPER = {  # Kwon et al., SOSP 2023, section 6.3, Fig. 15 (as issue #36 quotes t
 def synthetic_mix(
     vocab_size: int, requests: int, prompt_median: int, output_median: int, sigma: float, cap: int
 ):
-    """Random prompts and output budgets with log-normal lengths (seed 0); SYNTHETIC data.
+    """Random prompts and max_new_tokens with log-normal lengths (seed 0); SYNTHETIC data.
 
     Example: ``synthetic_mix(100, 2, 20, 40, 0.6, 48)`` -> two prompts of ids in [3, 100) and two
-    budgets in [1, 48], the same on every run."""
+    max_new_tokens in [1, 48], the same on every run."""
     rng = random.Random(0)
-    prompts, budgets = [], []
+    prompts, max_new = [], []
     for _ in range(requests):
         length = max(1, round(rng.lognormvariate(0, sigma) * prompt_median))
         prompts.append([rng.randrange(3, vocab_size) for _ in range(length)])
-        budgets.append(min(cap, max(1, round(rng.lognormvariate(0, sigma) * output_median))))
-    return prompts, budgets
+        max_new.append(min(cap, max(1, round(rng.lognormvariate(0, sigma) * output_median))))
+    return prompts, max_new
 
 
 def copy_everything(allocator: BlockAllocator) -> None:
@@ -95,12 +95,14 @@ def copy_everything(allocator: BlockAllocator) -> None:
     allocator.clone_needs, allocator.clone = clone_needs, clone
 
 
-def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
+def run(engine: Engine, prompts, max_new, mode: str, width: int) -> dict:
     """Every request at once, stepped to the end; the saving and what each request returned."""
-    if engine.config.grows_pool:  # room for every sequence unshared, as generate_beams grows it (no budget)
-        engine.fit_pool([len(p) + b for p, b in zip(prompts, budgets, strict=True) for _ in range(width)])
+    if (
+        engine.config.grows_pool
+    ):  # room for every sequence unshared, as generate_beams grows it (no size given)
+        engine.fit_pool([len(p) + b for p, b in zip(prompts, max_new, strict=True) for _ in range(width)])
     requests = []
-    for p, b in zip(prompts, budgets, strict=True):
+    for p, b in zip(prompts, max_new, strict=True):
         if mode == "beam search":
             requests.append(add_beam_request(engine, p, b, BeamParams(width)))
         else:
@@ -131,13 +133,13 @@ def run(engine: Engine, prompts, budgets, mode: str, width: int) -> dict:
 def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
     where = provenance()  # the commit measured: read before the runs, which take minutes
     rows = []
-    for name, (prompts, budgets) in workloads.items():
+    for name, (prompts, max_new) in workloads.items():
         for mode in ("parallel sampling", "beam search"):
             for width in widths:
                 engine = Engine(
                     model_dir, enable_prefix_caching=False, max_num_seqs=max(widths) * len(prompts)
                 )
-                r = run(engine, prompts, budgets, mode, width)
+                r = run(engine, prompts, max_new, mode, width)
                 rows.append(
                     {
                         "workload": name,
@@ -147,25 +149,25 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
                     }
                 )
                 print(f"  {name}, {mode}, width {width}: {100 * r['saved']:.1f}% saved", flush=True)
-    prompts, budgets = workloads["course"]
+    prompts, max_new = workloads["course"]
     options = {"enable_prefix_caching": False, "max_num_seqs": throughput_width * len(prompts)}
     probe = Engine(model_dir, **options)
-    shared_peak = run(probe, prompts, budgets, "beam search", throughput_width)["peak_held"]
-    budget = max(
+    shared_peak = run(probe, prompts, max_new, "beam search", throughput_width)["peak_held"]
+    pool_blocks = max(
         shared_peak,
         max(
             beam_blocks(
                 len(p), b, throughput_width, probe.allocator.block_size, recompute_shares(probe.scheduler)
             )
-            for p, b in zip(prompts, budgets, strict=True)
+            for p, b in zip(prompts, max_new, strict=True)
         ),
     )
     side = {}
     for label in ("shared", "copied"):
-        engine = Engine(model_dir, num_blocks=budget, **options)
+        engine = Engine(model_dir, num_blocks=pool_blocks, **options)
         if label == "copied":
             copy_everything(engine.allocator)
-        side[label] = run(engine, prompts, budgets, "beam search", throughput_width)
+        side[label] = run(engine, prompts, max_new, "beam search", throughput_width)
     assert side["shared"]["outputs"] == side["copied"]["outputs"], "copying changed the tokens"
     tokens = sum(len(s) for out in side["shared"]["outputs"] for s in out)
     return {
@@ -183,14 +185,14 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
             name: {
                 "requests": len(prompts),
                 "prompt_mean": sum(map(len, prompts)) / len(prompts),
-                "output_budget_mean": sum(budgets) / len(budgets),
+                "max_new_tokens_mean": sum(max_new) / len(max_new),
             }
-            for name, (prompts, budgets) in workloads.items()
+            for name, (prompts, max_new) in workloads.items()
         },
         "rows": rows,
         "throughput": {
             "width": throughput_width,
-            "num_blocks": budget,
+            "num_blocks": pool_blocks,
             "tokens": tokens,
             **{label: {k: v for k, v in r.items() if k != "outputs"} for label, r in side.items()},
         },
@@ -199,9 +201,9 @@ def measure(model_dir, workloads: dict, widths, throughput_width: int) -> dict:
 
 def table(results: dict) -> str:
     """Two Markdown tables: the blocks saved per workload and width (the workloads' mean prompt length
-    and mean output budget beside them), then beam search with and without sharing at one budget."""
+    and mean max_new_tokens beside them), then beam search with and without sharing at one pool size."""
     lines = [
-        "| workload | requests | mean prompt / output budget (tokens) "
+        "| workload | requests | mean prompt / max_new_tokens (tokens) "
         "| parallel sampling n = 2 / 4 / 6 | beam search k = 2 / 4 / 6 |",
         "|---|---|---|---|---|",
     ]
@@ -213,7 +215,7 @@ def table(results: dict) -> str:
         w = results["workloads"][name]
         label = name if name == "course" else f"{name} (synthetic)"
         lines.append(
-            f"| {label} | {w['requests']} | {w['prompt_mean']:.0f} / {w['output_budget_mean']:.0f} "
+            f"| {label} | {w['requests']} | {w['prompt_mean']:.0f} / {w['max_new_tokens_mean']:.0f} "
             f"| {cells[0]} | {cells[1]} |"
         )
     t = results["throughput"]

@@ -77,7 +77,7 @@ def model_size(weights) -> tuple[int, int]:
     return sum(t.numel() for t in unique), sum(t.nbytes for t in unique)
 
 
-def workload_ceiling(weights, prompts: list[list[int]], budgets: list[int], flops: float) -> dict:
+def workload_ceiling(weights, prompts: list[list[int]], max_new_tokens: list[int], flops: float) -> dict:
     """The fewest matmul FLOPs a workload needs, and the tokens/s they allow at ``flops`` FLOP/s.
 
     Every prompt token and every new token but the last goes once through the layers (2 FLOPs per
@@ -86,9 +86,9 @@ def workload_ceiling(weights, prompts: list[list[int]], budgets: list[int], flop
     tokens and 2 new ones: 4 rows through the layers, 2 through the head.
     """
     layer_params = sum(t.numel() for layer in weights.layers for t in vars(layer).values() if t is not None)
-    layer_rows = sum(len(p) + b - 1 for p, b in zip(prompts, budgets, strict=True))
-    need = 2 * (layer_params * layer_rows + weights.lm_head.numel() * sum(budgets))
-    return {"GFLOP": need / 1e9, "ceiling_tok_s": sum(budgets) * flops / need}
+    layer_rows = sum(len(p) + b - 1 for p, b in zip(prompts, max_new_tokens, strict=True))
+    need = 2 * (layer_params * layer_rows + weights.lm_head.numel() * sum(max_new_tokens))
+    return {"GFLOP": need / 1e9, "ceiling_tok_s": sum(max_new_tokens) * flops / need}
 
 
 # (copy MiB, matmul n, repeats) per device type. A GPU copies 2 GiB in about a millisecond and a half

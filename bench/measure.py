@@ -100,15 +100,18 @@ def runs_once(one_at_a_time: bool, n_requests: int) -> bool:
     return one_at_a_time and n_requests > 1
 
 
-def requests_job(system: System, prompts, budgets, repeats: int) -> Job:
+def requests_job(system: System, prompts, max_new_tokens, repeats: int) -> Job:
     """(a), (b), (u): the requests all at once. A system timed once (``runs_once``) warms up on the
     first request only."""
     compiles = engine_compiles(system)
     if runs_once(system.one_at_a_time, len(prompts)):
         return Job(
-            lambda: system.run(prompts, budgets), 1, lambda: system.run(prompts[:1], budgets[:1]), compiles
+            lambda: system.run(prompts, max_new_tokens),
+            1,
+            lambda: system.run(prompts[:1], max_new_tokens[:1]),
+            compiles,
         )
-    return Job(lambda: system.run(prompts, budgets), repeats, compiles=compiles)
+    return Job(lambda: system.run(prompts, max_new_tokens), repeats, compiles=compiles)
 
 
 def engine_compiles(system: System) -> Callable[[], dict] | None:
@@ -119,26 +122,26 @@ def engine_compiles(system: System) -> Callable[[], dict] | None:
     return lambda: dict(system.engine.stats().compiles)
 
 
-def requests_row(system: System, row: dict, outs, prompts, budgets) -> dict:
-    """A timed row of (a), (b), (u) with its tokens: useful ones are the budgets; ``computed_new_tokens``
+def requests_row(system: System, row: dict, outs, prompts, max_new_tokens) -> dict:
+    """A timed row of (a), (b), (u) with its tokens: useful ones are the max_new_tokens; ``computed_new_tokens``
     is what the system generated (more for HF batched); ``warmup_requests`` how many requests its
     untimed warm-up ran (the first one only for a system timed once, see ``requests_job``)."""
-    assert [len(o) for o in outs] == budgets, f"{system.name} did not produce fixed-length outputs"
-    useful = sum(budgets)
+    assert [len(o) for o in outs] == max_new_tokens, f"{system.name} did not produce fixed-length outputs"
+    useful = sum(max_new_tokens)
     warmup_requests = 1 if runs_once(system.one_at_a_time, len(prompts)) else len(prompts)
-    return row | {"new_tokens": useful, "computed_new_tokens": system.computed(prompts, budgets),
+    return row | {"new_tokens": useful, "computed_new_tokens": system.computed(prompts, max_new_tokens),
                   "tok_s": useful / row["seconds"], "requests": len(prompts),
                   "warmup_requests": warmup_requests}  # fmt: skip
 
 
-def samples_job(system: System, prompt, budget: int, n: int, repeats: int) -> Job:
+def samples_job(system: System, prompt, max_new: int, n: int, repeats: int) -> Job:
     """(c): n samples of one prompt."""
-    return Job(lambda: system.run_samples(prompt, budget, n), repeats, compiles=engine_compiles(system))
+    return Job(lambda: system.run_samples(prompt, max_new, n), repeats, compiles=engine_compiles(system))
 
 
-def samples_row(system: System, row: dict, outs, budget: int, n: int) -> dict:
-    assert [len(o) for o in outs] == [budget] * n, f"{system.name} did not produce {n} x {budget} tokens"
-    return row | {"new_tokens": n * budget, "tok_s": n * budget / row["seconds"]}
+def samples_row(system: System, row: dict, outs, max_new: int, n: int) -> dict:
+    assert [len(o) for o in outs] == [max_new] * n, f"{system.name} did not produce {n} x {max_new} tokens"
+    return row | {"new_tokens": n * max_new, "tok_s": n * max_new / row["seconds"]}
 
 
 def agreement(outs: list[list[int]], references: list[Reference]) -> dict:

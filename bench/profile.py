@@ -100,11 +100,11 @@ class Timers:
         }
 
 
-def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict:
+def profile_stage(name: str, model_dir, prompts, max_new_tokens, options: dict) -> dict:
     """Run the workload twice on a fresh engine of stage ``name`` built with ``options``; time the parts of the
     second run."""
     engine = engine_class(name)(model_dir, **options)
-    engine.generate(prompts, budgets, ignore_eos=True)  # warm-up
+    engine.generate(prompts, max_new_tokens, ignore_eos=True)  # warm-up
     timers = Timers()
     package = STAGES[name]
     prepare = engine.prepare
@@ -130,7 +130,7 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
             patch(importlib.import_module(f"{package}.attention"), "causal_attention", "kernel")
         patches.enter_context(mock.patch.object(engine, "prepare", prepare_and_classify))
         t0 = time.perf_counter()
-        engine.generate(prompts, budgets, ignore_eos=True)
+        engine.generate(prompts, max_new_tokens, ignore_eos=True)
         wall = time.perf_counter() - t0
     return {
         "seconds": wall,
@@ -143,13 +143,15 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
     }
 
 
-def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
+def profile_l6(model_dir, prompts, max_new_tokens, options: dict) -> dict:
     """Run the workload twice on a fresh L6 engine (the first run compiles); time each call of the second."""
     import jax
 
     engine = engine_class("L6")(model_dir, **options)
     t0 = time.perf_counter()
-    engine.generate(prompts, budgets, ignore_eos=True)  # warm-up, compiles every shape the workload needs
+    engine.generate(
+        prompts, max_new_tokens, ignore_eos=True
+    )  # warm-up, compiles every shape the workload needs
     first_run = time.perf_counter() - t0  # generate ends reading the device's state: nothing is left queued
     compiles_after_first = dict(engine.stats().compiles)
     seconds, calls = defaultdict(float), defaultdict(int)
@@ -172,7 +174,7 @@ def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
         for attr, name in timed_parts.items():
             patches.enter_context(mock.patch.object(engine, attr, timed(name, getattr(engine, attr))))
         t0 = time.perf_counter()
-        engine.generate(prompts, budgets, ignore_eos=True)
+        engine.generate(prompts, max_new_tokens, ignore_eos=True)
         wall = time.perf_counter() - t0
     steps = engine.stats().steps - steps_before - calls["prefill"]  # a prefill call is one step
     parts = {name: seconds[name] for name in ("prefill", "decode", "host_state")}
@@ -204,7 +206,9 @@ def spread(items: list[int], k: int) -> list[int]:
     return sorted({items[round(j * (len(items) - 1) / max(k - 1, 1))] for j in range(k)})
 
 
-def kernel_profile(name: str, model_dir, prompts, budgets, options: dict, steps=PROFILED_STEPS) -> dict:
+def kernel_profile(
+    name: str, model_dir, prompts, max_new_tokens, options: dict, steps=PROFILED_STEPS
+) -> dict:
     """A few decode steps of the workload on a fresh engine of torch stage ``name``, under torch.profiler.
 
     Three runs on one engine. The first warms up (Triton compiles its kernels) and records each step's
@@ -233,11 +237,11 @@ def kernel_profile(name: str, model_dir, prompts, budgets, options: dict, steps=
         """One generate with ``wrapped_step(i)`` in place of ``engine.step``; returns how many steps it took."""
         counter = itertools.count()
         with mock.patch.object(engine, "step", lambda: wrapped_step(next(counter))):
-            engine.generate(prompts, budgets, ignore_eos=True)
+            engine.generate(prompts, max_new_tokens, ignore_eos=True)
         return next(counter)
 
     with mock.patch.object(engine, "prepare", classify):
-        engine.generate(prompts, budgets, ignore_eos=True)  # warm-up
+        engine.generate(prompts, max_new_tokens, ignore_eos=True)  # warm-up
     chosen = spread([i for i, r in enumerate(rows) if r], steps)  # decode-only steps
     walls: dict[int, float] = {}
 
@@ -390,16 +394,18 @@ def main(argv=None) -> int:
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     if args.workload == "a":
-        prompts, budgets = batch1_workload(model_dir, sizes["a_tokens"])
+        prompts, max_new_tokens = batch1_workload(model_dir, sizes["a_tokens"])
     else:
-        prompts, budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
-    max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + budgets[0])
+        prompts, max_new_tokens = mixed_workload(
+            vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"]
+        )
+    max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + max_new_tokens[0])
     profiles, kernels, l6 = {}, {}, None
     for spec in (args.stages or DEFAULT_STAGES[device.type]).split(","):
         name, _, variant = spec.partition(":")  # "L4:cpp": a kernel; "L4:graphs": the decode graphs
         cls = engine_class(name)
         if name == "L6":
-            l6 = profile_l6(model_dir, prompts, budgets, stage_options(cls, sizes, max_len, device))
+            l6 = profile_l6(model_dir, prompts, max_new_tokens, stage_options(cls, sizes, max_len, device))
             continue
         if not hasattr(cls, "prepare"):
             raise SystemExit(f"{name} has no scheduler step to profile; profile L3, L4, L5 or L6")
@@ -409,12 +415,12 @@ def main(argv=None) -> int:
             spec if spec not in profiles else f"{spec} #{sum(k.split(' #')[0] == spec for k in profiles) + 1}"
         )
         try:
-            profiles[key] = profile_stage(name, model_dir, prompts, budgets, options)
+            profiles[key] = profile_stage(name, model_dir, prompts, max_new_tokens, options)
         except ValueError as e:  # e.g. L4:cpp on a GPU
             print(f"error: {spec}: {e}", file=sys.stderr)
             return 2
         if device.type == "cuda" or args.torch_profiler:
-            kernels[key] = kernel_profile(name, model_dir, prompts, budgets, options)
+            kernels[key] = kernel_profile(name, model_dir, prompts, max_new_tokens, options)
     parts = [table(profiles)] if profiles else []
     if profiles and device.type == "cuda":
         parts.append(

@@ -17,11 +17,11 @@ name: ``make bench`` leaves ``JAX_PLATFORMS`` unset, so a CUDA build of JAX has 
 with TF32 off (``kvcourse.devices``). On a GPU, JAX is told not to take 75% of the GPU's memory as it
 starts (``XLA_PYTHON_CLIENT_PREALLOCATE=false``): the torch systems share the card.
 
-Workloads (fixed-length: every request produces exactly its budget of tokens); a CPU runs them all, a
+Workloads (fixed-length: every request produces exactly its max_new_tokens); a CPU runs them all, a
 GPU (a), (b) and (u) only (``PLANS``):
 
 - (a) batch-1 decode: one chat prompt, 128 new tokens;
-- (b) 32 mixed requests: prompt lengths 10-300, budgets 16-128 (seeded), all submitted at once;
+- (b) 32 mixed requests: prompt lengths 10-300, max_new_tokens 16-128 (seeded), all submitted at once;
 - (u) 32 uniform requests: 128-token prompts, 64 new tokens each (where HF batched wastes nothing);
 - (c) 8 samples of one 200-token prompt, 64 tokens each: L5 and L6 prefill it once and clone (sharing
   its full blocks), the others run 8 requests; the most blocks held at once against 8 private copies;

@@ -5,22 +5,23 @@
 One command (part of ``make bench``), on the CPU, SmolLM2-135M-Instruct in fp32. Every system serves
 the same request stream (``kvcourse.harness.stream``: Poisson arrivals from a seed, lengths from the
 synthetic Alpaca-like mix with the paper's means, or a quarter of them with ``--quick``) in real
-time at the same KV budget, and every output is checked against HF greedy one request at a time (eos
+time at the same KV pool size, and every output is checked against HF greedy one request at a time (eos
 disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie rule.
 
-- (a) KV memory holding live tokens, per policy: paged, Oracle, Pow2, Max (``reservation=``, L3);
+- (a) KV memory holding live tokens, per admission policy: on demand, Oracle, Pow2, Max (``admission_policy=``, L3);
 - (b) mean normalized latency (end-to-end / output tokens) against request rate, per policy, at one
-  budget; the highest rate each sustains under a latency bound stated in the JSON (twice paged's
-  normalized latency at the lowest rate, measured in the same run), and paged/Oracle and paged/Max;
+  pool size; the highest rate each sustains under a latency bound stated in the JSON (twice on
+  demand's normalized latency at the lowest rate, measured in the same run), and on_demand/oracle and
+  on_demand/max;
 - (c) peers on the same stream at one rate: HF ``generate`` in static batches (collect what has
-  arrived, left-pad, run to the longest budget; a batch only as large as the budget holds at the
+  arrived, left-pad, run to the longest max_new_tokens; a batch only as large as the pool holds at the
   longest length, as a server reserving per request must; its tokens come back when the batch ends,
   so its TTFT is the batch's end), transformers' continuous batching (``ContinuousBatchingManager``,
-  ``add_request`` + ``get_result`` with streaming, its paged cache given the budget's blocks), and
+  ``add_request`` + ``get_result`` with streaming, its paged cache given the pool's blocks), and
   L4 and L5 (paged); L6 is left out: it has no ``add_request`` + ``step`` to feed in real time;
 - (d) chunked prefill's payoff: short requests decoding while long prompts arrive; the running
   requests' inter-token gaps (p50, p99) and the long prompts' TTFT, without chunking and for a few
-  chunk sizes (L3, paged).
+  chunk sizes (L3, on demand).
 
 Timing is noisy: this VM has 2 cores shared with other work; the JSON records ``os.getloadavg()``
 before and after each part. Writes ``bench/results/serving[_quick].json`` and
@@ -41,7 +42,7 @@ import torch
 from bench.measure import agreement, cpu_name, package_version, provenance
 from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
-from kvcourse.engine_config import RESERVATIONS
+from kvcourse.engine_config import ADMISSION_POLICIES
 from kvcourse.harness.reference import Reference
 from kvcourse.harness.serving import Timeline, request_metrics, serve, summary
 from kvcourse.harness.stream import MIXES, Request, at_rate, describe, synthetic_stream
@@ -71,15 +72,19 @@ def checked(outputs: list[list[int]], refs: list[Reference]) -> dict:
     return agreement(outputs, refs)
 
 
-def budget_bytes(model_dir, plan) -> int:
-    """The plan's KV budget in bytes: its blocks of 16 tokens, at the model's bytes a token (SmolLM2-135M
+def pool_bytes(model_dir, plan) -> int:
+    """The plan's KV pool in bytes: its blocks of 16 tokens, at the model's bytes a token (SmolLM2-135M
     in fp32: 2 x 3 x 64 x 30 x 4 = 46,080; the engines' set-up line shows the sum)."""
     return plan["blocks"] * BLOCK * ModelConfig.from_dir(model_dir).kv_bytes_per_token()
 
 
 def engine(cls, model_dir, plan, **options):
-    budget = budget_bytes(model_dir, plan)
-    options = {"block_size": BLOCK, "kv_cache_bytes": budget, "max_model_len": plan["max_len"], **options}
+    options = {
+        "block_size": BLOCK,
+        "kv_cache_bytes": pool_bytes(model_dir, plan),
+        "max_model_len": plan["max_len"],
+        **options,
+    }
     if cls is not L3Engine:
         options["kernel"] = "cpp"
     return cls(model_dir, **options)
@@ -101,9 +106,9 @@ def result(timeline: Timeline, refs, setup: str) -> dict:
     }
 
 
-def hf_static(model_dir, requests: list[Request], refs, budget_positions: int) -> dict:
-    """HF generate in static batches: when idle, take what has arrived (in order, as many as fit the
-    budget at the batch's longest length), left-pad, run to the longest budget."""
+def hf_static(model_dir, requests: list[Request], refs, pool_positions: int) -> dict:
+    """HF generate in static batches: when idle, take what has arrived (in order, as many as the
+    pool holds at the batch's longest length), left-pad, run to the longest max_new_tokens."""
     model = fixed_length_model(model_dir)
     timeline, start, i = Timeline.empty(requests), time.perf_counter(), 0
     while i < len(requests):
@@ -117,7 +122,7 @@ def hf_static(model_dir, requests: list[Request], refs, budget_positions: int) -
             width = max(len(requests[j].prompt_ids) for j in nxt) + max(
                 requests[j].max_new_tokens for j in nxt
             )
-            if len(nxt) * width > budget_positions:
+            if len(nxt) * width > pool_positions:
                 break
             batch = nxt
         prompts = [requests[j].prompt_ids for j in batch]
@@ -133,7 +138,7 @@ def hf_static(model_dir, requests: list[Request], refs, budget_positions: int) -
             timeline.tokens(j, out[row, width : width + requests[j].max_new_tokens].tolist(), done)
         i += len(batch)
     timeline.end = time.perf_counter() - start
-    return result(timeline, refs, f"HF generate, static batches of at most {budget_positions} positions")
+    return result(timeline, refs, f"HF generate, static batches of at most {pool_positions} positions")
 
 
 def hf_continuous(model_dir, requests: list[Request], refs, num_blocks: int) -> dict:
@@ -242,9 +247,9 @@ def plots(results: dict, tag: str, folder: Path) -> list[str]:
     ax[0].legend(fontsize=8)
     rate = str(results["plan"]["rates"][-1])
     names = list(policies)
-    ax[1].bar(names, [100 * policies[p][rate]["summary"]["kv_live_share"] for p in names])
-    ax[1].set_ylabel(f"% of reserved KV holding tokens (rate {rate})")
-    fig.suptitle(f"L3 at a {results['budget_bytes'] / 2**20:.0f} MiB KV budget, {results['stream']['label']}",
+    ax[1].bar(names, [100 * policies[p][rate]["summary"]["kv_utilization"] for p in names])
+    ax[1].set_ylabel(f"% of held KV holding tokens (rate {rate})")
+    fig.suptitle(f"L3 at a {results['kv_cache_bytes'] / 2**20:.0f} MiB KV pool, {results['stream']['label']}",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     path = folder / f"serving_policies{tag}.png"
@@ -290,7 +295,6 @@ def main(argv=None) -> int:
         return list(hf.references)
 
     refs = refs_of(base)
-    budget = budget_bytes(model_dir, plan)
     results = {
         "command": "python -m bench.serving"
         + ("" if name == "full" else f" --plan {name}" if args.plan else " --quick"),
@@ -304,39 +308,41 @@ def main(argv=None) -> int:
         },  # fmt: skip
         "note": "2 shared cores: timings are noisy; load is os.getloadavg() (1, 5, 15 min) at each part",
         "plan": plan,
-        "budget_bytes": budget,
+        "kv_cache_bytes": pool_bytes(model_dir, plan),
         "stream": {"label": MIXES["alpaca"]["label"] + f", means x {plan['scale']}", **describe(base)},
         "policies": {},
         "load": {"start": load()},
     }
-    results["policies"] = {policy: {} for policy in RESERVATIONS}
+    results["policies"] = {policy: {} for policy in ADMISSION_POLICIES}
     for rate in plan["rates"]:  # rate by rate, the policies side by side: a drift falls on all alike
         reqs = at_rate(base, rate, SEED + 1)
-        for policy in RESERVATIONS:
-            row = run_engine(engine(L3Engine, model_dir, plan, reservation=policy), reqs, refs)
+        for policy in ADMISSION_POLICIES:
+            row = run_engine(engine(L3Engine, model_dir, plan, admission_policy=policy), reqs, refs)
             row["load"] = load()
             results["policies"][policy][str(rate)] = row
             s = row["summary"]
             print(f"{policy:6s} rate {rate:5.2f}: normalized {s['mean_normalized_latency']:.3f} s/token, "
-                  f"live {100 * s['kv_live_share']:.1f}% of reserved, {s['preemptions']} preemptions, "
+                  f"live {100 * s['kv_utilization']:.1f}% of held, {s['preemptions']} preemptions, "
                   f"{row['agreement']['match']}/{len(reqs)} match", flush=True)  # fmt: skip
     low = str(plan["rates"][0])
-    results["latency_bound"] = 2 * results["policies"]["paged"][low]["summary"]["mean_normalized_latency"]
+    results["latency_bound"] = 2 * results["policies"]["on_demand"][low]["summary"]["mean_normalized_latency"]
     best = sustained(results["policies"], results["latency_bound"])
     results["sustained_rate"] = best
     results["ratios"] = {
-        "paged/oracle": best["paged"] / best["oracle"] if best["paged"] and best["oracle"] else None,
-        "paged/max": best["paged"] / best["max"] if best["paged"] and best["max"] else None,
+        "on_demand/oracle": best["on_demand"] / best["oracle"]
+        if best["on_demand"] and best["oracle"]
+        else None,
+        "on_demand/max": best["on_demand"] / best["max"] if best["on_demand"] and best["max"] else None,
         "paper": {
-            "paged/oracle": [1.7, 2.7],
-            "paged/max": [2.7, 8.0],
-            "kv_live_share_reserving": [0.204, 0.382],
+            "on_demand/oracle": [1.7, 2.7],
+            "on_demand/max": [2.7, 8.0],
+            "kv_utilization_reserving": [0.204, 0.382],
         },
     }
     reqs = at_rate(base, plan["peer_rate"], SEED + 1)
     peers = {"HF static batches": lambda: hf_static(model_dir, reqs, refs, plan["blocks"] * BLOCK)}
     peers["HF continuous batching"] = lambda: hf_continuous(model_dir, reqs, refs, plan["blocks"])
-    peers["L3 paged"] = lambda: dict(results["policies"]["paged"][str(plan["peer_rate"])])  # the same run
+    peers["L3 paged"] = lambda: dict(results["policies"]["on_demand"][str(plan["peer_rate"])])  # the same run
     peers["L4 paged"] = lambda: run_engine(engine(L4Engine, model_dir, plan), reqs, refs)
     peers["L5 paged"] = lambda: run_engine(
         engine(L5Engine, model_dir, plan, enable_prefix_caching=False), reqs, refs

@@ -18,7 +18,7 @@ Counters, from ``engine.stats()`` (``kvcourse.stats.EngineStats``): blocks held 
 tokens through the model, prefix-cache hits, and live KV at the peak (a shared block's positions
 counted once). They count, they do not time: a run gives the same numbers on any machine and load.
 The results go to ``bench/results/sharing.json``; ``make numbers`` draws the chapter's tables from it.
-``--quick`` runs the same on a tiny random Qwen3 with short budgets and writes nothing (for the tests).
+``--quick`` runs the same on a tiny random Qwen3 with short max_new_tokens and writes nothing (for the tests).
 
 Left out on purpose: time (``make bench`` part (c) times sharing against L4), and beam search.
 """
@@ -190,7 +190,9 @@ def table(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sharing", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the course model)")
-    parser.add_argument("--quick", action="store_true", help="tiny random Qwen3, short budgets (for tests)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny random Qwen3, short max_new_tokens (for tests)"
+    )
     parser.add_argument("--out", help="JSON file (default: bench/results/sharing.json; none with --quick)")
     args = parser.parse_args(argv)
     if args.quick and not args.model:

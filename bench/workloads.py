@@ -22,7 +22,7 @@ QUICK = {"repeats": 1, "a_tokens": 8, "b_requests": 4, "b_prompt": (4, 24), "b_n
 
 
 def mixed_workload(vocab: int, n: int, prompt_range, new_range, seed: int = 0):
-    """n requests of seeded random token ids: ([prompt ids], [budgets]).
+    """n requests of seeded random token ids: ([prompt ids], [max_new_tokens]).
 
     Random ids are fine for speed: with ``ignore_eos`` the text never changes what is computed.
     """
@@ -32,7 +32,7 @@ def mixed_workload(vocab: int, n: int, prompt_range, new_range, seed: int = 0):
 
 
 def batch1_workload(model_dir, new_tokens: int):
-    """(a): one chat prompt (the model's chat template around a request for a story) and its budget,
+    """(a): one chat prompt (the model's chat template around a request for a story) and its max_new,
     as ([prompt ids], [new_tokens])."""
     from kvcourse.harness.prompts import Prompt, encode, load_tokenizer
 

@@ -3,7 +3,7 @@
     kvcourse/*.py        what the stages import: the model (``model``; in JAX, ``jax_model``), its
                          config (``config``) and store (``model_store``), the engines' shared options
                          (``engine_config``), devices (``devices``), request
-                         limits and KV budgets (``limits``), statistics (``stats``), sampling
+                         limits and pool sizing in bytes (``limits``), statistics (``stats``), sampling
                          (``sampling``), the C++ build (``cpp_kernels``) and decode graphs
                          (``decode_graphs``); ``__main__`` is ``python -m kvcourse``
     kvcourse/harness/    what runs and compares the stages: smokes, HF reference, comparison, prompts,

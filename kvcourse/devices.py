@@ -18,7 +18,7 @@ therefore calls ``exact_fp32()``, which turns TF32 off for the whole process (ma
 convolutions) and asks for "highest" float32 matmul precision; every process that compares (smoke,
 tests, CLI, GPU check, the HF reference) resolves its device through here first.
 
-A KV budget as a share of a GPU (``gpu_memory_utilization=``, as vLLM's option of that name):
+The KV pool as a share of a GPU (``gpu_memory_utilization=``, as vLLM's option of that name):
 ``kv_bytes_for_fraction`` (torch) gives the KV cache ``fraction`` x the device's total memory, less the
 memory in use once the weights are loaded and the peak a profiled forward of a full step adds; vLLM v1
 does the same (``available_kv_cache_memory_bytes = requested_memory - non_kv_cache_memory`` in
@@ -137,13 +137,13 @@ def kv_bytes_for_fraction(device: torch.device, fraction: float, profile) -> int
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
-    budget = requested - ours - activations
-    if budget <= 0:
+    kv_bytes = requested - ours - activations
+    if kv_bytes <= 0:
         raise ValueError(
             f"gpu_memory_utilization={fraction} leaves no KV memory: {fraction} x {total:,} bytes, less "
-            f"{ours:,} this process holds and {activations:,} of activations, is {budget:,} bytes"
+            f"{ours:,} this process holds and {activations:,} of activations, is {kv_bytes:,} bytes"
         )
-    return budget
+    return kv_bytes
 
 
 def jax_kv_bytes_for_fraction(device, fraction: float) -> int:
@@ -154,10 +154,10 @@ def jax_kv_bytes_for_fraction(device, fraction: float) -> int:
     stats = device.memory_stats() if device.platform == "gpu" else None
     if not stats:
         raise ValueError(f"gpu_memory_utilization needs a GPU, got {device.platform}")
-    budget = int(fraction * stats["bytes_limit"]) - stats["peak_bytes_in_use"]
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization={fraction} leaves no KV memory ({budget:,} bytes)")
-    return budget
+    kv_bytes = int(fraction * stats["bytes_limit"]) - stats["peak_bytes_in_use"]
+    if kv_bytes <= 0:
+        raise ValueError(f"gpu_memory_utilization={fraction} leaves no KV memory ({kv_bytes:,} bytes)")
+    return kv_bytes
 
 
 def jax_device(device: str = "cpu"):

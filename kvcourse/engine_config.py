@@ -8,14 +8,14 @@ depend on the model and checks every value once, each error naming the option an
 
 - ``max_model_len``: the longest request (prompt + max_new_tokens); None: min(2048, the model's
   max_position_embeddings) (``kvcourse.limits.resolve_max_model_len``);
-- the pool, sized once: ``num_blocks`` blocks of ``block_size`` tokens, or a KV budget in bytes,
+- the pool, sized once: ``num_blocks`` blocks of ``block_size`` tokens, or bytes,
   ``kv_cache_bytes`` (or ``gpu_memory_utilization``: that share of a CUDA device's memory), sized
-  into blocks and never grown (``kvcourse.limits.kv_budget``); with neither, L1's bytes (one
+  into blocks and never grown (``kvcourse.limits.size_pool``); with neither, L1's bytes (one
   ``max_model_len`` sequence), which a batching engine's ``generate`` grows to fit its requests
   (``grows_pool``, ``pool_blocks``);
 - scheduling: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a step (None:
   max_model_len), prompts fed ``prefill_chunk_size`` tokens a step (None: whole, so a whole prompt
-  must fit one step), and ``reservation``, what admission holds per request (``reservation_len``).
+  must fit one step), and ``admission_policy``, what admission holds per request (``held_at_admission``).
 
 A request meets one check on its way in, ``check_requests``: its ids and lengths, and whether the
 pool could ever hold it, its reservation included. The scheduler (L3 on) is handed the config and
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from kvcourse.limits import KvBudget, check_blocks, check_requests, kv_budget, resolve_max_model_len
+from kvcourse.limits import KvSizing, check_blocks, check_requests, resolve_max_model_len, size_pool
 
-RESERVATIONS = ("paged", "oracle", "pow2", "max")
+ADMISSION_POLICIES = ("on_demand", "oracle", "pow2", "max")
 
 
-def reservation_len(policy: str, length: int, max_model_len: int) -> int:
+def held_at_admission(policy: str, length: int, max_model_len: int) -> int:
     """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
     admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
 
@@ -46,7 +46,7 @@ def reservation_len(policy: str, length: int, max_model_len: int) -> int:
 
     Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
     """
-    if policy == "paged":
+    if policy == "on_demand":
         return 0
     if policy == "oracle":
         return length
@@ -71,15 +71,15 @@ class EngineConfig:
     max_model_len: int | None = None  # the longest request, prompt + max_new_tokens
     block_size: int = 16  # tokens a block
     num_blocks: int | None = None  # blocks in the pool (its first size, when it grows)
-    kv_cache_bytes: int | None = None  # a KV budget in bytes: the pool is what it holds
-    gpu_memory_utilization: float | None = None  # a KV budget as a share of a CUDA device's memory
-    reservation: str = "paged"  # what admission holds per request (``reservation_len``)
+    kv_cache_bytes: int | None = None  # the pool in bytes: as many blocks as they hold
+    gpu_memory_utilization: float | None = None  # the pool as a share of a CUDA device's memory
+    admission_policy: str = "on_demand"  # what admission holds per request (``held_at_admission``)
     max_num_seqs: int = 32  # most sequences running at once
     max_num_batched_tokens: int | None = None  # most tokens a step
     prefill_chunk_size: int | None = None  # a prompt's tokens a step (None: the whole prompt)
     # resolved by ``build``, not options:
     vocab_size: int = 0
-    budget: KvBudget | None = None  # how a KV budget was sized into blocks (None: no budget)
+    sizing: KvSizing | None = None  # how kv_cache_bytes were sized into blocks (None: sized in blocks)
     grows_pool: bool = False  # the pool was left to its default: ``generate`` grows it
 
     def __post_init__(self):
@@ -90,10 +90,12 @@ class EngineConfig:
         chunk = self.prefill_chunk_size
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"prefill_chunk_size must be >= 1 or None (no chunking), got {chunk!r}")
-        if self.reservation not in RESERVATIONS:
-            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
-        if self.reservation in ("pow2", "max") and self.max_model_len is None:
-            raise ValueError(f"reservation {self.reservation!r} needs max_model_len")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission_policy must be one of {ADMISSION_POLICIES}, got {self.admission_policy!r}"
+            )
+        if self.admission_policy in ("pow2", "max") and self.max_model_len is None:
+            raise ValueError(f"admission_policy {self.admission_policy!r} needs max_model_len")
 
     @classmethod
     def build(cls, model, options: dict, takes: tuple[str, ...]) -> EngineConfig:
@@ -111,7 +113,7 @@ class EngineConfig:
                 f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
                 f"{step} < max_model_len={max_model_len}"
             )
-        num_blocks, budget = kv_budget(  # a budget in bytes: sized into blocks once, never grown
+        num_blocks, sizing = size_pool(  # bytes: sized into blocks once, never grown
             given.num_blocks,
             given.kv_cache_bytes,
             given.gpu_memory_utilization,
@@ -125,19 +127,19 @@ class EngineConfig:
             max_num_batched_tokens=step,
             num_blocks=default if num_blocks is None else num_blocks,
             vocab_size=model.cfg.vocab_size,
-            budget=budget,
+            sizing=sizing,
             grows_pool=num_blocks is None,
         )
 
     @property
-    def budget_line(self) -> str:
-        """The KV budget's sizing, for ``stats()`` ("" without a budget)."""
-        return self.budget.line if self.budget else ""
+    def sizing_line(self) -> str:
+        """How kv_cache_bytes were sized into blocks, for ``stats()`` ("" for a pool sized in blocks)."""
+        return self.sizing.line if self.sizing else ""
 
     def hold_len(self, length: int) -> int:
         """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
-        under the reservation policy (0 for paged)."""
-        return reservation_len(self.reservation, length, self.max_model_len)
+        under the admission policy (0 for paged)."""
+        return held_at_admission(self.admission_policy, length, self.max_model_len)
 
     def check_requests(
         self, prompts: list[list[int]], max_new_tokens: int | list[int], label: str = "prompt {i}", n: int = 1
@@ -152,20 +154,22 @@ class EngineConfig:
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        budgets = check_requests(prompts, max_new_tokens, self.vocab_size, self.max_model_len, label)
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            total = max(len(prompt) + budget, self.hold_len(len(prompt) + budget))  # what admission holds
+        max_new = check_requests(prompts, max_new_tokens, self.vocab_size, self.max_model_len, label)
+        for i, (prompt, n_new) in enumerate(zip(prompts, max_new, strict=True)):
+            total = max(len(prompt) + n_new, self.hold_len(len(prompt) + n_new))  # what admission holds
             needed = -(-total // self.block_size)
-            check_blocks(label.format(i=i), total, needed, self.block_size, self.num_blocks, self.budget)
+            check_blocks(label.format(i=i), total, needed, self.block_size, self.num_blocks, self.sizing)
             if n > self.max_num_seqs:
-                raise ValueError(f"{label.format(i=i)}: n={n} samples exceed max_num_seqs={self.max_num_seqs}")
+                raise ValueError(
+                    f"{label.format(i=i)}: n={n} samples exceed max_num_seqs={self.max_num_seqs}"
+                )
             clones = -(-len(prompt) // self.block_size) + (n - 1) * (len(prompt) % self.block_size > 0)
             if clones > self.num_blocks:  # n samples of one prefill: a copy of its partial block each
                 raise ValueError(
                     f"{label.format(i=i)}: cloning {n} samples needs {clones} blocks (the prompt's, plus a copy "
                     f"of its last partial block per extra sample), but the pool has only {self.num_blocks} blocks"
                 )
-        return budgets
+        return max_new
 
     def pool_blocks(self, lengths: list[int]) -> int:
         """Blocks that hold requests of these total lengths (prompt + max_new_tokens) side by side: as many
@@ -180,5 +184,5 @@ class EngineConfig:
 
 # every option an engine may take, in the order of the fields (the others are resolved by ``build``)
 ALL_OPTIONS = tuple(
-    f.name for f in fields(EngineConfig) if f.name not in ("vocab_size", "budget", "grows_pool")
+    f.name for f in fields(EngineConfig) if f.name not in ("vocab_size", "sizing", "grows_pool")
 )

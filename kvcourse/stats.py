@@ -6,11 +6,15 @@ only L5/L6 clone; only engines that compile count compiles). Counters cover ever
 engine was built; ``kv_bytes_live``, ``blocks_held`` and ``blocks_shared`` are peaks. ``device``,
 ``kernel`` and the sizes say how the engine was set up, which ``describe()`` puts in one line.
 
-"Held" and "live" positions are what KV utilization compares, step by step:
+Four words for KV memory, as the vLLM paper (Kwon et al., SOSP 2023) uses them:
 
-- held: positions of memory set aside for running sequences: L1 reserves ``max_model_len`` per
+- pool: all the memory set aside for K/V, whether in use or not (``kv_bytes_pool``: L1's cache,
+  the paged stages' block pool);
+- held: positions of that memory given to running sequences: L1 holds ``max_model_len`` per
   request; a paged stage holds whole blocks (blocks held x ``block_size``);
-- live: positions whose K/V are in the cache, a shared block's rows counted once.
+- live: held positions whose K/V are in the cache, a shared block's rows counted once;
+- reserved: held positions not yet live, kept for tokens a request will produce later (the paper's
+  "reservation"; held positions no token will ever fill are its "internal fragmentation").
 
 ``kv_utilization`` = (live summed over steps) / (held summed over steps): 1.0 wastes nothing.
 """
@@ -34,7 +38,7 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class EngineStats:
-    kv_bytes_reserved: int  # bytes set aside for K/V: the whole cache or pool
+    kv_bytes_pool: int  # bytes set aside for K/V: the whole cache or pool
     kv_bytes_live: int  # most bytes holding live tokens' K/V at once
     kv_utilization: float  # live positions / held positions, summed over steps (0.0 before any step)
     block_size: int = 0  # tokens per block (0: the stage has no blocks)
@@ -50,20 +54,20 @@ class EngineStats:
     device: str = "cpu"  # where the weights and the cache live
     kernel: str = ""  # the attention kernel, where a stage has a choice
     max_num_seqs: int = 0  # most sequences run at once (0: one request at a time)
-    kv_budget: str = ""  # how a KV budget in bytes was sized into blocks ("": no budget)
-    reservation: str = ""  # what admission holds per request ("" or "paged": blocks on demand)
+    kv_sizing: str = ""  # how kv_cache_bytes were sized into blocks ("": a pool sized in blocks)
+    admission_policy: str = ""  # what admission holds per request ("" or "on_demand": blocks on demand)
 
     def describe(self) -> str:
         """How the engine was set up, in one line, e.g. ``cpu, kernel cpp, 864 blocks of 16 (637.9 MiB
-        of KV), at most 32 sequences at once``; with a KV budget, its sizing (``describe_budget``) before
+        of KV), at most 32 sequences at once``; with a pool sized in bytes, its sizing (``describe_sizing``) before
         the blocks."""
-        kv = f"{format_bytes(self.kv_bytes_reserved)} of KV"
+        kv = f"{format_bytes(self.kv_bytes_pool)} of KV"
         if self.num_blocks:
             kv = f"{self.num_blocks} blocks of {self.block_size} ({kv})"
-        if self.kv_budget:
-            kv = f"{self.kv_budget}: {kv}"
-        if self.reservation not in ("", "paged"):
-            kv += f", reservation {self.reservation}"
+        if self.kv_sizing:
+            kv = f"{self.kv_sizing}: {kv}"
+        if self.admission_policy not in ("", "on_demand"):
+            kv += f", admission_policy {self.admission_policy}"
         kernel = [f"kernel {self.kernel}"] if self.kernel else []
         batch = "one request at a time"
         if self.max_num_seqs:
@@ -71,10 +75,10 @@ class EngineStats:
         return ", ".join([self.device, *kernel, kv, batch])
 
     def __str__(self) -> str:
-        """One line, e.g. ``KV reserved 90.0 MiB, live 1.2 MiB at peak, 96.3% utilized; 34/130 blocks
+        """One line, e.g. ``KV pool 90.0 MiB, live 1.2 MiB at peak, 96.3% utilized; 34/130 blocks
         held at peak, 0 shared; 87 steps, 0 preemptions``."""
         parts = [
-            f"KV reserved {format_bytes(self.kv_bytes_reserved)}, live {format_bytes(self.kv_bytes_live)} "
+            f"KV pool {format_bytes(self.kv_bytes_pool)}, live {format_bytes(self.kv_bytes_live)} "
             f"at peak, {100 * self.kv_utilization:.1f}% utilized"
         ]
         if self.num_blocks:

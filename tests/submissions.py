@@ -29,7 +29,7 @@ from pathlib import Path
 from kvcourse.grading import exercises
 
 REFERENCE = exercises.KEY_NOTEBOOKS / "L2_token_flat.ipynb"
-CHECKERS = {1: "check_alloc_blocks", 2: "check_free", 3: "check_reserve"}
+CHECKERS = {1: "check_alloc_blocks", 2: "check_free", 3: "check_allocate_slots"}
 
 N = len(exercises.solutions(exercises.read(REFERENCE)))  # the notebook's exercises, L2.1 .. L2.N
 
@@ -91,7 +91,7 @@ def write_class(folder: Path, escape: tuple[Path, int] | None = None) -> list[Pa
     alias = exercises.put_back(exercise, {})
     alias = with_cell(alias, 1, "alloc_blocks = BlockAllocator.alloc_blocks")
     alias = with_cell(alias, 2, "free = BlockAllocator.free")
-    alias = with_cell(alias, 3, "from L2_token_flat.sequence import reserve")
+    alias = with_cell(alias, 3, "from L2_token_flat.sequence import allocate_slots")
 
     notebooks = {
         "untouched": exercise,

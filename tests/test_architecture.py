@@ -521,11 +521,11 @@ def test_the_name_map_check_names_the_missing_name_and_its_side():
     broken = dict(names.NAMES)
     del broken["allocator.py:BlockAllocator.clone"]
     broken["allocator.py:BlockAllocator.spoon"] = ("page_table.py:allocate_for_seq", "no such L5 name")
-    broken["sequence.py:reserve"] = ("page_table.py:reserve_pages", "no such L6 name")
+    broken["sequence.py:allocate_slots"] = ("page_table.py:reserve_pages", "no such L6 name")
     assert names.problems(broken) == [
         "L5 has allocator.py:BlockAllocator.clone, which NAMES does not map: add a row",
         "NAMES maps allocator.py:BlockAllocator.spoon, which L5 does not have (renamed or gone?)",
-        "NAMES maps sequence.py:reserve to page_table.py:reserve_pages, which L6 does not have",
+        "NAMES maps sequence.py:allocate_slots to page_table.py:reserve_pages, which L6 does not have",
     ]
 
 
@@ -571,4 +571,6 @@ def unnamed_modules(package: Path) -> list[str]:
 @pytest.mark.parametrize("package", packages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_package_docstring_names_its_modules(package):
     """A reader opening a folder's ``__init__.py`` finds what each of its files is for."""
-    assert not unnamed_modules(package), f"{package.relative_to(ROOT)}/__init__.py does not name {unnamed_modules(package)}"
+    assert not unnamed_modules(package), (
+        f"{package.relative_to(ROOT)}/__init__.py does not name {unnamed_modules(package)}"
+    )

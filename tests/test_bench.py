@@ -40,17 +40,21 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert systems["L3"]["b"]["compiles"] == {"after_warmup": {}, "after_runs": {}}  # torch compiles nothing
     assert "compiles" not in systems["HF batched"]["b"]
     assert systems["L4"]["b_kv"]["kernel"] == ("cpp" if PROBLEM is None else "torch")
-    budgets = workloads.mixed_workload(49152, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])[1]
+    max_new_tokens = workloads.mixed_workload(49152, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])[
+        1
+    ]
     assert {"HF batch 1", "HF batched", "HF generate_batch", "L1"} <= set(systems)
     for name, row in systems.items():
         assert {"b", "c"} <= set(row), name
-        assert row["b"]["tok_s"] > 0 and row["b"]["new_tokens"] == sum(budgets)
+        assert row["b"]["tok_s"] > 0 and row["b"]["new_tokens"] == sum(max_new_tokens)
         assert len(row["b"]["runs"]) in (1, sizes["repeats"]) and row["b"]["warmup_seconds"] > 0
         one_at_a_time = name in ("HF batch 1", "L1", "L2")  # warmed up on the first request only
-        assert row["b"]["warmup_requests"] == (1 if one_at_a_time else len(budgets)), name
+        assert row["b"]["warmup_requests"] == (1 if one_at_a_time else len(max_new_tokens)), name
         if name != "HF batch 1":  # every other system's outputs equal HF batch 1's (tie rule)
             assert not row["b"]["agreement"]["mismatches"], name
-            assert row["b"]["agreement"]["match"] + len(row["b"]["agreement"]["ties"]) == len(budgets), name
+            assert row["b"]["agreement"]["match"] + len(row["b"]["agreement"]["ties"]) == len(
+                max_new_tokens
+            ), name
         if name.startswith("L"):
             assert 0 < row["b_kv"]["utilization"] <= 1, name
             assert set(row["d"]) == {str(c) for c in sizes["d_contexts"]}
@@ -58,7 +62,11 @@ def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
             assert 0 < row["c_kv"]["blocks_held"] < row["c_kv"]["private_copies_blocks"], name
     assert results["stage_options"]["L4"].get("kernel") == ("cpp" if PROBLEM is None else None)
     assert bool(results["cpp_kernel_problems"]) == (PROBLEM is not None)
-    assert systems["HF batched"]["b"]["computed_new_tokens"] == len(budgets) * max(budgets) > sum(budgets)
+    assert (
+        systems["HF batched"]["b"]["computed_new_tokens"]
+        == len(max_new_tokens) * max(max_new_tokens)
+        > sum(max_new_tokens)
+    )
     assert results["disagreements"] == []  # every system, peers included, agrees with HF batch 1
     assert {t["target"] for t in results["targets"]} >= {
         "L4 >= L3 on (b)",
@@ -129,10 +137,10 @@ def test_workload_ceiling_counts_prompt_rows_and_head_rows():
 
 
 def test_mixed_workload_is_seeded_and_in_range():
-    prompts, budgets = workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
-    assert (prompts, budgets) == workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
+    prompts, max_new_tokens = workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
+    assert (prompts, max_new_tokens) == workloads.mixed_workload(100, 5, (10, 20), (3, 4), seed=1)
     assert all(10 <= len(p) <= 20 and all(3 <= t < 100 for t in p) for p in prompts)
-    assert all(3 <= b <= 4 for b in budgets)
+    assert all(3 <= b <= 4 for b in max_new_tokens)
 
 
 def test_quick_profile_splits_a_step_into_its_parts(tmp_path, capsys):

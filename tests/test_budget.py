@@ -1,6 +1,6 @@
-"""A KV memory budget and the vLLM paper's reservation policies (issue 35), on tiny seeded checkpoints.
+"""A KV memory budget and the vLLM paper's admission policies (issue 35), on tiny seeded checkpoints.
 
-- ``reservation_len``: each policy's reservation on hand-worked lengths;
+- ``held_at_admission``: each policy's reservation on hand-worked lengths;
 - each policy's admission rule, with a fake model: how many requests one step admits at a budget,
   worked out by hand from the policy's definition (paged: a prompt's blocks; Oracle: its whole length;
   Pow2: the next power of two; Max: max_model_len), and no preemption under a reserving policy;
@@ -20,9 +20,9 @@ import jax
 import pytest
 
 from kvcourse.config import ModelConfig
-from kvcourse.engine_config import RESERVATIONS, EngineConfig, reservation_len
+from kvcourse.engine_config import ADMISSION_POLICIES, EngineConfig, held_at_admission
 from kvcourse.harness.reference import hf_greedy
-from kvcourse.limits import budget_blocks
+from kvcourse.limits import blocks_for_bytes
 from L3_block_tensor.allocator import BlockAllocator
 from L3_block_tensor.engine import Engine as L3Engine
 from L3_block_tensor.scheduler import Scheduler
@@ -34,7 +34,7 @@ from L6_tpu_jax.mesh_engine import MeshEngine
 
 _rng = random.Random(35)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (2, 9, 13, 3, 22, 6, 17, 5)]
-BUDGETS = [17, 6, 11, 20, 9, 14, 3, 12]  # every request ends within 32 positions
+MAX_NEW = [17, 6, 11, 20, 9, 14, 3, 12]  # every request ends within 32 positions
 BLOCK, MAX_LEN = 4, 32
 TOKEN_BYTES = 2 * 2 * 16 * 2 * 4  # the tiny checkpoints: 2 (K, V) x 2 KV heads x 16 dims x 2 layers x fp32
 BLOCK_BYTES = BLOCK * TOKEN_BYTES  # 2,048
@@ -43,14 +43,14 @@ BUDGET = 10 * BLOCK_BYTES + 1000  # 10 blocks: Max's 8 for one request, and 2 to
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3_dir):
-    return [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS)]
+    return [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
 
 
 def test_reservation_len_of_each_policy():
-    assert [reservation_len(p, 100, 2048) for p in RESERVATIONS] == [0, 100, 128, 2048]
-    assert [reservation_len(p, 128, 2048) for p in RESERVATIONS] == [0, 128, 128, 2048]
-    assert reservation_len("pow2", 1500, 1800) == 1800  # 2048 would pass max_model_len
-    assert reservation_len("pow2", 1, 2048) == 1
+    assert [held_at_admission(p, 100, 2048) for p in ADMISSION_POLICIES] == [0, 100, 128, 2048]
+    assert [held_at_admission(p, 128, 2048) for p in ADMISSION_POLICIES] == [0, 128, 128, 2048]
+    assert held_at_admission("pow2", 1500, 1800) == 1800  # 2048 would pass max_model_len
+    assert held_at_admission("pow2", 1, 2048) == 1
 
 
 # ---------------------------------------------------------------- the admission rule, with a fake model
@@ -59,7 +59,9 @@ def test_reservation_len_of_each_policy():
 def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
     """20 requests of prompt 3 + max_new_tokens 7 (length 10) on 16 blocks of 4, max_model_len 32:
     how many the first step admits, and the blocks each holds."""
-    config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, reservation=policy, max_model_len=32)
+    config = EngineConfig(
+        max_num_seqs=32, max_num_batched_tokens=256, admission_policy=policy, max_model_len=32
+    )
     s = Scheduler(BlockAllocator(16, 4), config)
     for i in range(20):
         s.add(Sequence(i, [7] * 3, 7, ignore_eos=True))
@@ -70,7 +72,7 @@ def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
 @pytest.mark.parametrize(
     "policy, count, blocks",
     [
-        ("paged", 16, 1),  # a 3-token prompt fills 1 block of 4: 16 blocks admit 16 requests
+        ("on_demand", 16, 1),  # a 3-token prompt fills 1 block of 4: 16 blocks admit 16 requests
         ("oracle", 5, 3),  # 10 positions: 3 blocks each, 5 x 3 = 15 of 16
         ("pow2", 4, 4),  # 10 -> 16 positions: 4 blocks each
         ("max", 2, 8),  # max_model_len 32: 8 blocks each
@@ -80,13 +82,15 @@ def test_each_policy_admits_what_its_reservation_allows(policy, count, blocks):
     assert admitted_at_first_step(policy) == (count, [blocks] * count)
 
 
-@pytest.mark.parametrize("policy", RESERVATIONS)
+@pytest.mark.parametrize("policy", ADMISSION_POLICIES)
 def test_reserving_policies_never_preempt_and_drain_clean(policy):
     """Stepped to the end with a fake model: the books balance after every step (a running sequence
     holds its reservation), blocks in use never pass the pool, and only paged ever preempts."""
-    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, reservation=policy, max_model_len=32)
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, admission_policy=policy, max_model_len=32
+    )
     s = Scheduler(BlockAllocator(12, 4), config)
-    for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS, strict=True)):
+    for i, (p, b) in enumerate(zip(PROMPTS, MAX_NEW, strict=True)):
         s.add(Sequence(i, list(p), b, ignore_eos=True))
     while s.has_unfinished():
         batch = s.schedule()
@@ -95,16 +99,17 @@ def test_reserving_policies_never_preempt_and_drain_clean(policy):
         s.update(batch, [5] * len(wanted))
         s.check_invariants()
     assert s.allocator.num_free == 12 and len(s.finished) == len(PROMPTS)
-    assert (s.num_preemptions > 0) == (policy == "paged")
+    assert (s.num_preemptions > 0) == (policy == "on_demand")
 
 
 def test_unknown_policy_and_max_without_a_length_are_refused():
     with pytest.raises(
-        ValueError, match=r"reservation must be one of \('paged', 'oracle', 'pow2', 'max'\), got 'lru'"
+        ValueError,
+        match=r"admission_policy must be one of \('on_demand', 'oracle', 'pow2', 'max'\), got 'lru'",
     ):
-        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, reservation="lru")
-    with pytest.raises(ValueError, match="reservation 'max' needs max_model_len"):
-        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, reservation="max")
+        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, admission_policy="lru")
+    with pytest.raises(ValueError, match="admission_policy 'max' needs max_model_len"):
+        EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, admission_policy="max")
 
 
 # ---------------------------------------------------------------- a budget in bytes
@@ -113,14 +118,14 @@ def test_unknown_policy_and_max_without_a_length_are_refused():
 def test_budget_blocks_is_the_course_arithmetic(tiny_qwen3_dir):
     cfg = ModelConfig.from_dir(tiny_qwen3_dir)
     assert cfg.kv_bytes_per_token() == TOKEN_BYTES
-    assert budget_blocks(BUDGET, BLOCK, cfg) == 10
-    assert budget_blocks(BLOCK_BYTES, BLOCK, cfg) == 1
+    assert blocks_for_bytes(BUDGET, BLOCK, cfg) == 10
+    assert blocks_for_bytes(BLOCK_BYTES, BLOCK, cfg) == 1
     with pytest.raises(
         ValueError, match="kv_cache_bytes=2,047 holds no block: one block of 4 tokens takes 2,048 bytes"
     ):
-        budget_blocks(BLOCK_BYTES - 1, BLOCK, cfg)
+        blocks_for_bytes(BLOCK_BYTES - 1, BLOCK, cfg)
     with pytest.raises(ValueError, match="give num_blocks or kv_cache_bytes, not both"):
-        budget_blocks(BUDGET, BLOCK, cfg, num_blocks=4)
+        blocks_for_bytes(BUDGET, BLOCK, cfg, num_blocks=4)
 
 
 @pytest.mark.parametrize("engine_class", [L3Engine, L4Engine, L5Engine], ids=["L3", "L4", "L5"])
@@ -148,7 +153,7 @@ def test_budget_sets_the_pool_shows_its_sum_and_refuses_a_request_it_cannot_hold
         block_size=BLOCK,
         kv_cache_bytes=6 * BLOCK_BYTES,
         max_model_len=MAX_LEN,
-        reservation="max",
+        admission_policy="max",
     )
     with pytest.raises(
         ValueError, match="request: 32 tokens need 8 blocks of 4, but the pool has only 6 blocks"
@@ -157,16 +162,20 @@ def test_budget_sets_the_pool_shows_its_sum_and_refuses_a_request_it_cannot_hold
     assert "reservation max" in maxed.stats().describe()
 
 
-@pytest.mark.parametrize("policy", RESERVATIONS)
+@pytest.mark.parametrize("policy", ADMISSION_POLICIES)
 @pytest.mark.parametrize("engine_class", [L3Engine, L4Engine, L5Engine], ids=["L3", "L4", "L5"])
 def test_every_policy_under_a_tight_budget_changes_no_token(engine_class, policy, tiny_qwen3_dir, expected):
     """Requests join one every 2 steps (and all at once) at a 10-block budget: the pool is never
     grown, blocks in use never pass it, the books balance after every step, and every token is HF's."""
     engine = engine_class(
-        tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=BUDGET, max_model_len=MAX_LEN, reservation=policy
+        tiny_qwen3_dir,
+        block_size=BLOCK,
+        kv_cache_bytes=BUDGET,
+        max_model_len=MAX_LEN,
+        admission_policy=policy,
     )
     for every in (2, 0):
-        pending, seqs, step = list(zip(PROMPTS, BUDGETS, strict=True)), [], 0
+        pending, seqs, step = list(zip(PROMPTS, MAX_NEW, strict=True)), [], 0
         while pending or engine.has_unfinished():
             if pending and (not every or step % every == 0):
                 take = 1 if every else len(pending)
@@ -179,16 +188,20 @@ def test_every_policy_under_a_tight_budget_changes_no_token(engine_class, policy
             assert step < 2000, "no progress"
         assert [s.output_ids for s in seqs] == expected
     assert engine.allocator.num_blocks == 10 and engine.pool.k.shape[1] == 10  # never grown
-    assert engine.generate(PROMPTS, BUDGETS) == expected and engine.allocator.num_blocks == 10
+    assert engine.generate(PROMPTS, MAX_NEW) == expected and engine.allocator.num_blocks == 10
     assert engine.stats().blocks_held <= 10
-    assert (engine.stats().preemptions > 0) == (policy == "paged")
+    assert (engine.stats().preemptions > 0) == (policy == "on_demand")
 
 
 def test_l5_refuses_clones_under_a_reserving_policy(tiny_qwen3_dir):
     engine = L5Engine(
-        tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=BUDGET, max_model_len=MAX_LEN, reservation="oracle"
+        tiny_qwen3_dir,
+        block_size=BLOCK,
+        kv_cache_bytes=BUDGET,
+        max_model_len=MAX_LEN,
+        admission_policy="oracle",
     )
-    with pytest.raises(ValueError, match="n=2 samples need reservation='paged', got 'oracle'"):
+    with pytest.raises(ValueError, match="n=2 samples need admission_policy='on_demand', got 'oracle'"):
         engine.add_request([5, 6], 3, n=2)
 
 
@@ -202,7 +215,7 @@ def test_l6_budget_sets_the_pages_and_admission_waits(tiny_qwen3_dir, expected):
     assert engine.num_pages == 10
     assert sum(pool.nbytes for pool in engine.kv_pages) == 10 * BLOCK_BYTES
     assert "= 10 blocks: 10 blocks of 4" in engine.stats().describe()
-    assert engine.generate(PROMPTS, BUDGETS) == expected
+    assert engine.generate(PROMPTS, MAX_NEW) == expected
     assert engine.stats().blocks_held <= 10
     small = L6Engine(tiny_qwen3_dir, page_size=BLOCK, kv_cache_bytes=6 * BLOCK_BYTES, max_model_len=MAX_LEN)
     with pytest.raises(

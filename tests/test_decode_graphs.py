@@ -20,7 +20,7 @@ from L5_clones.engine import Engine as L5Engine
 
 ENGINES = {"L4": L4Engine, "L5": L5Engine}
 PROMPTS = [[5, 17, 300, 42, 7], list(range(200, 237)), [9] * 20]  # decode batches of 3, then fewer
-BUDGETS = [24, 9, 16]
+MAX_NEW = [24, 9, 16]
 
 
 def test_buckets():
@@ -88,10 +88,10 @@ def meta_of_one() -> ForwardMeta:
     ids=["default", "buckets of 3", "tight pool"],
 )
 def test_decode_graphs_equal_hf_and_the_readable_path(tiny_qwen3_dir, stage, options):
-    expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS)]
-    readable = ENGINES[stage](tiny_qwen3_dir, **options).generate(PROMPTS, BUDGETS)
+    expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
+    readable = ENGINES[stage](tiny_qwen3_dir, **options).generate(PROMPTS, MAX_NEW)
     engine = ENGINES[stage](tiny_qwen3_dir, cuda_graphs=True, **options)
-    assert engine.generate(PROMPTS, BUDGETS) == readable == expected
+    assert engine.generate(PROMPTS, MAX_NEW) == readable == expected
     assert engine.fast.graphs.num_replayed > 0 and set(engine.fast.graphs.graphs) <= set(
         engine.fast.graphs.sizes
     )
@@ -122,9 +122,9 @@ def test_a_grown_pool_is_recorded_again(tiny_llama_dir):
 def test_cuda_graphs_on_a_gpu_equal_hf(tiny_qwen3_dir, stage):
     """Real CUDA graphs, recorded and replayed, with the compiled Triton kernel."""
     gpu = resolve_device("cuda")
-    expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS, device=gpu)]
+    expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW, device=gpu)]
     engine = ENGINES[stage](tiny_qwen3_dir, device=gpu, cuda_graphs=True)
-    assert engine.generate(PROMPTS, BUDGETS) == expected
+    assert engine.generate(PROMPTS, MAX_NEW) == expected
     assert engine.fast.graphs.memory_pool is not None and engine.fast.graphs.num_replayed > 0
 
 

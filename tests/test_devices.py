@@ -138,8 +138,11 @@ def test_gpu_memory_utilization_is_this_processs_share(monkeypatch):
         state["peak"] = 3 * GB  # a 1 GB activation peak
 
     assert devices.kv_bytes_for_fraction(torch.device("cuda"), 0.5, profile) == 47 * GB  # 50 - 2 - 1
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.7 asks for 70,000,000,000 bytes .* only "
-                       r"60,000,000,000 are free or this process's \(40,000,000,000 held elsewhere\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"gpu_memory_utilization=0.7 asks for 70,000,000,000 bytes .* only "
+        r"60,000,000,000 are free or this process's \(40,000,000,000 held elsewhere\)",
+    ):
         devices.kv_bytes_for_fraction(torch.device("cuda"), 0.7, profile)
     with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
         devices.kv_bytes_for_fraction(torch.device("cpu"), 0.5, profile)
@@ -247,26 +250,24 @@ def test_the_default_pool_grows_to_run_the_requests_side_by_side(stage, tiny_qwe
     2 blocks each (the second one taken while decoding) grow it to 12 before they run, and none is
     preempted; a pool given is kept, and preempts; with max_num_seqs 2 only two run at once, and 4
     blocks already hold them."""
-    prompts, budget = [[7 + i] * 14 for i in range(6)], 8  # 22 positions: the second block comes late
-    reference = [r.tokens for r in hf_greedy(tiny_qwen3_dir, prompts, [budget] * 6)]
+    prompts, max_new = [[7 + i] * 14 for i in range(6)], 8  # 22 positions: the second block comes late
+    reference = [r.tokens for r in hf_greedy(tiny_qwen3_dir, prompts, [max_new] * 6)]
     for options, blocks, preempts in [
         ({}, 12, False),
         ({"num_blocks": 4}, 4, True),
         ({"max_num_seqs": 2}, 4, False),
     ]:
         engine = engine_class(stage)(tiny_qwen3_dir, max_model_len=64, **options)
-        assert engine.generate(prompts, budget) == reference, options
+        assert engine.generate(prompts, max_new) == reference, options
         stats = engine.stats()
         assert stats.num_blocks == blocks and (stats.preemptions > 0) == preempts, (options, stats)
         assert (
-            stats.kv_bytes_reserved
-            == engine.pool.nbytes
-            == blocks * 16 * engine.model.cfg.kv_bytes_per_token()
+            stats.kv_bytes_pool == engine.pool.nbytes == blocks * 16 * engine.model.cfg.kv_bytes_per_token()
         )
         engine.allocator.check_invariants()
     if stage == "L5":  # three samples of each of two prompts: six sequences that grow apart
         engine = engine_class(stage)(tiny_qwen3_dir, max_model_len=64)
-        engine.generate_samples(prompts[:2], budget, n=3)
+        engine.generate_samples(prompts[:2], max_new, n=3)
         assert engine.stats().num_blocks == 12 and engine.stats().preemptions == 0
 
 
@@ -360,7 +361,10 @@ def test_the_gpu_check_runs_its_steps_side_by_side_and_records_them(tmp_path, ca
     the record (card, commit, each step) that ``make numbers`` draws the README's GPU table from."""
     slow = "import time; time.sleep(2); print('L1 smoke: 2/2 prompts match HF (4 new tokens)')"
     bad = "import sys; print('L2 smoke: 1/2 prompts match L1 and HF | 3 new tokens'); sys.exit(1)"
-    steps = [gpu_check.Step("L1", [sys.executable, "-c", slow]), gpu_check.Step("L2", [sys.executable, "-c", bad])]
+    steps = [
+        gpu_check.Step("L1", [sys.executable, "-c", slow]),
+        gpu_check.Step("L2", [sys.executable, "-c", bad]),
+    ]
     verdicts = gpu_check.run_steps(steps, tmp_path, timeout=60, side_by_side=True)
     assert [(v.name, v.ok) for v in verdicts] == [("L1", True), ("L2", False)]
     assert capsys.readouterr().out.splitlines()[0].startswith("L2 ")  # the quick failure printed first

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcourse.config import ModelConfig
-from kvcourse.engine_config import ALL_OPTIONS, RESERVATIONS, EngineConfig, reservation_len
+from kvcourse.engine_config import ADMISSION_POLICIES, ALL_OPTIONS, EngineConfig, held_at_admission
 from kvcourse.harness.stages import engine_class, engine_options
 
 L2_OPTIONS = ("max_model_len", "block_size", "num_blocks")
@@ -33,13 +33,13 @@ def model(tiny_llama_dir):
 def test_build_resolves_the_defaults_and_sizes_the_pool(model):
     config = EngineConfig.build(model, {}, ALL_OPTIONS)
     assert (config.max_model_len, config.max_num_batched_tokens, config.block_size) == (2048, 2048, 16)
-    assert (config.num_blocks, config.grows_pool, config.budget) == (128, True, None)  # L1's bytes
+    assert (config.num_blocks, config.grows_pool, config.sizing) == (128, True, None)  # L1's bytes
     assert config.vocab_size == model.cfg.vocab_size and config.max_num_seqs == 32
     given = EngineConfig.build(model, {"block_size": 4, "num_blocks": 6, "max_model_len": 64}, ALL_OPTIONS)
     assert (given.num_blocks, given.grows_pool, given.max_num_batched_tokens) == (6, False, 64)
-    budget = EngineConfig.build(model, {"block_size": 4, "kv_cache_bytes": 10 * 2048 + 5}, ALL_OPTIONS)
-    assert (budget.num_blocks, budget.grows_pool) == (10, False)
-    assert budget.budget_line.endswith("= 10 blocks") and given.budget_line == ""
+    in_bytes = EngineConfig.build(model, {"block_size": 4, "kv_cache_bytes": 10 * 2048 + 5}, ALL_OPTIONS)
+    assert (in_bytes.num_blocks, in_bytes.grows_pool) == (10, False)
+    assert in_bytes.sizing_line.endswith("= 10 blocks") and given.sizing_line == ""
 
 
 @pytest.mark.parametrize(
@@ -64,8 +64,8 @@ def test_l2s_options_are_checked_and_no_other_is_taken(model, options, error, me
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
         ({"prefill_chunk_size": 0}, r"prefill_chunk_size must be >= 1 or None \(no chunking\), got 0"),
         (
-            {"reservation": "lru"},
-            r"reservation must be one of \('paged', 'oracle', 'pow2', 'max'\), got 'lru'",
+            {"admission_policy": "lru"},
+            r"admission_policy must be one of \('on_demand', 'oracle', 'pow2', 'max'\), got 'lru'",
         ),
         (
             {"max_num_batched_tokens": 100},
@@ -95,7 +95,7 @@ def test_check_requests_names_the_request_and_counts_a_reservation(model):
     with pytest.raises(ValueError, match="request: token id -1 is outside the vocabulary"):
         small.check_requests([[-1]], 3, label="request")
     maxed = EngineConfig.build(
-        model, {"block_size": 4, "num_blocks": 6, "max_model_len": 32, "reservation": "max"}, ALL_OPTIONS
+        model, {"block_size": 4, "num_blocks": 6, "max_model_len": 32, "admission_policy": "max"}, ALL_OPTIONS
     )
     with pytest.raises(ValueError, match="request: 32 tokens need 8 blocks of 4, but the pool has only 6"):
         maxed.check_requests([[5]], 1, label="request")  # one token, but Max holds max_model_len
@@ -104,16 +104,18 @@ def test_check_requests_names_the_request_and_counts_a_reservation(model):
 def test_pool_blocks_and_hold_len_are_the_docstrings_arithmetic():
     assert EngineConfig(block_size=16, max_num_seqs=32).pool_blocks([104] * 40) == 224
     assert EngineConfig(block_size=4, max_num_seqs=2).pool_blocks([5, 17, 9]) == 5 + 3
-    assert [reservation_len(p, 100, 2048) for p in RESERVATIONS] == [0, 100, 128, 2048]
-    assert EngineConfig(reservation="pow2", max_model_len=64).hold_len(40) == 64
-    with pytest.raises(ValueError, match="reservation 'pow2' needs max_model_len"):
-        EngineConfig(reservation="pow2")
+    assert [held_at_admission(p, 100, 2048) for p in ADMISSION_POLICIES] == [0, 100, 128, 2048]
+    assert EngineConfig(admission_policy="pow2", max_model_len=64).hold_len(40) == 64
+    with pytest.raises(ValueError, match="admission_policy 'pow2' needs max_model_len"):
+        EngineConfig(admission_policy="pow2")
 
 
 def test_engine_options_lists_what_each_stage_takes():
     assert engine_options(engine_class("L1")) == {"max_model_len": None}
     assert engine_options(engine_class("L2")) == {"max_model_len": None, "block_size": 16, "num_blocks": None}
     l3, l4 = engine_options(engine_class("L3")), engine_options(engine_class("L4"))
-    assert list(l3) == list(ALL_OPTIONS) and l3["max_num_seqs"] == 32 and l3["reservation"] == "paged"
+    assert (
+        list(l3) == list(ALL_OPTIONS) and l3["max_num_seqs"] == 32 and l3["admission_policy"] == "on_demand"
+    )
     assert l4 == {"kernel": "auto", "num_splits": 1, "cuda_graphs": False} | l3
     assert {"num_pages", "page_size", "max_num_seqs"} <= set(engine_options(engine_class("L6")))

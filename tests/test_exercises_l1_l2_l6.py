@@ -2,7 +2,7 @@
 
 Every exercise of these notebooks gets at least one plausible wrong solution (an off-by-one write
 position, a loop that ignores eos, bytes without the factor 2 for K and V, a free list taken from the
-wrong end, a double free accepted, a block missing in reserve, a Python branch on a traced value, ...).
+wrong end, a double free accepted, a block missing in allocate_slots, a Python branch on a traced value, ...).
 Each runs in process on its checker, with the printed lines captured: the summary must not read
 ``n/n passed``, and the case that should catch the mistake must say ``WRONG`` or ``raised``. Example::
 
@@ -13,7 +13,7 @@ Each runs in process on its checker, with the printed lines captured: the summar
 The other half: each checker gets a right answer and every case must print ``ok``: the independent
 answer of the stage's ``answers.py`` (``key/L1_contiguous/``, ``key/L2_token_flat/``,
 ``key/L6_tpu_jax/``). The checker's reference is the stage's own code (``KvCache.write``, ``Engine.generate``,
-``ModelConfig.kv_bytes_per_token``, ``BlockAllocator.free``, ``reserve``, ``allocate_for_seq``,
+``ModelConfig.kv_bytes_per_token``, ``BlockAllocator.free``, ``allocate_slots``, ``allocate_for_seq``,
 ``update_kv``, ...), so the two hold each other in check, and the stage's code is held to fixed values
 here and in ``test_l1.py``, ``test_l2.py``, ``test_l6_state.py`` and ``test_l6_attention.py``. Every
 wrong answer also fails the hidden cases the grader draws (``kvcourse/grading/hidden.py``). L6.4's visible check
@@ -142,7 +142,7 @@ def l1_engine(model_dir):
 
 
 def decode_ignoring_eos(engine, prompt, max_new_tokens):
-    """Greedy, but runs to the budget even after eos."""
+    """Greedy, but runs to max_new_tokens even after eos."""
     out = [int(engine.prefill(prompt).argmax())]
     pos = len(prompt)
     while len(out) < max_new_tokens:
@@ -152,7 +152,7 @@ def decode_ignoring_eos(engine, prompt, max_new_tokens):
 
 
 def decode_one_step_too_many(engine, prompt, max_new_tokens):
-    """Stops at eos, but the budget test is off by one: it never stops at the budget in time."""
+    """Stops at eos, but the max_new_tokens test is off by one: it never stops at max_new_tokens in time."""
     eos = engine.model.cfg.eos_token_ids
     out = [int(engine.prefill(prompt).argmax())]
     pos = len(prompt)
@@ -182,9 +182,9 @@ def test_l1_decode_loop_hints_at_the_position(capsys, l1_engine):
 @pytest.mark.parametrize(
     ("wrong", "case_name"),
     [
-        (decode_ignoring_eos, "chat prompt, budget 12: stops after eos"),
-        (decode_one_position_late, "raw text prompt, budget 4: stops at the budget"),
-        (decode_one_step_too_many, "raw text prompt, budget 4: stops at the budget"),
+        (decode_ignoring_eos, "chat prompt, max_new_tokens 12: stops after eos"),
+        (decode_one_position_late, "raw text prompt, max_new_tokens 4: stops at max_new_tokens"),
+        (decode_one_step_too_many, "raw text prompt, max_new_tokens 4: stops at max_new_tokens"),
     ],
 )
 def test_l1_decode_loop_fails_wrong_answers(capsys, l1_engine, wrong, case_name):
@@ -201,9 +201,9 @@ def test_l1_decode_loop_passes_the_independent_answer(capsys, l1_engine):
 
 
 def test_l1_decode_pool_ends_where_the_draw_aims(model_dir):
-    """The hidden cases aim their budgets at the eos of the pool's chat prompts (``checks.POOL``): HF
+    """The hidden cases aim their max_new_tokens at the eos of the pool's chat prompts (``checks.POOL``): HF
     ends each of those answers with eos after the number of tokens the pool says, and no other
-    prompt within ``POOL_BUDGET`` tokens."""
+    prompt within ``POOL_MAX_NEW`` tokens."""
     tok = l1._tokenizer(model_dir)
     for entry in l1.POOL:
         ids = encode(tok, l1.prompt_of({"prompt": entry}))
@@ -243,7 +243,7 @@ def test_l1_kv_bytes_passes_the_independent_answer(capsys, course_cfg):
     assert_passes(graded_lines(capsys))
 
 
-# ---- L2: alloc_blocks, free, reserve ----
+# ---- L2: alloc_blocks, free, allocate_slots ----
 
 
 def alloc_from_the_back(self, n):
@@ -336,13 +336,13 @@ def reserve_block_ids_as_slots(seq, allocator, target_len):
     [(reserve_floor, "block_size 4: 4 then 6 positions"), (reserve_block_ids_as_slots, "block_size 7")],
 )
 def test_l2_reserve_fails_wrong_answers(capsys, wrong, case_name):
-    l2.check_reserve(wrong)
+    l2.check_allocate_slots(wrong)
     assert_fails(graded_lines(capsys), case_name)
     assert_fails_hidden("L2_token_flat", "L2.3", wrong)
 
 
 def test_l2_reserve_passes_the_independent_answer(capsys):
-    l2.check_reserve(l2_answers.reserve)
+    l2.check_allocate_slots(l2_answers.allocate_slots)
     assert_passes(graded_lines(capsys))
 
 

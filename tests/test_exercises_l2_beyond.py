@@ -413,7 +413,7 @@ def predict_by_running():
 
 def predict_exception_class():
     """The right prediction, with the exception given as its class rather than its name."""
-    return {**answers.predict(), "exception of reserve(a, 13)": OutOfBlocksError}
+    return {**answers.predict(), "exception of allocate_slots(a, 13)": OutOfBlocksError}
 
 
 def test_predict_an_exception_class_is_told_the_type_expected(capsys):
@@ -421,13 +421,13 @@ def test_predict_an_exception_class_is_told_the_type_expected(capsys):
     lines = graded_lines(capsys)
     assert_named(
         lines,
-        "exception of reserve(a, 13)",
+        "exception of allocate_slots(a, 13)",
         "the class OutOfBlocksError, expected the name of an exception as a str, or None",
     )
     assert lines[-1] == "4/5 passed", lines
     for seed in SEEDS:
         assert problems("L2.7", predict_exception_class, seed) == [
-            "hidden case 1 (predict()): exception of reserve(a, 13) is wrong"
+            "hidden case 1 (predict()): exception of allocate_slots(a, 13) is wrong"
         ]
 
 
@@ -468,7 +468,7 @@ def free_before_checking(self, blocks):
         self.free_blocks.append(b)
 
 
-def reserve_one_too_many(seq, allocator, target_len):
+def allocate_one_too_many(seq, allocator, target_len):
     missing = target_len // allocator.block_size + 1 - len(seq.block_table)
     if missing > 0:
         new = allocator.alloc_blocks(missing)
@@ -487,7 +487,7 @@ def test_free_names_a_check_done_too_late(capsys):
 
 
 def test_reserve_names_one_block_too_many(capsys):
-    checks.check_reserve(reserve_one_too_many)
+    checks.check_allocate_slots(allocate_one_too_many)
     assert_named(graded_lines(capsys), "block_size 4: 4 then 6 positions", "one block too many")
 
 

@@ -303,7 +303,7 @@ def _admitted(policy, requests, num_blocks, block_size, max_model_len, held_of, 
 
 
 def _held(policy, prompt_len, length, max_model_len):
-    return {"paged": prompt_len, "oracle": length, "pow2": min(1 << (length - 1).bit_length(), max_model_len),
+    return {"on_demand": prompt_len, "oracle": length, "pow2": min(1 << (length - 1).bit_length(), max_model_len),
             "max": max_model_len}[policy]  # fmt: skip
 
 
@@ -318,7 +318,7 @@ def admitted_pow2_uncapped(policy, requests, num_blocks, block_size, max_model_l
 
 def admitted_paged_whole_length(policy, requests, num_blocks, block_size, max_model_len):
     def held(p, prompt_len, length, m):
-        return length if p == "paged" else _held(p, prompt_len, length, m)
+        return length if p == "on_demand" else _held(p, prompt_len, length, m)
 
     return _admitted(
         policy, requests, num_blocks, block_size, max_model_len, held

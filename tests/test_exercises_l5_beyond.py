@@ -12,7 +12,7 @@ frees and prefix hits) are held to:
   drawn per seed);
 - L5.6's visible expectations are literal data in ``checks.py`` (it ships without the answer key):
   they must equal what the answer key and the named mistakes give;
-- L5.7's visible reference is the stage itself (``match_prefix`` and ``reserve``); it agrees with the
+- L5.7's visible reference is the stage itself (``match_prefix`` and ``allocate_slots``); it agrees with the
   answer key on the hidden cases of several seeds;
 - L5.8: the key's test catches every bug of the list and passes the correct allocator; a weak test is
   reported with the bugs it misses; a test that always raises fails the correct version.
@@ -54,7 +54,7 @@ from kvcourse.grading.hidden import rng_for
 from kvcourse.grading.mutations import outcome_of, version
 from L5_clones.allocator import BlockAllocator
 from L5_clones.prefix_cache import block_hash
-from L5_clones.sequence import Sequence, reserve
+from L5_clones.sequence import Sequence, allocate_slots
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "key" / "notebooks" / "L5_clones.ipynb"
 SEEDS = (0, 1, 2)
@@ -259,7 +259,7 @@ def test_lru_answer_on_a_hand_worked_trace():
 
 def test_blocks_held_answer_agrees_with_the_stage_on_drawn_cases():
     """The key's closed count against this stage admitting the same prompts (``match_prefix`` and
-    ``reserve`` on a pool that never runs out), on the hidden cases of six seeds."""
+    ``allocate_slots`` on a pool that never runs out), on the hidden cases of six seeds."""
     for seed in range(6):
         for case in checks.HIDDEN["L5.7"].draw(rng_for(seed, "L5.7")):
             prompts, block_size = case["prompts"], case["block_size"]
@@ -364,7 +364,7 @@ def notebook_solutions() -> dict:
         "block_hash": block_hash,
         "BlockAllocator": BlockAllocator,
         "Sequence": Sequence,
-        "reserve": reserve,
+        "allocate_slots": allocate_slots,
     }
     for cell in read(NOTEBOOK).cells:
         if cell.cell_type == "code" and "# BEGIN SOLUTION" in cell.source:

@@ -417,7 +417,7 @@ def test_run_cases_drops_what_a_case_prints(capsys):
     assert capsys.readouterr().out == "after\n"
 
 
-def test_call_limit_stops_a_loop_that_runs_past_its_budget():
+def test_call_limit_stops_a_loop_that_runs_past_its_limit():
     class Engine:
         name = "tiny"
 

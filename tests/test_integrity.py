@@ -16,8 +16,8 @@ from kvcourse.grading.gradebook import package_of
 from kvcourse.grading.integrity import scan
 
 ALLOC = "L2_token_flat.allocator:BlockAllocator.alloc_blocks"
-RESERVE = "L2_token_flat.sequence:reserve"
-ANSWERS = {"L2.1": (ALLOC,), "L2.3": (RESERVE,)}
+ALLOCATE_SLOTS = "L2_token_flat.sequence:allocate_slots"
+ANSWERS = {"L2.1": (ALLOC,), "L2.3": (ALLOCATE_SLOTS,)}
 REFERENCES = exercises.reference_notebooks(exercises.KEY_NOTEBOOKS)
 
 
@@ -67,14 +67,14 @@ def test_reference_solutions_are_clean(reference):
         ),
         ("alloc_blocks = BlockAllocator.alloc_blocks", "alias", "reads BlockAllocator.alloc_blocks"),
         (
-            "from L2_token_flat.sequence import reserve",
+            "from L2_token_flat.sequence import allocate_slots",
             "alias",
-            "imports reserve from L2_token_flat.sequence",
+            "imports allocate_slots from L2_token_flat.sequence",
         ),
         (
-            "import L2_token_flat.sequence\nr = L2_token_flat.sequence.reserve",
+            "import L2_token_flat.sequence\nr = L2_token_flat.sequence.allocate_slots",
             "alias",
-            "reads L2_token_flat.sequence.reserve",
+            "reads L2_token_flat.sequence.allocate_slots",
         ),
         (
             "class Mine(BlockAllocator):\n    def alloc_blocks(self, n):\n        return super().alloc_blocks(n)",
@@ -93,7 +93,7 @@ def test_cheats_are_found(source, kind, says):
     "source",
     [
         "checks.check_alloc_blocks(alloc_blocks)",  # trying a checker in a scratch cell
-        "def reserve(seq, allocator, target_len):\n    new = allocator.alloc_blocks(2)\n    return new",
+        "def allocate_slots(seq, allocator, target_len):\n    new = allocator.alloc_blocks(2)\n    return new",
         "%timeit alloc_blocks(a, 2)\nprint(a.free_blocks)",
         "def alloc_blocks(self, n):\n    raise NotImplementedError('Exercise L2.1')",
         "this is not python (",

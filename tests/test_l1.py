@@ -64,7 +64,7 @@ def test_ignore_eos_gives_fixed_length(engine):
 
 
 @pytest.mark.parametrize(
-    "prompts, budget, message",
+    "prompts, max_new, message",
     [
         ([[]], 4, "prompt 0 is empty"),
         ([[1, 2], [1, 49152]], 4, r"prompt 1: token id 49152 is outside the vocabulary \[0, 49152\)"),
@@ -73,9 +73,9 @@ def test_ignore_eos_gives_fixed_length(engine):
         ([[1] * 2000], 100, "2000 prompt tokens \\+ max_new_tokens 100 = 2100 exceeds max_model_len=2048"),
     ],
 )
-def test_bad_input_is_named(engine, prompts, budget, message):
+def test_bad_input_is_named(engine, prompts, max_new, message):
     with pytest.raises(ValueError, match=message):
-        engine.generate(prompts, budget)
+        engine.generate(prompts, max_new)
 
 
 def test_max_model_len_over_model_limit(tiny_llama_dir):
@@ -88,7 +88,7 @@ def test_stats_report_reserved_live_and_utilization(tiny_llama_dir):
     eng.generate([[1, 2, 3, 4]], 4, ignore_eos=True)
     per_token = eng.model.cfg.kv_bytes_per_token()
     stats = eng.stats()
-    assert stats.kv_bytes_reserved == 64 * per_token
+    assert stats.kv_bytes_pool == 64 * per_token
     assert stats.kv_bytes_live == (4 + 3) * per_token  # the last token's K/V is never written
     assert (stats.steps, stats.tokens_run) == (4, 4 + 3)  # a prefill of 4, then 3 decode steps
     assert stats.kv_utilization == pytest.approx((4 + 5 + 6 + 7) / (4 * 64))  # cached after each step
@@ -144,7 +144,7 @@ def test_cli_generate(tiny_llama_dir, stage, capsys):
     assert main(["generate", "--stage", stage, "--model", str(tiny_llama_dir), *CLI_ARGS]) == 0
     out = capsys.readouterr().out
     assert "> chat: Hello there" in out
-    assert f"{stage}: 6 new tokens in" in out and "KV reserved" in out and "% utilized" in out
+    assert f"{stage}: 6 new tokens in" in out and "KV pool" in out and "% utilized" in out
 
 
 def test_cli_entry_point(tiny_llama_dir):

@@ -1,4 +1,4 @@
-"""L2: the block allocator, reserve() and the slot mapping, the token-flat pool, the engine against L1 and HF."""
+"""L2: the block allocator, allocate_slots() and the slot mapping, the token-flat pool, the engine against L1 and HF."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from L2_token_flat.cache import KvPool
 from L2_token_flat.engine import Engine
-from L2_token_flat.sequence import Sequence, reserve
+from L2_token_flat.sequence import Sequence, allocate_slots
 
 PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 137)), [9], [4093, 198] * 8]
-BUDGETS = [20, 9, 30, 17]
+MAX_NEW = [20, 9, 30, 17]
 
 # make test runs this smoke on the course model alone, on 4 of its prompts, 8 new tokens each (make
 # smoke runs both models, every prompt and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
@@ -149,12 +149,12 @@ def test_allocator_property(num_blocks, ops):
 def test_reserve_docstring_example():
     alloc = BlockAllocator(8, block_size=4)
     a, b = Sequence([1]), Sequence([2])
-    reserve(a, alloc, 1)
-    reserve(b, alloc, 1)
+    allocate_slots(a, alloc, 1)
+    allocate_slots(b, alloc, 1)
     assert (a.block_table, b.block_table) == ([0], [1])
-    reserve(a, alloc, 4)
+    allocate_slots(a, alloc, 4)
     assert a.block_table == [0]
-    reserve(a, alloc, 6)
+    allocate_slots(a, alloc, 6)
     assert a.block_table == [0, 2] and a.slot_indices == [0, 1, 2, 3, 8, 9, 10, 11]
 
 
@@ -165,15 +165,15 @@ def test_reserve_grows_block_by_block(block_size):
     seq, other = Sequence([1]), Sequence([2])
     for target in range(1, 41):
         before = list(seq.block_table)
-        reserve(seq, alloc, target)
-        reserve(other, alloc, target)  # interleaved, so the two requests' blocks are not contiguous
+        allocate_slots(seq, alloc, target)
+        allocate_slots(other, alloc, target)  # interleaved, so the two requests' blocks are not contiguous
         assert len(seq.block_table) == blocks_needed(target, block_size)
         assert seq.block_table[: len(before)] == before
         assert seq.slot_indices == [b * block_size + w for b in seq.block_table for w in range(block_size)]
         assert all(
             seq.slot_indices[t] // block_size == seq.block_table[t // block_size] for t in range(target)
         )
-    reserve(seq, alloc, 3)  # shrinking never frees
+    allocate_slots(seq, alloc, 3)  # shrinking never frees
     assert len(seq.block_table) == blocks_needed(40, block_size)
     assert not set(seq.slot_indices) & set(other.slot_indices)
     alloc.check_invariants([seq.block_table, other.block_table])
@@ -182,11 +182,11 @@ def test_reserve_grows_block_by_block(block_size):
 def test_reserve_out_of_blocks_leaves_request_and_allocator_unchanged():
     alloc = BlockAllocator(3, block_size=7)
     seq = Sequence([1])
-    reserve(seq, alloc, 14)  # 2 blocks
+    allocate_slots(seq, alloc, 14)  # 2 blocks
     alloc.alloc_blocks(1)  # someone else takes the last one
     before = (list(seq.block_table), list(seq.slot_indices), books(alloc))
     with pytest.raises(OutOfBlocksError, match="need 1, only 0 free"):
-        reserve(seq, alloc, 15)
+        allocate_slots(seq, alloc, 15)
     assert (seq.block_table, seq.slot_indices, books(alloc)) == before
 
 
@@ -202,8 +202,8 @@ def test_pool_writes_each_token_to_its_slot():
 @pytest.fixture(scope="module")
 def references(tiny_qwen3_dir):
     """HF greedy and L1 on the test prompts: the independent expectations."""
-    hf = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS)]
-    l1 = L1Engine(tiny_qwen3_dir).generate(PROMPTS, BUDGETS)
+    hf = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
+    l1 = L1Engine(tiny_qwen3_dir).generate(PROMPTS, MAX_NEW)
     assert hf == l1
     return hf
 
@@ -211,7 +211,7 @@ def references(tiny_qwen3_dir):
 @pytest.mark.parametrize("block_size", [16, 1, 7])
 def test_l2_equals_l1_and_hf(tiny_qwen3_dir, references, block_size):
     eng = Engine(tiny_qwen3_dir, block_size=block_size)
-    assert eng.generate(PROMPTS, BUDGETS) == references
+    assert eng.generate(PROMPTS, MAX_NEW) == references
     assert eng.allocator.num_free == eng.allocator.num_blocks
     eng.allocator.check_invariants([])
 
@@ -233,15 +233,15 @@ def test_invariants_hold_at_every_step_and_blocks_are_reused(tiny_llama_dir):
     eng.allocator.check_invariants([])
     per_token = eng.model.cfg.kv_bytes_per_token()
     stats = eng.stats()
-    assert stats.kv_bytes_reserved == 36 * per_token
+    assert stats.kv_bytes_pool == 36 * per_token
     assert stats.kv_bytes_live == (20 + 14) * per_token  # the longest: 20 prompt + 15 new - 1 uncached
     assert stats.blocks_held == blocks_needed(20 + 14, 3) and stats.num_blocks == 12 and stats.block_size == 3
-    assert stats.steps == 20 + 30 + 15  # a prefill and budget - 1 decode steps per request
+    assert stats.steps == 20 + 30 + 15  # a prefill and max_new_tokens - 1 decode steps per request
     assert 0.5 < stats.kv_utilization <= 1.0  # whole blocks of 3: at most 2 positions wasted per step
 
 
 @pytest.mark.parametrize(
-    "kwargs, prompts, budget, message",
+    "kwargs, prompts, max_new, message",
     [
         ({}, [[]], 4, "prompt 0 is empty"),
         ({}, [[1, 2], [1, 49152]], 4, r"prompt 1: token id 49152 is outside the vocabulary \[0, 49152\)"),
@@ -259,10 +259,10 @@ def test_invariants_hold_at_every_step_and_blocks_are_reused(tiny_llama_dir):
         ),
     ],
 )
-def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, budget, message):
+def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, max_new, message):
     eng = Engine(tiny_llama_dir, **kwargs)
     with pytest.raises(ValueError, match=message):
-        eng.generate(prompts, budget)
+        eng.generate(prompts, max_new)
     assert eng.allocator.num_free == eng.allocator.num_blocks
 
 

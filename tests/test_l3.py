@@ -1,4 +1,4 @@
-"""L3: the block-tensor pool, the scheduler (queues, budgets, chunks, priority, preemption, abort) and
+"""L3: the block-tensor pool, the scheduler (queues, max_new_tokens, chunks, priority, preemption, abort) and
 the batching engine against L2 and HF, with every invariant checked after every step."""
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from kvcourse.harness.workloads import staggered
 from L2_token_flat.allocator import BlockAllocator as L2Allocator
 from L2_token_flat.engine import Engine as L2Engine
 from L2_token_flat.sequence import Sequence as L2Sequence
-from L2_token_flat.sequence import reserve as l2_reserve
+from L2_token_flat.sequence import allocate_slots as l2_allocate_slots
 from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from L3_block_tensor.cache import KvPool
 from L3_block_tensor.engine import Engine
 from L3_block_tensor.scheduler import Scheduler
-from L3_block_tensor.sequence import FinishReason, Sequence, Status, reserve, slots
+from L3_block_tensor.sequence import FinishReason, Sequence, Status, allocate_slots, slots
 
 EOS = 2
 TOKEN = 7  # what the fake model of the scheduler tests always answers (not eos)
 
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 12, 16, 17, 29, 40, 3)]
-BUDGETS = [24, 1, 17, 9, 24, 13, 20, 5]
+MAX_NEW = [24, 1, 17, 9, 24, 13, 20, 5]
 
 # make test runs each smoke on the course model alone, 8 new tokens per prompt (make smoke runs both
 # models and 64 tokens; tests/test_smokes.py runs every smoke on the tiny Qwen3 with a long prompt file).
@@ -63,11 +63,11 @@ def test_block_table_slots_equal_l2_slot_indices(block_size):
     a2, a3 = L2Allocator(n, block_size), BlockAllocator(n, block_size)
     r2, r3, o2, o3 = L2Sequence([1]), Sequence(0, [1], 1), L2Sequence([2]), Sequence(1, [2], 1)
     for target in range(1, 60):
-        l2_reserve(r2, a2, target)
-        reserve(r3, a3, target)
+        l2_allocate_slots(r2, a2, target)
+        allocate_slots(r3, a3, target)
         if target % 3 == 0:  # a neighbour grows too, so the blocks are not contiguous
-            l2_reserve(o2, a2, target)
-            reserve(o3, a3, target)
+            l2_allocate_slots(o2, a2, target)
+            allocate_slots(o3, a3, target)
         assert r3.block_table == r2.block_table
         assert slots(r3.block_table, 0, target, block_size) == r2.slot_indices[:target]
 
@@ -75,15 +75,15 @@ def test_block_table_slots_equal_l2_slot_indices(block_size):
 def test_reserve_and_out_of_blocks_leave_state_unchanged():
     alloc = BlockAllocator(3, block_size=4)
     a, b = Sequence(0, [1], 1), Sequence(1, [2], 1)
-    reserve(a, alloc, 1)
-    reserve(b, alloc, 1)
-    reserve(a, alloc, 4)
+    allocate_slots(a, alloc, 1)
+    allocate_slots(b, alloc, 1)
+    allocate_slots(a, alloc, 4)
     assert a.block_table == [0]
-    reserve(a, alloc, 6)
+    allocate_slots(a, alloc, 6)
     assert a.block_table == [0, 2]
     before = (list(a.block_table), list(alloc.free_blocks), set(alloc.owned))
     with pytest.raises(OutOfBlocksError, match="need 1, only 0 free") as err:
-        reserve(a, alloc, 9)
+        allocate_slots(a, alloc, 9)
     assert (err.value.needed, err.value.free) == (1, 0)
     assert (a.block_table, list(alloc.free_blocks), set(alloc.owned)) == before
     alloc.check_invariants([a.block_table, b.block_table])
@@ -171,13 +171,13 @@ def test_finish_reasons_and_eos_kept_in_the_output():
     s = make_scheduler()
     stops = submit(s, 3, 10)
     runs_on = submit(s, 3, 4, ignore_eos=True)
-    budget = submit(s, 3, 4)
+    max_new = submit(s, 3, 4)
     drain(s, answer=lambda seq: EOS if seq.request_id < 2 and len(seq.output_ids) == 1 else TOKEN)
     assert stops.output_ids == [TOKEN, EOS] and stops.finish_reason is FinishReason.EOS
     assert (
         runs_on.output_ids == [TOKEN, EOS, TOKEN, TOKEN] and runs_on.finish_reason is FinishReason.MAX_TOKENS
     )
-    assert len(budget.output_ids) == 4 and budget.finish_reason is FinishReason.MAX_TOKENS
+    assert len(max_new.output_ids) == 4 and max_new.finish_reason is FinishReason.MAX_TOKENS
 
 
 def test_preemption_sends_the_newest_back_and_recomputes():
@@ -266,7 +266,7 @@ def test_scheduler_options_are_checked(kwargs, message):
     aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=2),
 )
 def test_scheduler_property(num_blocks, block_size, max_num_seqs, chunk, arrivals, aborts):
-    """Requests (arrival step, prompt length, budget, priority, where the fake model says eos) join at
+    """Requests (arrival step, prompt length, max_new, priority, where the fake model says eos) join at
     random steps a pool small enough to preempt; some are aborted. After every step the invariants
     hold; at the end nothing leaks, and every request that was not aborted has exactly the tokens it
     would have produced alone."""
@@ -328,8 +328,8 @@ def checked(engine: Engine) -> Engine:
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3_dir):
     """HF greedy on the test prompts (independent), which L2 must reproduce (the previous stage)."""
-    hf = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS)]
-    assert L2Engine(tiny_qwen3_dir).generate(PROMPTS, BUDGETS) == hf
+    hf = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
+    assert L2Engine(tiny_qwen3_dir).generate(PROMPTS, MAX_NEW) == hf
     return hf
 
 
@@ -352,28 +352,28 @@ def finish_clean(engine: Engine) -> None:
 )
 def test_all_at_once_equals_l2_and_hf(tiny_qwen3_dir, expected, kwargs):
     eng = checked(Engine(tiny_qwen3_dir, **kwargs))
-    assert eng.generate(PROMPTS, BUDGETS) == expected
+    assert eng.generate(PROMPTS, MAX_NEW) == expected
     finish_clean(eng)
     assert eng.stats().preemptions == 0
 
 
 def test_staggered_arrivals_equal_l2_and_hf(tiny_qwen3_dir, expected):
     eng = checked(Engine(tiny_qwen3_dir, block_size=4))
-    assert staggered(eng, PROMPTS, BUDGETS, every=2) == expected
+    assert staggered(eng, PROMPTS, MAX_NEW, every=2) == expected
     finish_clean(eng)
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_preemption_changes_no_token(tiny_qwen3_dir, expected, chunk):
     need = max(
-        blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, BUDGETS, strict=True)
+        blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, MAX_NEW, strict=True)
     )  # the longest request alone
     eng = checked(Engine(tiny_qwen3_dir, block_size=4, num_blocks=need, prefill_chunk_size=chunk))
-    assert eng.generate(PROMPTS, BUDGETS) == expected
+    assert eng.generate(PROMPTS, MAX_NEW) == expected
     stats = eng.stats()
     assert stats.preemptions >= 1
     finish_clean(eng)
-    assert stats.kv_bytes_live <= stats.kv_bytes_reserved and stats.blocks_held <= need
+    assert stats.kv_bytes_live <= stats.kv_bytes_pool and stats.blocks_held <= need
 
 
 def test_priority_decides_who_runs_first(tiny_llama_dir):
@@ -388,7 +388,7 @@ def test_priority_decides_who_runs_first(tiny_llama_dir):
 
 def test_abort_mid_run_leaves_the_others_untouched(tiny_qwen3_dir, expected):
     eng = checked(Engine(tiny_qwen3_dir, block_size=4))
-    seqs = [eng.add_request(p, b) for p, b in zip(PROMPTS, BUDGETS, strict=True)]
+    seqs = [eng.add_request(p, b) for p, b in zip(PROMPTS, MAX_NEW, strict=True)]
     for _ in range(3):
         eng.step()
     victim = eng.abort(seqs[6].request_id)
@@ -409,7 +409,7 @@ def test_stats_count_steps_blocks_and_live_positions(tiny_llama_dir):
     eng.generate([[1, 2, 3], [4, 5, 6, 7, 8]], [4, 2], ignore_eos=True)
     per_token = eng.model.cfg.kv_bytes_per_token()
     stats = eng.stats()
-    assert stats.kv_bytes_reserved == 32 * per_token
+    assert stats.kv_bytes_pool == 32 * per_token
     assert stats.kv_bytes_live == (3 + 5 + 2) * per_token  # step 2: both decode; 3 + 5 cached, 2 new
     assert (stats.steps, stats.tokens_run, stats.preemptions) == (4, 3 + 5 + 2 + 1 + 1, 0)
     # live / held per step: (3 + 5) / (1 + 2 blocks), (4 + 6) / (1 + 2), (5) / (2), (6) / (2)
@@ -418,7 +418,7 @@ def test_stats_count_steps_blocks_and_live_positions(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    "kwargs, prompts, budget, message",
+    "kwargs, prompts, max_new, message",
     [
         ({}, [[]], 4, "prompt 0 is empty"),
         ({}, [[1, 2], [1, 49152]], 4, r"prompt 1: token id 49152 is outside the vocabulary \[0, 49152\)"),
@@ -437,13 +437,13 @@ def test_stats_count_steps_blocks_and_live_positions(tiny_llama_dir):
         ),
     ],
 )
-def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, budget, message):
+def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, max_new, message):
     eng = Engine(tiny_llama_dir, **kwargs)
     with pytest.raises(ValueError, match=message):
-        eng.generate(prompts, budget)
+        eng.generate(prompts, max_new)
     assert not eng.has_unfinished(), "a refused batch must not be half submitted"
     with pytest.raises(ValueError, match=re.sub(r"^prompt \d+", "request", message)):
-        eng.add_request(prompts[-1], budget)  # the same check, one request at a time, named so
+        eng.add_request(prompts[-1], max_new)  # the same check, one request at a time, named so
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from L5_clones.cache import KvPool
 from L5_clones.engine import Engine
 from L5_clones.prefix_cache import block_hash, match_prefix
 from L5_clones.scheduler import Scheduler
-from L5_clones.sequence import FinishReason, Sequence, Status, reserve, slots
+from L5_clones.sequence import FinishReason, Sequence, Status, allocate_slots, slots
 
 EOS = 2
 TOKEN = 7  # what the fake model of the scheduler tests always answers (not eos)
@@ -33,7 +33,7 @@ VOCAB = 16
 
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 12, 16, 17, 29, 40, 3)]
-BUDGETS = [24, 1, 17, 9, 24, 13, 20, 5]
+MAX_NEW = [24, 1, 17, 9, 24, 13, 20, 5]
 SYSTEM = [_rng.randrange(3, 49152) for _ in range(37)]  # a shared "system prompt"
 SAMPLED = SamplingParams(temperature=5.0, top_k=40, top_p=0.95, seed=11)  # hot: the tiny model is peaked
 
@@ -63,7 +63,7 @@ def full_request(m: BlockAllocator, request_id: int, tokens: list[int]) -> Seque
     """A request whose ``tokens`` are all computed: prefix hits shared, the rest reserved and registered."""
     seq = Sequence(request_id, list(tokens), 1)
     cached = match_prefix(seq.all_ids, m)
-    reserve(seq, m, len(tokens), cached)
+    allocate_slots(seq, m, len(tokens), cached)
     seq.num_computed_tokens = len(tokens)
     return seq
 
@@ -118,16 +118,16 @@ def test_out_of_blocks_leaves_everything_unchanged():
     a = full_request(m, 0, [1, 2, 3, 4, 5])  # blocks 0, 1 (full, registered), 2
     m.free(a.block_table)  # all free again, 0 and 1 still cached
     b = Sequence(1, [9], 1)
-    reserve(b, m, 1)  # takes block 3
+    allocate_slots(b, m, 1)  # takes block 3
     c = Sequence(2, [1, 2, 3, 4, 5, 6, 7], 1)
     cached = match_prefix(c.all_ids, m)
     assert cached == [0, 1]
     before = snapshot(m)
     with pytest.raises(OutOfBlocksError, match="need 4, only 3 free") as err:
-        reserve(c, m, 7, cached)  # reviving 0 and 1 uses up two free blocks, and 2 more are needed
+        allocate_slots(c, m, 7, cached)  # reviving 0 and 1 uses up two free blocks, and 2 more are needed
     assert (err.value.needed, err.value.free) == (4, 3)
     assert snapshot(m) == before and c.block_table == []
-    reserve(c, m, 5, cached)  # 2 revived + 1 fresh, and the fresh one is not a revived one
+    allocate_slots(c, m, 5, cached)  # 2 revived + 1 fresh, and the fresh one is not a revived one
     assert c.block_table == [0, 1, 2] and m.num_free == 0
     m.check_invariants([b.block_table, c.block_table])
 
@@ -137,14 +137,14 @@ def test_reserve_registers_the_blocks_a_step_fills():
     m = BlockAllocator(8, block_size=4)
     other = Sequence(1, [9], 1)
     a = Sequence(0, [10, 11, 12, 13, 14, 15], 1)
-    reserve(a, m, 1)
-    reserve(other, m, 1)
+    allocate_slots(a, m, 1)
+    allocate_slots(other, m, 1)
     assert a.block_table == [0] and m.blocks[0].hash is None
-    reserve(a, m, 4)
+    allocate_slots(a, m, 4)
     assert a.block_table == [0] and m.blocks[0].hash == block_hash(None, [10, 11, 12, 13])
     assert m.hash_to_block == {m.blocks[0].hash: 0} and m.blocks[0].token_ids == (10, 11, 12, 13)
     a.num_computed_tokens = 4
-    reserve(a, m, 6)
+    allocate_slots(a, m, 6)
     assert a.block_table == [0, 2] and m.blocks[2].hash is None  # 2 of 4 rows: not full, not cached
     m.check_invariants([a.block_table, other.block_table])
 
@@ -295,7 +295,7 @@ def test_block_allocator_property(num_blocks, block_size, ops):
             if op == "new":
                 seq = Sequence(next(ids), stems[a % 3][:b] + ([10 + c] if c else []), 1)
                 cached = match_prefix(seq.all_ids, m)
-                reserve(seq, m, seq.num_tokens, cached)
+                allocate_slots(seq, m, seq.num_tokens, cached)
                 compute(seq, len(cached) * block_size)
                 live.append(seq)
                 most_hits = max(most_hits, len(cached))
@@ -305,7 +305,7 @@ def test_block_allocator_property(num_blocks, block_size, ops):
                 if seq.num_tokens + len(new) <= num_blocks * block_size:
                     seq.output_ids += new
                     try:
-                        reserve(seq, m, seq.num_tokens)
+                        allocate_slots(seq, m, seq.num_tokens)
                     except OutOfBlocksError:
                         del seq.output_ids[-len(new) :]
                         raise
@@ -353,7 +353,7 @@ def submit(s: Scheduler, prompt: list[int] | int, max_new: int, n: int = 1, prio
         prompt,
         max_new,
         priority=priority,
-        n=n,
+        num_samples=n,
     )
     s.add(seq)
     return seq
@@ -423,7 +423,7 @@ def test_same_step_admission_shares_blocks_registered_in_that_step():
     b = submit(s, list(range(10, 20)), 2)
     assert fake_step(s)[0] == [(0, 10), (1, 2)]  # b runs only its last partial block
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert s.allocator.num_used == 4 and s.num_cached_blocks == 2
+    assert s.allocator.num_used == 4 and s.prefix_cache_hits == 2
     drain(s)
     assert a.output_ids == b.output_ids == [TOKEN, TOKEN]
 
@@ -501,8 +501,8 @@ def finish_clean(engine: Engine) -> None:
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3_dir):
     """HF greedy on the test prompts (independent), which L4 must reproduce (the previous stage)."""
-    hf = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS)]
-    assert L4Engine(tiny_qwen3_dir).generate(PROMPTS, BUDGETS) == hf
+    hf = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
+    assert L4Engine(tiny_qwen3_dir).generate(PROMPTS, MAX_NEW) == hf
     return hf
 
 
@@ -521,9 +521,9 @@ def expected(tiny_qwen3_dir):
 )
 def test_greedy_and_greedy_clones_equal_l4_and_hf(tiny_qwen3_dir, expected, kwargs):
     eng = checked(Engine(tiny_qwen3_dir, **kwargs))
-    assert eng.generate(PROMPTS, BUDGETS) == expected
+    assert eng.generate(PROMPTS, MAX_NEW) == expected
     clones = checked(Engine(tiny_qwen3_dir, max_num_seqs=32, **kwargs)).generate_samples(
-        PROMPTS, BUDGETS, n=4
+        PROMPTS, MAX_NEW, n=4
     )
     assert clones == [[e] * 4 for e in expected]
     finish_clean(eng)
@@ -566,9 +566,9 @@ def test_identical_prompts_in_one_step_allocate_no_duplicate_blocks(tiny_llama_d
 )
 def test_sampled_clones_equal_independent_runs(tiny_qwen3_dir, kwargs):
     cloned = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, **kwargs))
-    shared = cloned.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED)
+    shared = cloned.generate_samples(PROMPTS, MAX_NEW, n=3, sampling=SAMPLED)
     alone = checked(Engine(tiny_qwen3_dir, max_num_seqs=24, enable_prefix_caching=False, **kwargs))
-    assert alone.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED, share=False) == shared
+    assert alone.generate_samples(PROMPTS, MAX_NEW, n=3, sampling=SAMPLED, share=False) == shared
     assert sum(len({tuple(s) for s in samples}) > 1 for samples in shared) >= 4  # the samples do differ
     assert cloned.stats().clones == len(PROMPTS) and cloned.stats().blocks_held < alone.stats().blocks_held
     finish_clean(cloned)
@@ -577,18 +577,18 @@ def test_sampled_clones_equal_independent_runs(tiny_qwen3_dir, kwargs):
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_preemption_with_clones_changes_no_token(tiny_qwen3_dir, expected, chunk):
     need = max(
-        blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, BUDGETS, strict=True)
+        blocks_needed(len(p) + b, 4) for p, b in zip(PROMPTS, MAX_NEW, strict=True)
     )  # the longest alone
     small = dict(block_size=4, num_blocks=need, prefill_chunk_size=chunk, max_num_seqs=24)
     greedy = checked(Engine(tiny_qwen3_dir, **small))
-    assert greedy.generate_samples(PROMPTS, BUDGETS, n=3) == [[e] * 3 for e in expected]
+    assert greedy.generate_samples(PROMPTS, MAX_NEW, n=3) == [[e] * 3 for e in expected]
     assert greedy.stats().preemptions >= 1
     finish_clean(greedy)
     sampled = checked(Engine(tiny_qwen3_dir, **small))
     reference = Engine(tiny_qwen3_dir, max_num_seqs=24).generate_samples(
-        PROMPTS, BUDGETS, n=3, sampling=SAMPLED
+        PROMPTS, MAX_NEW, n=3, sampling=SAMPLED
     )
-    assert sampled.generate_samples(PROMPTS, BUDGETS, n=3, sampling=SAMPLED) == reference
+    assert sampled.generate_samples(PROMPTS, MAX_NEW, n=3, sampling=SAMPLED) == reference
     assert sampled.stats().preemptions >= 1
     finish_clean(sampled)
 

@@ -23,11 +23,11 @@ from kvcourse.sampling import BeamParams, SamplingParams
 from L5_clones.allocator import BlockAllocator, OutOfBlocksError
 from L5_clones.beams import BeamGroup, add_beam_request, beam_blocks, fork, fork_needs, recompute_shares
 from L5_clones.engine import Engine
-from L5_clones.sequence import Sequence, reserve
+from L5_clones.sequence import Sequence, allocate_slots
 
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 12, 16, 17, 29, 40, 3)]
-BUDGETS = [12, 3, 10, 9, 12, 7, 11, 5]
+MAX_NEW = [12, 3, 10, 9, 12, 7, 11, 5]
 
 
 def ideal_blocks(beams, block_size: int) -> int:
@@ -42,15 +42,17 @@ def ideal_blocks(beams, block_size: int) -> int:
     return len(full) + partial
 
 
-def run_checked(engine: Engine, prompts, budgets, ideal: bool = True, **beam) -> list[list[list[int]]]:
+def run_checked(engine: Engine, prompts, max_new_tokens, ideal: bool = True, **beam) -> list[list[list[int]]]:
     """``generate_beams`` one step at a time: after every step the scheduler's invariants hold and,
     with ``ideal``, the pool holds exactly the blocks the beams' histories need (shared, not copied,
     and nothing a dropped beam held); at the end every block is free."""
     params = BeamParams(**beam)
     if params.num_beams == 1:  # greedy search, as in HF: a plain request
-        requests = [engine.add_request(p, b) for p, b in zip(prompts, budgets, strict=True)]
+        requests = [engine.add_request(p, b) for p, b in zip(prompts, max_new_tokens, strict=True)]
     else:
-        requests = [add_beam_request(engine, p, b, params) for p, b in zip(prompts, budgets, strict=True)]
+        requests = [
+            add_beam_request(engine, p, b, params) for p, b in zip(prompts, max_new_tokens, strict=True)
+        ]
     while engine.has_unfinished():
         engine.step()
         engine.scheduler.check_invariants()
@@ -112,9 +114,9 @@ def eos_dir(tiny_qwen3_dir, tmp_path_factory):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_widths_1_to_6_equal_hf_on_the_tiny_qwen3(tiny_qwen3_dir, k, block_size):
-    ref = hf_beams(tiny_qwen3_dir, PROMPTS, BUDGETS, BeamParams(k, num_return_sequences=k))
+    ref = hf_beams(tiny_qwen3_dir, PROMPTS, MAX_NEW, BeamParams(k, num_return_sequences=k))
     engine = Engine(tiny_qwen3_dir, block_size=block_size, kernel="torch")
-    got = run_checked(engine, PROMPTS, BUDGETS, num_beams=k, num_return_sequences=k)
+    got = run_checked(engine, PROMPTS, MAX_NEW, num_beams=k, num_return_sequences=k)
     assert got == [r.sequences for r in ref]
     if k > 1:
         assert engine.stats().blocks_shared > 0
@@ -132,9 +134,9 @@ def test_widths_1_to_6_equal_hf_on_the_tiny_qwen3(tiny_qwen3_dir, k, block_size)
     ids=["k4", "k3-early", "k4-never-lp2", "k5-lp-neg", "k6-lp0"],
 )
 def test_eos_length_penalty_and_early_stopping_equal_hf(eos_dir, beam):
-    budgets = [16] * len(PROMPTS)
-    ref = hf_beams(eos_dir, PROMPTS, budgets, BeamParams(**beam))
-    got = run_checked(Engine(eos_dir, block_size=4, kernel="torch"), PROMPTS, budgets, **beam)
+    max_new_tokens = [16] * len(PROMPTS)
+    ref = hf_beams(eos_dir, PROMPTS, max_new_tokens, BeamParams(**beam))
+    got = run_checked(Engine(eos_dir, block_size=4, kernel="torch"), PROMPTS, max_new_tokens, **beam)
     assert got == [r.sequences for r in ref]
     if beam.get("length_penalty", 1.0) < 2:  # (a penalty of 2 favours the long ones here)
         assert any(len(s) < 16 for r in ref for s in r.sequences)  # some hypotheses did end on an eos
@@ -145,16 +147,16 @@ def test_a_tight_pool_preempts_whole_groups_and_changes_no_token(eos_dir, chunk)
     """Every prompt at once in the smallest pool ``check_fits`` allows for the largest group: groups
     are preempted (as units) and recompute, sharing again; the tokens stay HF's."""
     prompts = PROMPTS * (2 if chunk else 1)  # chunked, a group may recompute unshared: a larger pool
-    budgets = [16] * len(prompts)
+    max_new_tokens = [16] * len(prompts)
     options = {"block_size": 4, "kernel": "torch", "max_num_seqs": 64, "prefill_chunk_size": chunk}
     if chunk:
         options["max_num_batched_tokens"] = 40
     probe = Engine(eos_dir, **options)
     shares = recompute_shares(probe.scheduler)
-    smallest = max(beam_blocks(len(p), b, 4, 4, shares) for p, b in zip(prompts, budgets, strict=True))
+    smallest = max(beam_blocks(len(p), b, 4, 4, shares) for p, b in zip(prompts, max_new_tokens, strict=True))
     engine = Engine(eos_dir, num_blocks=smallest, **options)
-    got = run_checked(engine, prompts, budgets, ideal=False, num_beams=4, num_return_sequences=2)
-    assert got == [r.sequences for r in hf_beams(eos_dir, prompts, budgets, BeamParams(4, 2))]
+    got = run_checked(engine, prompts, max_new_tokens, ideal=False, num_beams=4, num_return_sequences=2)
+    assert got == [r.sequences for r in hf_beams(eos_dir, prompts, max_new_tokens, BeamParams(4, 2))]
     assert engine.stats().preemptions >= 1
 
 
@@ -164,7 +166,7 @@ def test_beams_beside_greedy_and_sampled_requests(tiny_qwen3_dir):
     engine = Engine(tiny_qwen3_dir, block_size=4, kernel="torch", max_num_seqs=16, num_blocks=60)
     params = BeamParams(3, num_return_sequences=3)
     jobs = []
-    for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS, strict=True)):
+    for i, (p, b) in enumerate(zip(PROMPTS, MAX_NEW, strict=True)):
         if i % 3 == 0:
             jobs.append(("beam", add_beam_request(engine, p, b, params), p, b))
         elif i % 3 == 1:
@@ -275,7 +277,7 @@ def test_random_fork_and_drop_keep_the_books(num_blocks, block_size, prompt, ops
     fresh = iter(range(10**6))  # every new token is new: equal histories come only from forks
     beams = [Sequence(0, [next(fresh) for _ in range(prompt)], 1)]
     try:
-        reserve(beams[0], allocator, prompt)
+        allocate_slots(beams[0], allocator, prompt)
     except OutOfBlocksError:
         return
     beams[0].num_computed_tokens = prompt
@@ -288,7 +290,7 @@ def test_random_fork_and_drop_keep_the_books(num_blocks, block_size, prompt, ops
             if op == "grow":
                 beam.prompt_ids.append(next(fresh))
                 try:
-                    reserve(beam, allocator, beam.num_tokens)
+                    allocate_slots(beam, allocator, beam.num_tokens)
                 except OutOfBlocksError:
                     beam.prompt_ids.pop()
                     raise

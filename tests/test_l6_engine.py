@@ -53,7 +53,7 @@ def test_equals_hf_without_recompiling(engine, expected):
         "max_refcount": 0,
     }
     before = dict(engine.traces)
-    # new prompts and lengths in the same bucket, another budget: no new compile
+    # new prompts and lengths in the same bucket, other max_new_tokens: no new compile
     again = engine.generate([p[::-1] for p in PROMPTS], 5)
     assert [len(x) for x in again] == [5, 5, 5] and dict(engine.traces) == before == {
         "prefill": 1,
@@ -192,7 +192,7 @@ def test_stats_count_every_step_on_the_device_since_the_engine_was_built(tiny_ll
     assert (stats.steps, stats.tokens_run) == (2 * 6, 2 * (10 + 5))
     assert (stats.blocks_held, stats.blocks_shared, stats.clones, stats.preemptions) == (4, 0, 0, 0)
     assert stats.kv_bytes_live == 15 * per_token
-    assert stats.kv_bytes_reserved == 16 * 4 * per_token  # 16 pages: one 64-token sequence
+    assert stats.kv_bytes_pool == 16 * 4 * per_token  # 16 pages: one 64-token sequence
     assert (stats.block_size, stats.num_blocks) == (4, 16)
     assert stats.compiles == {"prefill": 1, "decode": 1}
 

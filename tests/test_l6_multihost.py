@@ -108,7 +108,7 @@ def run_script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def few_prompts(tmp_path_factory):
-    """Three prompts: a chat one, a raw one crossing page boundaries, and one with a budget of 1."""
+    """Three prompts: a chat one, a raw one crossing page boundaries, and one with max_new_tokens 1."""
     path = tmp_path_factory.mktemp("prompts") / "few.jsonl"
     rows = [
         {"messages": [{"role": "user", "content": "Name a prime."}], "max_new_tokens": 7},

@@ -112,12 +112,12 @@ def test_cross_check_with_upstream_kernel():
 
 
 def test_engine_with_pallas_equals_reference_and_hf(tiny_llama_dir):
-    prompts, budget = [[5, 17, 300, 42, 7], list(range(200, 211))], [4, 4]
-    expected = [r.tokens for r in hf_greedy(tiny_llama_dir, prompts, budget)]
+    prompts, max_new = [[5, 17, 300, 42, 7], list(range(200, 211))], [4, 4]
+    expected = [r.tokens for r in hf_greedy(tiny_llama_dir, prompts, max_new)]
     options = dict(
         page_size=4, max_num_seqs=2, max_rounds=4, max_model_len=32, q_block=16, kv_pages_per_block=2
     )
-    reference = Engine(tiny_llama_dir, **options).generate(prompts, budget)
+    reference = Engine(tiny_llama_dir, **options).generate(prompts, max_new)
     with pltpu.force_tpu_interpret_mode():
-        got = Engine(tiny_llama_dir, attention="pallas", **options).generate(prompts, budget)
+        got = Engine(tiny_llama_dir, attention="pallas", **options).generate(prompts, max_new)
     assert got == reference == expected

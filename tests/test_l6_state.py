@@ -180,7 +180,7 @@ def test_kv_usage_and_count_step_docstring_examples():
 # ---- the property test: random engine operations on the whole DecodeState, without a model
 
 # One small layout, so every operation compiles once: 4 slots of up to 16 tokens (4 pages of 4) on a
-# pool of 9 pages, which runs out; prompts of 1-7 tokens padded to 8; budgets of 1-6; token 2 stops.
+# pool of 9 pages, which runs out; prompts of 1-7 tokens padded to 8; max_new_tokens of 1-6; token 2 stops.
 S, PAGE, PER_SEQ, PAGES, T, MAX_NEW, STOP = 4, 4, 4, 9, 8, 6, 2
 
 
@@ -202,10 +202,10 @@ def model_free_step(state, fallback, kv_pages, slots, pos, sampled, roots):
 
 
 @jax.jit
-def op_admit(state, kv_pages, slot, length, budget, token, roots):
+def op_admit(state, kv_pages, slot, length, max_new, token, roots):
     """Start a sequence in ``slot`` and prefill its ``length`` prompt tokens (the rest is padding)."""
     mask = jnp.arange(S) == slot
-    admitted = ds.admit(state, mask, jnp.where(mask, budget, 0), jnp.zeros(S, bool))
+    admitted = ds.admit(state, mask, jnp.where(mask, max_new, 0), jnp.zeros(S, bool))
     i = jnp.arange(T)
     slots, pos = jnp.where(i < length, slot, -1), jnp.where(i < length, i, 0)
     return model_free_step(admitted, state, kv_pages, slots, pos, jnp.full(S, token), roots)

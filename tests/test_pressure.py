@@ -5,7 +5,7 @@ against HF greedy (``kvcourse.harness.reference``, cached) or a run that must fi
 
 - pools just big enough for the longest request, several requests of mixed lengths: L3 and L4 preempt
   and recompute, L5 too with its prefix cache on, L6 admits a prompt only while the pool can hold it
-  to its whole budget next to what the running sequences may still grow into (the issue's case: 3
+  to its whole max_new_tokens next to what the running sequences may still grow into (the issue's case: 3
   prompts x 20 tokens on 8 pages of 4 and 2 slots ran dry when admission forgot the running ones);
 - a prompt set in which the same block of tokens, block-aligned, follows different prefixes: a prefix
   cache whose keys forgot the blocks before a block would share K/V computed after another prefix;
@@ -40,15 +40,15 @@ from L6_tpu_jax.page_table import pages_for
 
 _rng = random.Random(29)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (2, 9, 13, 3, 22, 6, 17, 5)]
-BUDGETS = [17, 6, 11, 20, 9, 14, 3, 12]
+MAX_NEW = [17, 6, 11, 20, 9, 14, 3, 12]
 BLOCK = 4
-LONGEST = max(blocks_for(len(p) + b, BLOCK) for p, b in zip(PROMPTS, BUDGETS, strict=True))  # 8 blocks
+LONGEST = max(blocks_for(len(p) + b, BLOCK) for p, b in zip(PROMPTS, MAX_NEW, strict=True))  # 8 blocks
 HOT = SamplingParams(temperature=5.0, top_k=40, top_p=0.95, seed=29)  # the tiny models are peaked
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3_dir):
-    return [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, BUDGETS)]
+    return [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
 
 
 def drained(engine) -> None:
@@ -57,12 +57,12 @@ def drained(engine) -> None:
     assert not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_blocks
 
 
-def run_checked(engine, prompts, budgets, every: int = 0, limit: int = 2000) -> list[list[int]]:
+def run_checked(engine, prompts, max_new_tokens, every: int = 0, limit: int = 2000) -> list[list[int]]:
     """Submit every prompt at once (``every`` 0) or one before every ``every``-th step, and step until
     all finish, checking the scheduler's invariants after each step. A scheduler that stops making
     progress (say, one that lost blocks and can admit nobody) fails after ``limit`` steps instead of
     looping forever. Returns the new tokens of each prompt."""
-    pending, seqs = list(zip(prompts, budgets, strict=True)), []
+    pending, seqs = list(zip(prompts, max_new_tokens, strict=True)), []
     for step in range(limit):
         if pending and (not every or step % every == 0):
             take = pending[: len(pending) if not every else 1]
@@ -106,10 +106,10 @@ def test_the_smallest_pool_preempts_and_changes_no_token(make, tiny_qwen3_dir, e
     then joining every 2 steps. The scheduler preempts and recomputes, its books balance after every
     step, and every token is HF's."""
     engine = make(tiny_qwen3_dir)
-    assert run_checked(engine, PROMPTS, BUDGETS) == expected
+    assert run_checked(engine, PROMPTS, MAX_NEW) == expected
     assert engine.stats().preemptions >= 1 and engine.stats().blocks_held <= LONGEST
     drained(engine)
-    assert run_checked(engine, PROMPTS, BUDGETS, every=2) == expected
+    assert run_checked(engine, PROMPTS, MAX_NEW, every=2) == expected
     drained(engine)
 
 
@@ -119,14 +119,14 @@ def test_sampled_clones_sharing_blocks_equal_independent_requests(tiny_qwen3_dir
     roomy pool and on the smallest one (clones and preemptions together), they must equal independent
     requests that share nothing. No invariant check runs here: the tokens alone must tell."""
     prompts = [p for p in PROMPTS if len(p) % BLOCK and len(p) > BLOCK]
-    budgets = [12] * len(prompts)
+    max_new_tokens = [12] * len(prompts)
     alone = L5Engine(tiny_qwen3_dir, block_size=BLOCK, max_num_seqs=16, enable_prefix_caching=False)
-    want = alone.generate_samples(prompts, budgets, n=3, sampling=HOT, share=False)
+    want = alone.generate_samples(prompts, max_new_tokens, n=3, sampling=HOT, share=False)
     assert sum(len({tuple(s) for s in samples}) == 3 for samples in want) >= 3  # they do differ
     smallest = max(blocks_for(len(p) + 12, BLOCK) + 2 for p in prompts)  # the longest, plus 2 copies
     for num_blocks in (None, smallest):
         cloned = L5Engine(tiny_qwen3_dir, block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=16)
-        assert cloned.generate_samples(prompts, budgets, n=3, sampling=HOT) == want
+        assert cloned.generate_samples(prompts, max_new_tokens, n=3, sampling=HOT) == want
         stats = cloned.stats()
         assert stats.clones == len(prompts) and stats.blocks_shared >= 1
         drained(cloned)
@@ -205,17 +205,17 @@ def test_l6_admission_keeps_room_for_what_running_sequences_will_grow_into(tiny_
 def test_l6_on_the_smallest_pool_changes_no_token(cleanup, tiny_qwen3_dir, expected):
     """Mixed lengths on a pool that holds the longest request alone, 4 slots: prompts wait for
     pages as well as for slots, clones included; every token is HF's."""
-    pages = max(pages_for(len(p), b, 1, BLOCK) for p, b in zip(PROMPTS, BUDGETS, strict=True))
+    pages = max(pages_for(len(p), b, 1, BLOCK) for p, b in zip(PROMPTS, MAX_NEW, strict=True))
     engine = L6Engine(
         tiny_qwen3_dir, page_size=BLOCK, num_pages=pages, max_num_seqs=4, max_model_len=64, cleanup=cleanup
     )
-    assert engine.generate(PROMPTS, BUDGETS) == expected
+    assert engine.generate(PROMPTS, MAX_NEW) == expected
     assert engine.stats().blocks_held <= pages
     engine.check_invariants()
     assert engine.occupancy()["pages_in_use"] == 0
     fit = [i for i, p in enumerate(PROMPTS) if pages_for(len(p), 6, 2, BLOCK) <= pages]  # 2 clones, 6 tokens
     assert len(fit) >= 6
-    clones = engine.generate_samples([PROMPTS[i] for i in fit], [min(6, BUDGETS[i]) for i in fit], n=2)
+    clones = engine.generate_samples([PROMPTS[i] for i in fit], [min(6, MAX_NEW[i]) for i in fit], n=2)
     assert clones == [[expected[i][:6]] * 2 for i in fit]  # greedy: the first tokens of HF's answer
 
 

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from kvcourse.harness.compare import TIE_GAP, Comparison, Row, compare, first_difference, format_rows
-from kvcourse.harness.prompts import Prompt, budgets, encode, load_tokenizer, parse_prompt, read_prompts
+from kvcourse.harness.prompts import (
+    Prompt,
+    encode,
+    load_tokenizer,
+    max_new_tokens_of,
+    parse_prompt,
+    read_prompts,
+)
 from kvcourse.harness.reference import Reference
 
 
@@ -16,7 +23,7 @@ def write_jsonl(path, objs):
     return path
 
 
-def test_read_prompts_both_kinds_and_budget(tmp_path):
+def test_read_prompts_both_kinds_and_max_new_tokens(tmp_path):
     f = write_jsonl(
         tmp_path / "p.jsonl",
         [{"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 5}, {"text": "raw"}],
@@ -24,7 +31,7 @@ def test_read_prompts_both_kinds_and_budget(tmp_path):
     chat, raw = read_prompts(f)
     assert chat.messages == (("user", "hi"),) and chat.max_new_tokens == 5
     assert raw.text == "raw" and raw.max_new_tokens is None
-    assert budgets([chat, raw], 64) == [5, 64]
+    assert max_new_tokens_of([chat, raw], 64) == [5, 64]
 
 
 @pytest.mark.parametrize(
@@ -75,7 +82,7 @@ def test_default_prompt_set_meets_the_design(model_dir):
     lengths = [len(encode(tok, p)) for p in prompts]
     assert len(set(lengths)) >= 5, "prompt lengths should vary"
     # at least one prompt whose prompt + generation crosses several 16-token block boundaries
-    assert any(n + b >= 4 * 16 for n, b in zip(lengths, budgets(prompts, 64), strict=True))
+    assert any(n + b >= 4 * 16 for n, b in zip(lengths, max_new_tokens_of(prompts, 64), strict=True))
 
 
 def test_chat_template_and_raw_encoding(model_dir):

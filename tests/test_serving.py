@@ -66,8 +66,8 @@ def test_latency_metrics_on_a_hand_made_timeline():
     1.3 / 5 = 0.26; B's TTFT 1.0, no TPOT, end-to-end 1.0, normalized 1.0."""
     t = Timeline([0.0, 1.0], [0.5, 2.0], [1.3, 2.0], [[1] * 5, [2]], preemptions=1, end=2.0)
     t.steps = [
-        {"t": 0.5, "reserved": 32, "live": 8, "budget": 64},
-        {"t": 1.0, "reserved": 16, "live": 8, "budget": 64},
+        {"t": 0.5, "held": 32, "live": 8, "pool": 64},
+        {"t": 1.0, "held": 16, "live": 8, "pool": 64},
     ]
     a, b = request_metrics(t)
     assert a == pytest.approx({"ttft": 0.5, "tpot": 0.2, "e2e": 1.3, "normalized": 0.26, "output_tokens": 5})
@@ -76,7 +76,7 @@ def test_latency_metrics_on_a_hand_made_timeline():
     assert s["mean_normalized_latency"] == pytest.approx((0.26 + 1.0) / 2)
     assert s["output_tokens_per_s"] == pytest.approx(6 / 2.0) and s["requests_per_s"] == pytest.approx(1.0)
     assert s["tpot_p50"] == pytest.approx(0.2) and s["ttft_p50"] == pytest.approx(0.75)
-    assert s["kv_live_share"] == pytest.approx(16 / 48) and s["kv_budget_share"] == pytest.approx(16 / 128)
+    assert s["kv_utilization"] == pytest.approx(16 / 48) and s["kv_pool_share"] == pytest.approx(16 / 128)
     assert s["preemptions"] == 1
 
 
@@ -111,12 +111,12 @@ class FakeClock:
         self.now += s
 
 
-@pytest.mark.parametrize("policy", ["paged", "max"])
+@pytest.mark.parametrize("policy", ["on_demand", "max"])
 def test_serve_feeds_requests_as_they_arrive_and_changes_no_token(tiny_qwen3_dir, policy):
     reqs = synthetic_stream("alpaca", 6, 2.0, 5, vocab_size=49152, max_model_len=48, scale=0.3)
-    budget = 16 * 4 * 512  # 16 blocks of 4 tokens, 512 bytes a token
+    kv_bytes = 16 * 4 * 512  # 16 blocks of 4 tokens, 512 bytes a token
     engine = L3Engine(
-        tiny_qwen3_dir, block_size=4, kv_cache_bytes=budget, max_model_len=48, reservation=policy
+        tiny_qwen3_dir, block_size=4, kv_cache_bytes=kv_bytes, max_model_len=48, admission_policy=policy
     )
     clock = FakeClock()
     timeline = serve(engine, reqs, clock=clock, sleep=clock.sleep)
@@ -124,7 +124,7 @@ def test_serve_feeds_requests_as_they_arrive_and_changes_no_token(tiny_qwen3_dir
     want = fresh.generate([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs], ignore_eos=True)
     assert timeline.outputs == want
     assert all(f >= a for f, a in zip(timeline.first_token, timeline.arrivals, strict=True))
-    assert all(s["reserved"] <= s["budget"] == 64 and s["live"] <= s["reserved"] for s in timeline.steps)
+    assert all(s["held"] <= s["pool"] == 64 and s["live"] <= s["held"] for s in timeline.steps)
     rows = request_metrics(timeline)
     assert [r["output_tokens"] for r in rows] == [r.max_new_tokens for r in reqs]
 
@@ -154,4 +154,4 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
         "serving_policies_tiny.png",
     ]
     max_rows = results["policies"]["max"].values()
-    assert all(r["summary"]["kv_live_share"] < 1 for r in max_rows)  # Max holds blocks nobody fills
+    assert all(r["summary"]["kv_utilization"] < 1 for r in max_rows)  # Max holds blocks nobody fills

@@ -10,7 +10,7 @@ records it with hypothesis's ``event`` and fails unless it is the edge asked for
 unexercised, and a generator that stopped reaching one fails instead of passing quietly.
 
 - L2, L3, L4 (one free list; byte-identical ``allocator.py``): a sequence grows through its stage's
-  ``reserve()`` by several blocks at once;
+  ``allocate_slots()`` by several blocks at once;
 - L5 (reference counts): fresh blocks, prefix-cache hits revived from the free list (each uses up a
   free block), and clones that copy a partial last block per child;
 - L6 (``allocate_for_seq``, one jit'd function): a batch of up to three sequences, each growing by up
@@ -33,7 +33,7 @@ from L5_clones.allocator import BlockAllocator as L5Allocator
 from L5_clones.allocator import OutOfBlocksError as L5OutOfBlocks
 from L5_clones.prefix_cache import match_prefix
 from L5_clones.sequence import Sequence as L5Sequence
-from L5_clones.sequence import reserve as l5_reserve
+from L5_clones.sequence import allocate_slots as l5_allocate_slots
 from L6_tpu_jax.page_table import INVALID, PageTable, SequenceTable, allocate_for_seq, cdiv
 
 EXAMPLES = 150  # per edge
@@ -78,7 +78,7 @@ def books(a, seq) -> tuple:
 @pytest.mark.parametrize("edge", EDGES)
 @pytest.mark.parametrize("stage", ["L2", "L3", "L4"])
 def test_a_sequence_that_cannot_grow_takes_no_block(stage, edge):
-    """A sequence holding some blocks asks ``reserve()`` for n more while others hold the rest of the
+    """A sequence holding some blocks asks ``allocate_slots()`` for n more while others hold the rest of the
     pool and freed blocks sit in a shuffled free list. It gets all n (fresh, distinct, from the front
     of the free list) or, if fewer are free, ``OutOfBlocksError`` naming both counts and no change at
     all: not to the free list, not to the books, not to the sequence."""
@@ -94,7 +94,7 @@ def test_a_sequence_that_cannot_grow_takes_no_block(stage, edge):
         free = 0 if edge == "none free" else data.draw(st.integers(least_free, num_blocks - held))
         a = allocator.BlockAllocator(num_blocks, bs)
         seq = new_sequence(stage, sequence)
-        sequence.reserve(seq, a, held * bs)
+        sequence.allocate_slots(seq, a, held * bs)
         others = [[b] for b in a.alloc_blocks(num_blocks - held)]  # everything else, one block each
         for i in data.draw(st.permutations(range(len(others))))[:free]:  # freed in a random order
             a.free(others[i])
@@ -112,11 +112,11 @@ def test_a_sequence_that_cannot_grow_takes_no_block(stage, edge):
         target = (held + n) * bs - (data.draw(st.integers(0, bs - 1)) if n else 0)
         before = books(a, seq)
         if n <= free:
-            sequence.reserve(seq, a, target)
+            sequence.allocate_slots(seq, a, target)
             assert seq.block_table[held:] == before[0][:n] and len(seq.block_table) == held + n
         else:
             with pytest.raises(allocator.OutOfBlocksError) as err:
-                sequence.reserve(seq, a, target)
+                sequence.allocate_slots(seq, a, target)
             assert (err.value.needed, err.value.free) == (n, free)
             assert books(a, seq) == before, "a failed allocation changed the allocator or the sequence"
         a.check_invariants([seq.block_table, *others])
@@ -174,7 +174,7 @@ def l5_books(m: L5Allocator):
 def l5_request(m: L5Allocator, request_id: int, tokens: list[int]) -> L5Sequence:
     """A request whose tokens are all computed: prefix hits shared, the rest reserved and registered."""
     seq = L5Sequence(request_id, list(tokens), 1)
-    l5_reserve(seq, m, seq.num_tokens, match_prefix(seq.all_ids, m))
+    l5_allocate_slots(seq, m, seq.num_tokens, match_prefix(seq.all_ids, m))
     seq.num_computed_tokens = seq.num_tokens
     return seq
 

@@ -2,9 +2,9 @@
 against engines that are wrong on purpose (so a passing smoke means something).
 
 - every stage's smoke on a tiny checkpoint and a prompt file with a 300+ token prompt and odd
-  budgets: the configurations that need a tight pool size it from these prompts, and still preempt;
+  max_new_tokens: the configurations that need a tight pool size it from these prompts, and still preempt;
 - bad input (a malformed or empty prompt file, an unknown key, a missing model folder, a prompt over
-  the context limit, a budget below 1) gives one ``error: ...`` line and exit status 2, tested in
+  the context limit, max_new_tokens below 1) gives one ``error: ...`` line and exit status 2, tested in
   process for each case and once per script in a fresh process (no traceback);
 - ``smoke_main`` returns 1 when an engine writes a wrong token, returns too few outputs, or stops short.
 """
@@ -36,11 +36,11 @@ def write_jsonl(path: Path, objects: list) -> Path:
 
 @pytest.fixture(scope="module")
 def long_prompts(tmp_path_factory, model_dir):
-    """A 300+ token raw-text prompt among short ones, with per-prompt budgets of 1 to 24.
+    """A 300+ token raw-text prompt among short ones, with per-prompt max_new_tokens of 1 to 24.
 
-    Every budget but one is above the block size (16), so each of those sequences grows into a new
+    Every max_new_tokens but one is above the block size (16), so each of those sequences grows into a new
     block before any of them finishes: in the tight pools (every prompt fits, their growth does not)
-    the scheduler has to preempt. The budget-1 prompt finishes at its prefill.
+    the scheduler has to preempt. The max_new_tokens=1 prompt finishes at its prefill.
     """
     from kvcourse.harness.prompts import Prompt, encode, load_tokenizer
 
@@ -87,12 +87,12 @@ def bad_cases(tmp: Path, tiny: Path) -> list[tuple[str, list[str], str]]:
             r"key\.jsonl:1: unknown key 'max_tokens' \(allowed: messages, text, max_new_tokens\)",
         ),
         (
-            "budget zero in the file",
+            "max_new_tokens zero in the file",
             ["--prompts", str(write_jsonl(tmp / "zero.jsonl", [{"text": "a", "max_new_tokens": 0}]))],
             r"max_new_tokens must be a positive integer, got 0",
         ),
         (
-            "budget below 1 on the command line",
+            "max_new_tokens below 1 on the command line",
             ["--prompts", str(ok), "--max-new-tokens", "-3"],
             r"--max-new-tokens must be >= 1, got -3",
         ),
@@ -147,8 +147,8 @@ class Broken:
 
         self.engine, self.fault = Engine(model_dir, max_model_len=max_model_len), fault
 
-    def generate(self, prompts, budgets):
-        out = self.engine.generate(prompts, budgets)
+    def generate(self, prompts, max_new_tokens):
+        out = self.engine.generate(prompts, max_new_tokens)
         if self.fault == "wrong token":
             out[-1][0] = (out[-1][0] + 1) % 49152
         elif self.fault == "too few outputs":

@@ -22,7 +22,7 @@ Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make gra
 (``kvcourse/grading/hidden.py``): drawn from a seed per grading run and judged in the grader's process against
 the independent answers of ``key/L1_contiguous/answers.py``, never against this stage's code.
 
-Left out on purpose: partial credit and hints; a loop that never stops is cut off by a call budget.
+Left out on purpose: partial credit and hints; a loop that never stops is cut off by a call limit.
 """
 
 from __future__ import annotations
@@ -154,18 +154,18 @@ def check_decode_loop(decode_loop: Callable, engine) -> None:
     ``engine`` is this stage's ``Engine``; its ``generate`` is the reference (it matches HF
     ``generate`` token for token). The learner's loop must prefill, then decode greedily one token per
     step, and stop like HF: the eos token is appended, then generation stops; otherwise stop after
-    ``max_new_tokens`` tokens. Example with eos 2 and budget 4: argmaxes 7, 9, 2 -> ``[7, 9, 2]``.
+    ``max_new_tokens`` tokens. Example with eos 2 and max_new_tokens 4: argmaxes 7, 9, 2 -> ``[7, 9, 2]``.
     On the course model case 1 ends with eos after 8 tokens; the learner's loop gets the engine behind
-    a wrapper that raises once ``decode_step`` runs more often than the budget allows.
+    a wrapper that raises once ``decode_step`` runs more often than max_new_tokens allows.
     """
     tok = _tokenizer(engine.model_dir)
 
-    def case(prompt: Prompt, budget: int) -> Callable[[], str | None]:
+    def case(prompt: Prompt, max_new: int) -> Callable[[], str | None]:
         def run() -> str | None:
             ids = encode(tok, prompt)
-            expected = engine.generate([ids], budget)[0]
-            limited = CallLimit(engine, "decode_step", budget, "does the loop stop at max_new_tokens?")
-            got = decode_loop(limited, list(ids), budget)
+            expected = engine.generate([ids], max_new)[0]
+            limited = CallLimit(engine, "decode_step", max_new, "does the loop stop at max_new_tokens?")
+            got = decode_loop(limited, list(ids), max_new)
             if not isinstance(got, list | tuple):
                 return f"returned a {type(got).__name__}, expected a list of token ids"
             bad = next((t for t in got if not isinstance(t, int)), None)
@@ -192,13 +192,14 @@ def check_decode_loop(decode_loop: Callable, engine) -> None:
     run_cases(
         [
             Case(
-                "chat prompt, budget 12: stops after eos",
+                "chat prompt, max_new_tokens 12: stops after eos",
                 case(Prompt(messages=(("user", "What is the capital of France?"),)), 12),
             ),
             Case(
-                "raw text prompt, budget 4: stops at the budget", case(Prompt(text="The KV cache stores"), 4)
+                "raw text prompt, max_new_tokens 4: stops at max_new_tokens",
+                case(Prompt(text="The KV cache stores"), 4),
             ),
-            Case("budget 1: the prefill's token only", case(Prompt(text="Once upon a time"), 1)),
+            Case("max_new_tokens 1: the prefill's token only", case(Prompt(text="Once upon a time"), 1)),
         ]
     )
 
@@ -347,9 +348,9 @@ def describe_writes(case: dict) -> str:
 
 
 # L1.2: a fixed pool of prompts, each with the number of new tokens after which the course model
-# ends it with eos (None: not within POOL_BUDGET). The lengths only aim the drawn budgets at the
-# boundaries; the expected tokens come from HF (key/L1_contiguous/answers.py), up to POOL_BUDGET per prompt.
-POOL_BUDGET = 14
+# ends it with eos (None: not within POOL_MAX_NEW). The lengths only aim the drawn max_new_tokens at the
+# boundaries; the expected tokens come from HF (key/L1_contiguous/answers.py), up to POOL_MAX_NEW per prompt.
+POOL_MAX_NEW = 14
 POOL = [
     {"messages": [["user", "What is the capital of Japan?"]], "ends": 8},
     {"messages": [["user", "Hi!"]], "ends": 10},
@@ -365,14 +366,15 @@ POOL = [
 
 def draw_decode(rng) -> list[dict]:
     """Six (prompt, max_new_tokens) cases from ``POOL``: a chat prompt whose answer ends with eos
-    inside the budget, one whose budget ends exactly at the eos or one token before it, a budget of
-    1, a one-token prompt, a raw text prompt, and one more of any kind; budgets up to POOL_BUDGET."""
+    inside max_new_tokens, one whose max_new_tokens end exactly at the eos or one token before it,
+    max_new_tokens 1, a one-token prompt, a raw text prompt, and one more of any kind; max_new_tokens up to
+    POOL_MAX_NEW."""
     ending = [p for p in POOL if p["ends"]]
     short = [p for p in POOL if "text" in p and len(p["text"].split()) == 1]
     text = [p for p in POOL if "text" in p]
     eos, edge = rng.sample(ending, 2)
     picks = [
-        (eos, rng.randint(eos["ends"] + 1, POOL_BUDGET)),
+        (eos, rng.randint(eos["ends"] + 1, POOL_MAX_NEW)),
         (edge, edge["ends"] - rng.randint(0, 1)),
         (rng.choice(POOL), 1),
         (rng.choice(short), rng.randint(2, 6)),
@@ -380,8 +382,8 @@ def draw_decode(rng) -> list[dict]:
         (rng.choice(POOL), rng.randint(1, 5)),
     ]
     return [
-        {"prompt": {k: v for k, v in p.items() if k != "ends"}, "max_new_tokens": budget}
-        for p, budget in picks
+        {"prompt": {k: v for k, v in p.items() if k != "ends"}, "max_new_tokens": max_new}
+        for p, max_new in picks
     ]
 
 
@@ -409,11 +411,11 @@ def decode_observation(call: str, tokens) -> list[dict]:
 
 def observe_decode(fn, case, engine) -> list[dict]:
     """Run ``fn(engine, prompt ids, max_new_tokens)`` on the notebook's engine, behind a wrapper that
-    stops a loop running past its budget."""
+    stops a loop running past max_new_tokens."""
     ids = encode(_tokenizer(engine.model_dir), prompt_of(case))
-    budget = case["max_new_tokens"]
-    limited = CallLimit(engine, "decode_step", budget, "does the loop stop at max_new_tokens?")
-    return decode_observation(decode_call(case), fn(limited, list(ids), budget))
+    max_new = case["max_new_tokens"]
+    limited = CallLimit(engine, "decode_step", max_new, "does the loop stop at max_new_tokens?")
+    return decode_observation(decode_call(case), fn(limited, list(ids), max_new))
 
 
 def describe_decode(case: dict) -> str:

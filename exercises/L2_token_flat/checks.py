@@ -3,7 +3,7 @@
 - ``check_alloc_blocks`` and ``check_free``: the free list's two methods, each put into
   ``BlockAllocator`` (``allocator.py``) in place of its own and run side by side with it on fixed
   sequences of calls;
-- ``check_reserve``: growing a sequence's blocks, against ``reserve`` on a ``Sequence``
+- ``check_allocate_slots``: growing a sequence's blocks, against ``allocate_slots`` on a ``Sequence``
   (``sequence.py``);
 - beyond the stage, ``check_pick_adjacent`` (L2.4, an allocation policy that keeps a request's blocks
   adjacent; its expected picks are stored as data) and ``check_compaction_moves`` (L2.5, a compaction
@@ -32,7 +32,7 @@ from kvcourse.grading.hidden import Hidden, unrevealed
 from kvcourse.grading.mutations import catch_cases, catch_hidden
 from L2_token_flat.allocator import BlockAllocator, OutOfBlocksError
 from L2_token_flat.sequence import Sequence
-from L2_token_flat.sequence import reserve as ref_reserve
+from L2_token_flat.sequence import allocate_slots as ref_allocate_slots
 
 
 def run_free_list_cases(allocator_cls: Callable, cases: list[tuple[str, int, list]]) -> None:
@@ -175,8 +175,8 @@ def check_free(free: Callable) -> None:
     )
 
 
-def reserve_rule(seq, ref_seq, block_size: int, target: int) -> str:
-    """The rule a wrong ``reserve`` broke, as ``" (...)"``, when its tables show a known mistake; else "".
+def allocate_slots_rule(seq, ref_seq, block_size: int, target: int) -> str:
+    """The rule a wrong ``allocate_slots`` broke, as ``" (...)"``, when its tables show a known mistake; else "".
 
     Example: block_size 4, target_len 6, block table [0] where [0, 2] was expected -> ``" (one block
     too few: target_len positions need ceil(target_len / block_size) blocks)"``.
@@ -201,8 +201,8 @@ def reserve_rule(seq, ref_seq, block_size: int, target: int) -> str:
     return f" ({rule})" if rule else ""
 
 
-def check_reserve(reserve: Callable) -> None:
-    """Grade ``reserve(seq, allocator, target_len)`` against this stage's ``reserve``.
+def check_allocate_slots(allocate_slots: Callable) -> None:
+    """Grade ``allocate_slots(seq, allocator, target_len)`` against this stage's ``allocate_slots``.
 
     Both get a ``Sequence`` and a ``BlockAllocator`` in the same state (another sequence has taken and
     returned blocks, so free ids are not in order); after each call ``seq.block_table``,
@@ -222,9 +222,9 @@ def check_reserve(reserve: Callable) -> None:
         def run() -> str | None:
             (ref_seq, ref_alloc), (seq, allocator) = state(), state()
             for target in targets:
-                want = outcome(ref_reserve, ref_seq, ref_alloc, target)
-                have = outcome(reserve, seq, allocator, target)
-                call = f"reserve(target_len={target})"
+                want = outcome(ref_allocate_slots, ref_seq, ref_alloc, target)
+                have = outcome(allocate_slots, seq, allocator, target)
+                call = f"allocate_slots(target_len={target})"
                 if want[0] == "raised":
                     if have[0] != "raised" or not isinstance(have[1], OutOfBlocksError):
                         return f"{call}: expected OutOfBlocksError, {describe(have)}"
@@ -241,7 +241,7 @@ def check_reserve(reserve: Callable) -> None:
                         problem = (
                             f"after {call}: {what} {getattr(seq, what)}, expected {getattr(ref_seq, what)}"
                         )
-                        return problem + reserve_rule(seq, ref_seq, allocator.block_size, target)
+                        return problem + allocate_slots_rule(seq, ref_seq, allocator.block_size, target)
                 if list(allocator.free_blocks) != list(ref_alloc.free_blocks):
                     return (
                         f"after {call}: free list {list(allocator.free_blocks)}, "
@@ -322,7 +322,7 @@ def describe_free_list_ops(case: dict) -> str:
     return f"{case['num_blocks']} blocks: {calls}"
 
 
-def draw_reserve(rng) -> list[dict]:
+def draw_allocate_slots(rng) -> list[dict]:
     """Random pools whose free list is out of id order, and growing targets, some past the pool."""
     cases = []
     for _ in range(8):
@@ -345,13 +345,13 @@ def draw_reserve(rng) -> list[dict]:
     return cases
 
 
-def observe_reserve(fn, case) -> list[dict]:
+def observe_allocate_slots(fn, case) -> list[dict]:
     allocator = BlockAllocator(case["num_blocks"], case["block_size"])
     allocator.alloc_blocks(case["taken"])  # another sequence's blocks ...
     allocator.free(case["returned"])  # ... some given back: the free list is out of id order
     seq, steps = Sequence(prompt_ids=[1]), []
     for target in case["targets"]:
-        call = f"reserve(target_len={target})"
+        call = f"allocate_slots(target_len={target})"
         try:
             fn(seq, allocator, target)
             step = {"call": call, "raised": None}
@@ -364,7 +364,7 @@ def observe_reserve(fn, case) -> list[dict]:
     return steps
 
 
-def describe_reserve(case: dict) -> str:
+def describe_allocate_slots(case: dict) -> str:
     return (
         f"block_size {case['block_size']}, {case['num_blocks']} blocks, {case['taken']} taken and "
         f"{case['returned']} given back, targets {case['targets']}"
@@ -385,7 +385,10 @@ HIDDEN = {
         answers=("L2_token_flat.allocator:BlockAllocator.free",),
     ),
     "L2.3": Hidden(
-        draw_reserve, observe_reserve, describe_reserve, answers=("L2_token_flat.sequence:reserve",)
+        draw_allocate_slots,
+        observe_allocate_slots,
+        describe_allocate_slots,
+        answers=("L2_token_flat.sequence:allocate_slots",),
     ),
 }
 
@@ -663,17 +666,17 @@ def check_test_allocator(test_allocator: Callable) -> None:
 
 
 def prediction_state() -> dict:
-    """Run L2.7's operations (the notebook shows them) on this stage's allocator and ``reserve``."""
+    """Run L2.7's operations (the notebook shows them) on this stage's allocator and ``allocate_slots``."""
     allocator = BlockAllocator(6, block_size=4)
     a, b, c = Sequence([1]), Sequence([1]), Sequence([1])
-    ref_reserve(a, allocator, 5)
-    ref_reserve(b, allocator, 4)
-    ref_reserve(a, allocator, 8)
-    ref_reserve(a, allocator, 9)
+    ref_allocate_slots(a, allocator, 5)
+    ref_allocate_slots(b, allocator, 4)
+    ref_allocate_slots(a, allocator, 8)
+    ref_allocate_slots(a, allocator, 9)
     allocator.free(b.block_table)
-    ref_reserve(c, allocator, 10)
+    ref_allocate_slots(c, allocator, 10)
     try:
-        ref_reserve(a, allocator, 13)
+        ref_allocate_slots(a, allocator, 13)
         raised = None
     except OutOfBlocksError as e:
         raised = type(e).__name__
@@ -683,7 +686,7 @@ def prediction_state() -> dict:
         "a block_table": a_table,
         "c block_table": list(c.block_table),
         "slot of c's position 5": c.slot_indices[5],
-        "exception of reserve(a, 13)": raised,
+        "exception of allocate_slots(a, 13)": raised,
         "free list": list(allocator.free_blocks),
     }
 
@@ -748,7 +751,7 @@ HIDDEN["L2.7"] = Hidden(
     answers=(
         "L2_token_flat.allocator:BlockAllocator.alloc_blocks",
         "L2_token_flat.allocator:BlockAllocator.free",
-        "L2_token_flat.sequence:reserve",
+        "L2_token_flat.sequence:allocate_slots",
     ),
     explain=unrevealed,  # the report says which keys are wrong, never their right values
 )

@@ -6,8 +6,8 @@
 - ``check_preempt``: sending a running sequence back to waiting when the pool runs dry, against the
   first preemption ``Scheduler`` itself makes in the same state (which sequence, its blocks on the free
   list, both queues, what it keeps and what it forgets);
-- ``check_admitted``: how many waiting requests a reservation policy (paged, Oracle, Pow2, Max)
-  admits in one step at a KV budget of ``num_blocks``, against what ``Scheduler.schedule`` admits;
+- ``check_admitted``: how many waiting requests an admission policy (on demand, Oracle, Pow2, Max)
+  admits in one step with a pool of ``num_blocks``, against what ``Scheduler.schedule`` admits;
 - ``check_watermark`` (beyond the stage): admission that keeps a watermark of free blocks for the
   running requests, against ``Scheduler`` run on the pool less the watermark;
 - ``check_cheapest_preemption`` (beyond the stage): the fewest computed tokens a preemption that frees
@@ -48,7 +48,7 @@ from kvcourse.grading.hidden import CaseTimeout, Hidden, unrevealed
 from kvcourse.grading.mutations import catch_cases, catch_hidden, version
 from L3_block_tensor.allocator import BlockAllocator
 from L3_block_tensor.scheduler import Scheduler
-from L3_block_tensor.sequence import Sequence, Status, reserve
+from L3_block_tensor.sequence import Sequence, Status, allocate_slots
 from L3_block_tensor.sequence import slots as ref_slots
 
 
@@ -114,7 +114,7 @@ def scheduler_plan(running, waiting, max_num_batched_tokens, prefill_chunk_size,
     for i, todo in enumerate(running):
         seq = Sequence(i, [1] * 20, 8)
         seq.num_computed_tokens = 20 - todo
-        reserve(seq, sched.allocator, seq.num_computed_tokens)
+        allocate_slots(seq, sched.allocator, seq.num_computed_tokens)
         seq.status = Status.RUNNING
         sched.running.append(seq)
         seqs.append(seq)
@@ -203,7 +203,7 @@ def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len) 
     config = EngineConfig(
         max_num_seqs=len(requests) + 1,
         max_num_batched_tokens=tokens,
-        reservation=policy,
+        admission_policy=policy,
         max_model_len=max_model_len,
     )
     sched = Scheduler(allocator, config)
@@ -227,8 +227,8 @@ def admission_mistakes(policy, requests, num_blocks, block_size, max_model_len) 
         return len(taken)
 
     mistakes = {
-        "paged": {"paged holds its prompt's blocks at admission, not its whole length": lambda: admits("oracle")},
-        "oracle": {"Oracle holds the whole length (prompt + max_new_tokens), not the prompt": lambda: admits("paged")},
+        "on_demand": {"on_demand holds its prompt's blocks at admission, not its whole length": lambda: admits("oracle")},
+        "oracle": {"Oracle holds the whole length (prompt + max_new_tokens), not the prompt": lambda: admits("on_demand")},
         "pow2": {"Pow2 is capped at max_model_len": lambda: admits("pow2", cap=1 << 30)},
         "max": {"Max holds max_model_len for every request, not its length": lambda: admits("oracle")},
     }.get(policy, {})  # fmt: skip
@@ -244,7 +244,7 @@ def check_admitted(admitted: Callable) -> None:
 
     ``requests`` are (prompt_len, max_new_tokens) pairs, all waiting, first come first served; seats
     and the token budget are never the limit, blocks are. Example, 16 blocks of 4, max_model_len 32,
-    five requests (3, 7): paged admits 5 (a block each), Oracle 5 (3 each), Pow2 4, Max 2.
+    five requests (3, 7): on_demand admits 5 (a block each), Oracle 5 (3 each), Pow2 4, Max 2.
     """
 
     def case(policy, requests, num_blocks, block_size=4, max_model_len=32) -> Callable[[], str | None]:
@@ -262,7 +262,7 @@ def check_admitted(admitted: Callable) -> None:
     mixed = [(5, 20), (2, 3), (9, 6), (4, 12), (1, 1)]
     run_cases(
         [
-            Case("paged, five (3, 7) on 16 blocks of 4", case("paged", same, 16)),
+            Case("on_demand, five (3, 7) on 16 blocks of 4", case("on_demand", same, 16)),
             Case("oracle, five (3, 7) on 16 blocks of 4", case("oracle", same, 16)),
             Case("pow2, five (3, 7) on 16 blocks of 4", case("pow2", same, 16)),
             Case("max, five (3, 7) on 16 blocks of 4", case("max", same, 16)),
@@ -271,7 +271,7 @@ def check_admitted(admitted: Callable) -> None:
             ),
             Case("pow2, a length already a power of two", case("pow2", [(6, 10), (8, 8)], 8)),
             Case("pow2 never past max_model_len", case("pow2", [(20, 21), (1, 1)], 11, 4, 44)),
-            Case("paged holds a prompt's blocks only", case("paged", mixed, 5)),
+            Case("on_demand holds a prompt's blocks only", case("on_demand", mixed, 5)),
         ]
     )
 
@@ -301,7 +301,7 @@ def _preempt_state(block_size: int, num_blocks: int, running: list, waiting: lis
     for t in range(max((c for *_, c, _ in running), default=0)):  # one position of each, in turn
         for seq, (*_, computed, _) in zip(run, running, strict=True):
             if t < computed:
-                reserve(seq, allocator, t + 1)
+                allocate_slots(seq, allocator, t + 1)
     for seq, (*_, computed, _) in zip(run, running, strict=True):
         seq.num_computed_tokens = computed
         seq.status = Status.RUNNING
@@ -344,7 +344,7 @@ def check_preempt(preempt: Callable) -> None:
     ``running`` and ``waiting`` are lists of ``Sequence`` in scheduling order (``Sequence.sort_key``:
     higher priority first, then lower request id), as ``Scheduler`` keeps them; ``allocator`` is the
     ``BlockAllocator`` whose blocks the running sequences hold. ``preempt`` must change them in place
-    exactly as the scheduler does when ``reserve`` finds the free list too short: the same victim, taken
+    exactly as the scheduler does when ``allocate_slots`` finds the free list too short: the same victim, taken
     out of ``running`` and put into ``waiting`` at its place in scheduling order, all its blocks back on
     the free list, its block table empty, ``num_computed_tokens`` 0 and status ``WAITING``, its prompt
     and generated tokens kept (they are what it recomputes). The reference is a real ``Scheduler`` given
@@ -369,7 +369,7 @@ def check_preempt(preempt: Callable) -> None:
         grower = running[0]  # wants one block more than the free list holds
         target = (len(grower.block_table) + allocator.num_free + 1) * allocator.block_size
         try:
-            sched._reserve_or_preempt(grower, target)
+            sched._allocate_or_preempt(grower, target)
         except _FirstPreemption as stop:
             return stop.args[0]
         raise AssertionError("the reference scheduler preempted nobody")  # a broken case, not the learner
@@ -682,9 +682,9 @@ def describe_preempt(case: dict) -> str:
 
 def draw_admissions(rng) -> list[dict]:
     """Eight queues, three aimed and five random: Pow2 where the next power of two passes a
-    max_model_len that is not one (the cap decides whether it fits), paged where whole lengths would
+    max_model_len that is not one (the cap decides whether it fits), on_demand where whole lengths would
     not fit but prompts do, and a long request in front of a short one that would fit (nobody jumps the
-    queue); the random ones: any policy, 1-8 requests that fit max_model_len, a budget between the
+    queue); the random ones: any policy, 1-8 requests that fit max_model_len, a pool between the
     largest reservation and all of them."""
 
     def queue(policy, requests, num_blocks, block_size, max_model_len) -> dict:
@@ -699,7 +699,7 @@ def draw_admissions(rng) -> list[dict]:
     long = rng.randint(12, 20)
     cases = [
         queue("pow2", [[length - 8, 8], [1, 1]], capped, block_size, max_len),
-        queue("paged", [[p, 30] for p in prompts], len(prompts), 4, 64),
+        queue("on_demand", [[p, 30] for p in prompts], len(prompts), 4, 64),
         queue("oracle", [[long, 10], [1, 1], [2, 1]], -(-(long + 10) // 4) - 1, 4, 64),
     ]
     for _ in range(5):
@@ -713,7 +713,7 @@ def draw_admissions(rng) -> list[dict]:
         num_blocks = rng.randint(biggest, biggest * len(requests) + 1)
         cases.append(
             queue(
-                rng.choice(["paged", "oracle", "pow2", "max"]),
+                rng.choice(["on_demand", "oracle", "pow2", "max"]),
                 requests,
                 num_blocks,
                 block_size,
@@ -760,7 +760,7 @@ HIDDEN = {
         observe_admitted,
         describe_admitted,
         answers=(
-            "kvcourse.engine_config:reservation_len",
+            "kvcourse.engine_config:held_at_admission",
             "L3_block_tensor.scheduler:Scheduler.hold_len",
         ),
     ),
@@ -808,7 +808,7 @@ def float_pair(observation: dict) -> bool:
 def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> dict:
     """``admit_with_watermark``'s answer from this stage's ``Scheduler``, as an observation: one step
     of the running requests alone (each decodes its newest token, growing its block table with
-    ``reserve``), then admission by a second ``Scheduler`` whose pool is the free blocks less the
+    ``allocate_slots``), then admission by a second ``Scheduler`` whose pool is the free blocks less the
     watermark (the watermark's blocks are hidden from admission, and only from admission)."""
     if watermark < 0 or block_size < 1:
         return {"raised": "ValueError"}
@@ -822,7 +822,7 @@ def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> di
     for i, n in enumerate(running):
         seq = Sequence(i, [1] * (n - 1), n)
         seq.output_ids = [7]  # its newest token, not cached yet
-        reserve(seq, allocator, n - 1)
+        allocate_slots(seq, allocator, n - 1)
         seq.num_computed_tokens, seq.status = n - 1, Status.RUNNING
         sched.running.append(seq)
     sched.schedule()
@@ -1196,7 +1196,7 @@ HIDDEN.update(
             SCHEDULER_BUGS,
             watch=tuple(
                 f"{SCHEDULER}.{name}"
-                for name in ("schedule", "update", "_reserve_or_preempt", "_preempt", "_finish")
+                for name in ("schedule", "update", "_allocate_or_preempt", "_preempt", "_finish")
             ),
         ),
         "L3.8": Hidden(

@@ -4,7 +4,7 @@
   (``allocator.py``);
 - ``check_free``: giving back a block table, one reference per block and tail first, against
   ``BlockAllocator.free``, on allocators that clones and prefix-cache hits have left with shared blocks;
-- ``check_block_hashes``: the chained keys of a token list's full blocks, against the keys ``reserve``
+- ``check_block_hashes``: the chained keys of a token list's full blocks, against the keys ``allocate_slots``
   (``sequence.py``, through ``prefix_cache.register_full_blocks``) registers in a ``BlockAllocator``;
 - ``check_match_prefix``: the cached blocks a new prompt may share, against ``prefix_cache.match_prefix``
   on allocators that earlier requests have filled, freed and partly handed out again;
@@ -14,7 +14,7 @@
   ``BlockAllocator.clone`` for each further survivor of a beam.
 
 The allocator states are built with this stage's own calls (``alloc_blocks``, ``free``, ``clone``,
-``reserve`` after ``match_prefix``), the way the scheduler makes them.
+``allocate_slots`` after ``match_prefix``), the way the scheduler makes them.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed, seeded cases and prints
 one deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception),
@@ -47,7 +47,7 @@ from L5_clones import prefix_cache
 from L5_clones.allocator import BlockAllocator, blocks_needed
 from L5_clones.beams import fork
 from L5_clones.prefix_cache import block_hash, register_full_blocks
-from L5_clones.sequence import Sequence, reserve
+from L5_clones.sequence import Sequence, allocate_slots
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -64,7 +64,7 @@ def _admit(allocator: BlockAllocator, token_ids: list[int], match=prefix_cache.m
     a second prompt with the same first 8 tokens then gets [0, 1, 3, ...] (ref counts of 0 and 1 go to 2).
     """
     seq = Sequence(0, list(token_ids), 1)
-    reserve(seq, allocator, len(token_ids), match(seq.prompt_ids, allocator))
+    allocate_slots(seq, allocator, len(token_ids), match(seq.prompt_ids, allocator))
     return seq.block_table
 
 
@@ -335,7 +335,7 @@ def check_free(free: Callable) -> None:
 
 def check_block_hashes(block_hashes: Callable) -> None:
     """Grade ``block_hashes(token_ids, block_size) -> keys of the full blocks`` against the keys
-    ``reserve`` registers in the ``BlockAllocator`` for a sequence of those tokens.
+    ``allocate_slots`` registers in the ``BlockAllocator`` for a sequence of those tokens.
 
     Block i (tokens i*block_size .. (i+1)*block_size - 1) is keyed ``block_hash(key of block i - 1,
     its tokens)``, the first block with ``None`` before it; a partial last block has no key yet.
@@ -346,7 +346,7 @@ def check_block_hashes(block_hashes: Callable) -> None:
         def run() -> str | None:
             allocator = BlockAllocator(64, block_size)
             seq = Sequence(0, list(token_ids), 1)
-            reserve(seq, allocator, len(token_ids))  # registers every block full at len(token_ids)
+            allocate_slots(seq, allocator, len(token_ids))  # registers every block full at len(token_ids)
             full = seq.block_table[: len(token_ids) // block_size]
             expected = [allocator.blocks[b].hash for b in full]
             got = block_hashes(list(token_ids), block_size)
@@ -739,7 +739,7 @@ def check_lru_hits(lru_hits: Callable) -> None:
 
 def _held_by_stage(prompts: list[list[int]], block_size: int, match=prefix_cache.match_prefix) -> list[int]:
     """Blocks in use after each prompt is admitted through the prefix cache, nothing given back: this
-    stage's own ``match_prefix`` and ``reserve`` on a pool large enough for all of them unshared."""
+    stage's own ``match_prefix`` and ``allocate_slots`` on a pool large enough for all of them unshared."""
     allocator = BlockAllocator(max(1, sum(blocks_needed(len(p), block_size) for p in prompts)), block_size)
     held = []
     for prompt in prompts:
@@ -1178,7 +1178,9 @@ def observe_match_prefix(fn, case) -> list[dict]:
             call = f"match_prefix({len(tokens)} tokens{' of ' + op[1] if op[0] == 'admit' else ''})"
             if op[0] == "admit":
                 seq = Sequence(0, list(tokens), 1)
-                reserve(seq, allocator, len(tokens), list(returned))  # the request takes what was found
+                allocate_slots(
+                    seq, allocator, len(tokens), list(returned)
+                )  # the request takes what was found
                 made = tables[op[1]] = seq.block_table
         elif op[0] in ("free", "free_split"):
             table = tables.pop(op[1])
@@ -1378,7 +1380,7 @@ HIDDEN = {
         draw_held,
         observe_held,
         describe_trace,
-        answers=("L5_clones.prefix_cache:match_prefix", "L5_clones.sequence:reserve"),
+        answers=("L5_clones.prefix_cache:match_prefix", "L5_clones.sequence:allocate_slots"),
     ),
     "L5.8": catch_hidden(
         ALLOCATOR,
@@ -1397,7 +1399,7 @@ HIDDEN = {
             f"{ALLOCATOR}.free",
             f"{ALLOCATOR}.clone",
             "L5_clones.prefix_cache:match_prefix",
-            "L5_clones.sequence:reserve",
+            "L5_clones.sequence:allocate_slots",
         ),
         explain=unrevealed,  # the report names the key, never its right value
     ),

@@ -573,13 +573,13 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
 
     tiny = make_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="kvcourse-mesh-check-"))
     prompts = [[5 + i + 3 * j for j in range(4 + 12 * i)] for i in range(3)]  # 4, 16 and 28 tokens
-    budgets = [6, 9, 5]
+    max_new_tokens = [6, 9, 5]
 
     @functools.cache
     def one_device() -> list[list[list[int]]]:
         """The engine on one device, 2 greedy clones of each prompt (clone 0 is the n=1 answer)."""
         return Engine(tiny, max_num_seqs=8, max_model_len=48, num_pages=16).generate_samples(
-            prompts, budgets, n=2
+            prompts, max_new_tokens, n=2
         )
 
     def case(devices: int, n: int) -> Callable[[], str | None]:
@@ -602,7 +602,7 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
                     f"each device holds {held} of {engine.num_pages} pages per layer (its share is {share})"
                     + (f": {rules}" if rules else "")
                 )
-            got = engine.generate_samples(prompts, budgets, n=n)
+            got = engine.generate_samples(prompts, max_new_tokens, n=n)
             expected = [clones[:n] for clones in one_device()]
             wrong = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
             if wrong:

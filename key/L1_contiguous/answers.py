@@ -12,8 +12,8 @@ Tests check that the stage and these answers agree on many drawn cases.
 ``observe`` (``exercises/L1_contiguous/checks.py``) run on the answer. L1.2's observation needs the notebook's engine, which
 the grader does not build: its expected tokens are Hugging Face's greedy output
 (``kvcourse/harness/reference.py``, cached on disk) for the same prompt on the same checkpoint. HF runs each
-pool prompt once, to ``POOL_BUDGET`` new tokens, and a case with a smaller budget takes the first
-``max_new_tokens`` of them: greedy decoding with a smaller budget is a prefix of the longer run. The
+pool prompt once, to ``POOL_MAX_NEW`` new tokens, and a case with a smaller max_new_tokens takes the first
+``max_new_tokens`` of them: greedy decoding with a smaller max_new_tokens is a prefix of the longer run. The
 grader imports this file; a submission's sandbox cannot read it.
 
 ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures (``KvCache.write``
@@ -32,7 +32,7 @@ import math
 
 from exercises.L1_contiguous.checks import (
     HIDDEN,
-    POOL_BUDGET,
+    POOL_MAX_NEW,
     SIZE_ARGS,
     _tokenizer,
     decode_call,
@@ -54,7 +54,7 @@ def write_kv(k_cache, v_cache, start, k, v):
 
 
 def decode_loop(engine, prompt, max_new_tokens):
-    """Greedy: the prefill's pick, then one decode step per token until eos or the budget."""
+    """Greedy: the prefill's pick, then one decode step per token until eos or max_new_tokens."""
     out = [int(engine.prefill(prompt).argmax())]
     while out[-1] not in engine.model.cfg.eos_token_ids and len(out) < max_new_tokens:
         pos = len(prompt) + len(out) - 1  # the newest token's position; it is not cached yet
@@ -105,14 +105,14 @@ def contiguous_bytes(requests, max_model_len, bytes_per_token, block_size):
 
 @functools.lru_cache(maxsize=64)
 def hf_tokens(prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """HF's greedy new tokens for a prompt, up to ``POOL_BUDGET`` (eos included when HF stops on it)."""
+    """HF's greedy new tokens for a prompt, up to ``POOL_MAX_NEW`` (eos included when HF stops on it)."""
     from kvcourse.harness.reference import hf_greedy
 
-    return tuple(hf_greedy(resolve_model_dir(), [list(prompt_ids)], [POOL_BUDGET])[0].tokens)
+    return tuple(hf_greedy(resolve_model_dir(), [list(prompt_ids)], [POOL_MAX_NEW])[0].tokens)
 
 
 def expect_decode(case: dict) -> list[dict]:
-    """L1.2's observation of a right loop: HF's tokens for the case's prompt, cut to its budget."""
+    """L1.2's observation of a right loop: HF's tokens for the case's prompt, cut to its max_new_tokens."""
     ids = encode(_tokenizer(resolve_model_dir()), prompt_of(case))
     return decode_observation(decode_call(case), list(hf_tokens(tuple(ids))[: case["max_new_tokens"]]))
 

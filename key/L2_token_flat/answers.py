@@ -2,7 +2,7 @@
 
 Each function has the signature the notebook asks for and is written apart from the stage's own
 code (``allocator.py``, ``sequence.py``), so a bug in the stage cannot make a wrong answer pass:
-the free list is a plain Python list here, and ``reserve`` counts blocks with a loop. ``pick_adjacent``
+the free list is a plain Python list here, and ``allocate_slots`` counts blocks with a loop. ``pick_adjacent``
 rebuilds the runs of free ids from a set, ``compaction_moves`` moves chains before cycles,
 ``test_allocator`` is a test that catches every allocator bug of L2.6, and ``predict`` was worked out by
 hand. Tests check
@@ -46,7 +46,7 @@ def free(self, blocks):
     self.free_blocks.extend(blocks)
 
 
-def reserve(seq, allocator, target_len):
+def allocate_slots(seq, allocator, target_len):
     """Add blocks until ``target_len`` positions fit; slots of every new block's rows."""
     size = allocator.block_size
     have = len(seq.block_table)
@@ -160,7 +160,7 @@ def predict():
         "a block_table": [0, 1, 3],
         "c block_table": [4, 5, 2],
         "slot of c's position 5": 21,
-        "exception of reserve(a, 13)": "OutOfBlocksError",
+        "exception of allocate_slots(a, 13)": "OutOfBlocksError",
         "free list": [0, 1, 3],
     }
 
@@ -194,7 +194,7 @@ def predict_by_running():
 ANSWERS = {
     "L2.1": alloc_blocks,
     "L2.2": free,
-    "L2.3": reserve,
+    "L2.3": allocate_slots,
     "L2.4": pick_adjacent,
     "L2.5": compaction_moves,
     "L2.6": test_allocator,

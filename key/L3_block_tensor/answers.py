@@ -88,13 +88,13 @@ def preempt(running, waiting, allocator):
 
 def admitted(policy, requests, num_blocks, block_size, max_model_len):
     """Requests are admitted in order while the free blocks cover what each holds from admission:
-    its prompt's blocks (paged), or its whole reservation (Oracle: its length; Pow2: the next power of
+    its prompt's blocks (on_demand), or its whole reservation (Oracle: its length; Pow2: the next power of
     two, at most max_model_len; Max: max_model_len)."""
     free, count = num_blocks, 0
     for prompt_len, max_new in requests:
         length = prompt_len + max_new
         held = {
-            "paged": prompt_len,
+            "on_demand": prompt_len,
             "oracle": length,
             "pow2": min(2 ** math.ceil(math.log2(length)), max_model_len),
             "max": max_model_len,
@@ -109,7 +109,7 @@ def admitted(policy, requests, num_blocks, block_size, max_model_len):
 
 def scheduler_preempt(running, waiting, allocator):
     """``Scheduler._preempt`` as ``preempt``: on the given queues, of ``running[-1]``, the victim
-    ``_reserve_or_preempt`` picks."""
+    ``_allocate_or_preempt`` picks."""
     sched = Scheduler(
         allocator, EngineConfig(max_num_seqs=len(running) + len(waiting), max_num_batched_tokens=1)
     )

@@ -277,7 +277,7 @@ def stage_lru_hits(prompts, block_size, capacity):
 
 
 def stage_blocks_held(prompts, block_size):
-    """L5.7 by the stage: ``match_prefix`` and ``reserve`` admitting every prompt (``exercises/L5_clones/checks.py``)."""
+    """L5.7 by the stage: ``match_prefix`` and ``allocate_slots`` admitting every prompt (``exercises/L5_clones/checks.py``)."""
     _valid(prompts, block_size)
     return checks._held_by_stage([list(p) for p in prompts], block_size)
 

@@ -39,7 +39,7 @@ This module knows no stage and imports none. It holds:
 - ``first_line`` and ``format_positions``: short texts for those lines.
 
 Left out on purpose: partial credit, hints and clocks. A case passes or fails; a learner's infinite
-loop is stopped by a call budget where one can be counted, and otherwise by ``make grade``'s time limit
+loop is stopped by a call limit where one can be counted, and otherwise by ``make grade``'s time limit
 per cell (clocks are not deterministic, so no printed line depends on one).
 """
 

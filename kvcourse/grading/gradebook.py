@@ -13,7 +13,7 @@ K == N::
 
     L2.1 alloc_blocks: PASS
     L2.2 free: FAIL, 3 of 5 cases pass
-    L2.3 reserve: FAIL, not done yet (it raises NotImplementedError)
+    L2.3 allocate_slots: FAIL, not done yet (it raises NotImplementedError)
 
     L2.2 case 4 (free([1, 1]) after alloc_blocks(2)): WRONG — expected ValueError (double free), got no error
     hidden cases: seed 81723 (SEED=81723 grades them again)
@@ -85,7 +85,7 @@ STUB_TITLE_RE = re.compile(r'raise NotImplementedError\("Exercise (L\d+\.\d+)(?:
 @dataclass
 class Exercise:
     exercise_id: str  # "L2.3"
-    title: str  # "reserve"
+    title: str  # "allocate_slots"
     check: int  # index of its check cell in the answer key
     first: int  # index of the key's first cell after the previous check cell
 

@@ -99,7 +99,7 @@ def resolve(target: str):
 
 def code_identity(target: str) -> set[tuple[str, str]]:
     """The (file, qualified name) pairs that the code of ``target`` runs under, e.g.
-    ``{("/repo/L2_token_flat/sequence.py", "reserve")}`` for ``"L2_token_flat.sequence:reserve"``."""
+    ``{("/repo/L2_token_flat/sequence.py", "allocate_slots")}`` for ``"L2_token_flat.sequence:allocate_slots"``."""
     module_name, _, qualname = target.partition(":")
     path = importlib.import_module(module_name).__file__
     return {(path, qualname), (os.path.realpath(path), qualname)}

@@ -13,7 +13,7 @@ the exercise notebook has them) and returns findings of two kinds:
   answer key (the ``key`` package, an ``answers`` module, a ``.ipynb`` file). The whole notebook is
   not credited;
 - **aliasing**, per exercise: importing the stage's own implementation of what the exercise asks
-  (``from L2_token_flat.sequence import reserve``) or reading it off its class
+  (``from L2_token_flat.sequence import allocate_slots``) or reading it off its class
   (``BlockAllocator.alloc_blocks``, ``super().alloc_blocks``). That exercise is not credited. The
   hidden cases' watch catches the same thing at run time, however the code got hold of it.
 
@@ -133,8 +133,8 @@ def tampering(node) -> str | None:
 def aliasing(node, target: str) -> str | None:
     """How ``node`` takes the stage's own implementation ``target`` (``"module:Class.name"``), else None.
 
-    Examples for ``"L2_token_flat.sequence:reserve"``: ``from L2_token_flat.sequence import reserve``
-    and ``sequence.reserve`` are found; ``allocator.reserve(...)`` on an object is not (a method of
+    Examples for ``"L2_token_flat.sequence:allocate_slots"``: ``from L2_token_flat.sequence import allocate_slots``
+    and ``sequence.allocate_slots`` are found; ``allocator.allocate_slots(...)`` on an object is not (a method of
     the learner's objects may share the name; the hidden cases' watch sees what actually runs).
     """
     module, _, qualname = target.partition(":")

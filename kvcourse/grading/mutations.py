@@ -13,7 +13,7 @@ copy of the course and checks that its tests fail, and the catch-the-bug exercis
 learner's test the stage's code with one of these bugs put in.
 
 **Catch the bug.** A catch-the-bug exercise hands the learner's test function a piece of the stage (a
-class, such as L2's ``BlockAllocator``, or a function, such as L3's ``reserve``). The test exercises it
+class, such as L2's ``BlockAllocator``, or a function, such as L3's ``allocate_slots``). The test exercises it
 and raises (``assert``) when it misbehaves. Grading runs the test on
 
 - the **correct** version: the stage's code, which the test must pass, and
@@ -271,7 +271,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (S + "test_l6_allocate_for_seq_is_all_or_nothing[part of it free]",),
     ),
     Mutation(
-        "L3 reserve drops the block a sequence grows into",
+        "L3 allocate_slots drops the block a sequence grows into",
         f"{L3}/sequence.py",
         "    if missing > 0:\n        seq.block_table.extend(allocator.alloc_blocks(missing))",
         "    if missing > 1:\n        seq.block_table.extend(allocator.alloc_blocks(missing))",

@@ -28,7 +28,7 @@ from pathlib import Path
 from kvcourse.config import ModelConfig
 from kvcourse.cpp_kernels import build_all
 from kvcourse.devices import add_device_argument, device_argument
-from kvcourse.harness.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
+from kvcourse.harness.prompts import Prompt, encode, load_tokenizer, max_new_tokens_of, read_prompts
 from kvcourse.harness.stages import STAGES, engine_class
 from kvcourse.limits import DEFAULT_MAX_MODEL_LEN, check_context
 from kvcourse.model_store import MODEL_ENV, REPO_ROOT, cache_root, prepare_default_model, resolve_model_dir
@@ -83,8 +83,8 @@ def generate(args: argparse.Namespace) -> None:
     limit = cfg.max_position_embeddings
     tok = load_tokenizer(model_dir)
     ids = [encode(tok, p) for p in prompts]
-    budget = budgets(prompts, args.max_new_tokens)
-    longest = check_context(ids, budget, cfg)
+    max_new = max_new_tokens_of(prompts, args.max_new_tokens)
+    longest = check_context(ids, max_new, cfg)
     engine = engine_class(args.stage)(
         model_dir, device or "cpu", max_model_len=max(min(DEFAULT_MAX_MODEL_LEN, limit), longest)
     )
@@ -92,9 +92,9 @@ def generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-beams {args.num_beams}: stage {args.stage} has no beam search (L5 has)")
     t0 = time.perf_counter()
     if args.num_beams > 1:
-        outputs = [best for [best] in engine.generate_beams(ids, budget, num_beams=args.num_beams)]
+        outputs = [best for [best] in engine.generate_beams(ids, max_new, num_beams=args.num_beams)]
     else:
-        outputs = engine.generate(ids, budget, ignore_eos=args.ignore_eos)
+        outputs = engine.generate(ids, max_new, ignore_eos=args.ignore_eos)
     seconds = time.perf_counter() - t0
     for prompt, out in zip(prompts, outputs, strict=True):
         print(f"> {prompt.label}")

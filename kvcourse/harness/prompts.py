@@ -1,7 +1,7 @@
 """Prompt files and the tokenizer: turning the course's JSONL prompt format into token ids.
 
 One prompt per line, either a chat (the model's chat template is applied, with the generation prompt)
-or raw text (encoded as is, no template), with an optional per-prompt token budget::
+or raw text (encoded as is, no template), with an optional per-prompt token max_new::
 
     {"messages": [{"role": "user", "content": "Name three primes."}], "max_new_tokens": 32}
     {"text": "The KV cache stores"}
@@ -55,13 +55,13 @@ def parse_prompt(obj: dict, where: str = "prompt") -> Prompt:
     unknown = [k for k in obj if k not in KEYS]
     if unknown:
         raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
-    budget = obj.get("max_new_tokens")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"{where}: max_new_tokens must be a positive integer, got {budget!r}")
+    max_new = obj.get("max_new_tokens")
+    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
+        raise ValueError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
     if "text" in obj:
         if not isinstance(obj["text"], str) or not obj["text"]:
             raise ValueError(f"{where}: 'text' must be a non-empty string, got {obj['text']!r}")
-        return Prompt(text=obj["text"], max_new_tokens=budget)
+        return Prompt(text=obj["text"], max_new_tokens=max_new)
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list, got {messages!r}")
@@ -73,7 +73,7 @@ def parse_prompt(obj: dict, where: str = "prompt") -> Prompt:
         if unknown:
             raise ValueError(f"{where}: unknown message key {unknown[0]!r} (allowed: role, content)")
         pairs.append((m["role"], m["content"]))
-    return Prompt(messages=tuple(pairs), max_new_tokens=budget)
+    return Prompt(messages=tuple(pairs), max_new_tokens=max_new)
 
 
 def read_prompts(path: str | Path | None = None) -> list[Prompt]:
@@ -119,9 +119,9 @@ def encode(tokenizer, prompt: Prompt) -> list[int]:
     return list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
 
 
-def budgets(prompts: list[Prompt], default: int) -> list[int]:
+def max_new_tokens_of(prompts: list[Prompt], default: int) -> list[int]:
     """Per-prompt ``max_new_tokens``: the prompt's own value, else ``default``.
 
-    Example: prompts with budgets (None, 8) and default 64 -> ``[64, 8]``.
+    Example: prompts with max_new_tokens (None, 8) and default 64 -> ``[64, 8]``.
     """
     return [p.max_new_tokens or default for p in prompts]

@@ -8,7 +8,7 @@ HF generates one prompt at a time at about 25 tokens/s on the course's 2-core VM
 workload (a) of ``make bench``, ``bench/results/bench.json``, commit 92dedf8), so results are cached on disk under ``.cache/reference/``, keyed by
 everything that decides them: the full content of the checkpoint's weight, config and tokenizer
 files (a sha256 of each file, itself cached by path, size and modification time, so a 500 MB file is
-hashed once), the ``torch`` and ``transformers`` versions, the prompt ids and the budget. The cache
+hashed once), the ``torch`` and ``transformers`` versions, the prompt ids and max_new_tokens. The cache
 only ever holds what HF itself produced, so it stays an independent reference.
 
 ``hf_beams`` does the same for beam search (``generate(num_beams=k, do_sample=False)``): the returned
@@ -93,9 +93,9 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_file(setup: str, prompt_ids: list[int], budget: int) -> Path:
+def _cache_file(setup: str, prompt_ids: list[int], max_new: int) -> Path:
     """Where HF's answer for one prompt is kept; ``setup`` is ``_setup_key``'s value."""
-    digest = hashlib.sha256(json.dumps([setup, prompt_ids, budget]).encode()).hexdigest()[:24]
+    digest = hashlib.sha256(json.dumps([setup, prompt_ids, max_new]).encode()).hexdigest()[:24]
     return cache_root() / "reference" / f"{digest}.json"
 
 
@@ -115,17 +115,17 @@ def _setup_key(model_dir: Path, device) -> str:
 
 
 def hf_greedy(
-    model_dir: str | Path, prompts: list[list[int]], budgets: list[int], device="cpu"
+    model_dir: str | Path, prompts: list[list[int]], max_new_tokens: list[int], device="cpu"
 ) -> list[Reference]:
-    """HF greedy generation for each prompt, on ``device`` (cached per device). ``budgets[i]`` is prompt
+    """HF greedy generation for each prompt, on ``device`` (cached per device). ``max_new_tokens[i]`` is prompt
     i's max_new_tokens."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
     setup = _setup_key(model_dir, device)
     out: list[Reference | None] = []
     todo = []
-    for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
-        f = _cache_file(setup, ids, budget)
+    for i, (ids, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+        f = _cache_file(setup, ids, max_new)
         if f.exists():
             raw = json.loads(f.read_text())
             out.append(Reference(raw["tokens"], raw["gaps"]))
@@ -136,11 +136,11 @@ def hf_greedy(
         import torch
 
         with torch.device(device):  # HF's own tensors: on its device, whatever the default
-            hf = _run_hf(model_dir, [prompts[i] for i in todo], [budgets[i] for i in todo], device)
+            hf = _run_hf(model_dir, [prompts[i] for i in todo], [max_new_tokens[i] for i in todo], device)
         for i, ref in zip(todo, hf, strict=True):
             out[i] = ref
             write_atomically(
-                _cache_file(setup, prompts[i], budgets[i]),
+                _cache_file(setup, prompts[i], max_new_tokens[i]),
                 json.dumps({"tokens": ref.tokens, "gaps": ref.gaps}),
             )
     return out
@@ -157,7 +157,7 @@ def load_hf_model(model_dir: str | Path, device="cpu", **options):
     return model.to(resolve_device(device)).eval()
 
 
-def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int], device) -> list[Reference]:
+def _run_hf(model_dir: Path, prompts: list[list[int]], max_new_tokens: list[int], device) -> list[Reference]:
     import torch
     from transformers.utils import logging
 
@@ -165,13 +165,13 @@ def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int], devic
     eos = list(ModelConfig.from_dir(model_dir).eos_token_ids)
     model = load_hf_model(model_dir, device)
     refs = []
-    for ids, budget in zip(prompts, budgets, strict=True):
+    for ids, max_new in zip(prompts, max_new_tokens, strict=True):
         inp = torch.tensor([ids], device=device)  # (1, P)
         with torch.inference_mode():
             res = model.generate(
                 inp,
                 attention_mask=torch.ones_like(inp),
-                max_new_tokens=budget,
+                max_new_tokens=max_new,
                 do_sample=False,
                 eos_token_id=eos or None,
                 pad_token_id=eos[0] if eos else 0,
@@ -186,7 +186,11 @@ def _run_hf(model_dir: Path, prompts: list[list[int]], budgets: list[int], devic
 
 
 def hf_beams(
-    model_dir: str | Path, prompts: list[list[int]], budgets: list[int], params: BeamParams, device="cpu"
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: list[int],
+    params: BeamParams,
+    device="cpu",
 ) -> list[BeamReference]:
     """HF beam search for each prompt, one at a time, on ``device`` (cached like ``hf_greedy``, keyed by
     ``params`` too). ``params.num_beams == 1`` is HF's greedy search, as in ``generate``."""
@@ -195,20 +199,20 @@ def hf_beams(
     setup = f"{_setup_key(model_dir, device)}|beams {params}"
     out = []
     model = None
-    for ids, budget in zip(prompts, budgets, strict=True):
-        f = _cache_file(setup, ids, budget)
+    for ids, max_new in zip(prompts, max_new_tokens, strict=True):
+        f = _cache_file(setup, ids, max_new)
         if not f.exists():
             import torch
 
             with torch.device(device):  # HF's own tensors: on its device, whatever the default
                 model = model or load_hf_model(model_dir, device)
-                ref = _run_hf_beams(model, ModelConfig.from_dir(model_dir), ids, budget, params, device)
+                ref = _run_hf_beams(model, ModelConfig.from_dir(model_dir), ids, max_new, params, device)
             write_atomically(f, json.dumps(ref.__dict__))
         out.append(BeamReference(**json.loads(f.read_text())))
     return out
 
 
-def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], budget: int, params: BeamParams, device):
+def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], max_new: int, params: BeamParams, device):
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
     from transformers.utils import logging
@@ -251,7 +255,7 @@ def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], budget: int, params: 
         res = model.generate(
             inp,
             attention_mask=torch.ones_like(inp),
-            max_new_tokens=budget,
+            max_new_tokens=max_new,
             do_sample=False,
             num_beams=k,
             num_return_sequences=params.num_return_sequences,

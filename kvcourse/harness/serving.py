@@ -3,8 +3,8 @@
 ``serve(engine, requests)`` feeds a paged engine (L3-L5: ``add_request`` + ``step``) in real time: a
 request is submitted once the wall clock passes its arrival, the engine steps while anything is
 unfinished, and sleeps until the next arrival when nothing is. After every step it records when each
-request got new tokens, and the KV memory: blocks held by requests (reserved), positions holding K/V
-(live), and the difference (wasted). ``serve`` returns a ``Timeline``; ``request_metrics`` and
+request got new tokens, and the KV memory: positions of the blocks requests hold (held), positions holding K/V
+(live), and the pool's positions (pool). ``serve`` returns a ``Timeline``; ``request_metrics`` and
 ``summary`` turn a timeline into the paper's numbers. Any serving loop that fills a ``Timeline`` (the
 HF peers in ``bench/serving.py``) gets the same metrics.
 
@@ -16,8 +16,9 @@ Per request (``request_metrics``), times in seconds from the stream's start:
   paper's metric: "the mean of every request's end-to-end latency divided by its output length").
 
 Per run (``summary``): mean normalized latency, TTFT and TPOT percentiles, output tokens/s over the
-run, requests/s served, and the share of reserved KV memory that holds live tokens, averaged over
-steps (``kv_live_share``) and against the whole budget (``kv_budget_share``).
+run, requests/s served, and KV memory shares summed over steps: live over held (``kv_utilization``, as
+``EngineStats`` counts it), live over the pool (``kv_pool_share``) and held over the pool
+(``kv_held_share``).
 
 Left out on purpose: streaming to clients, timeouts and aborts, and warm-up (the caller warms up).
 """
@@ -38,7 +39,7 @@ class Timeline:
     first_token: list[float | None]  # when each request's first output token came back
     last_token: list[float | None]  # when its last one did
     outputs: list[list[int]]  # its output tokens
-    steps: list[dict] = field(default_factory=list)  # per step: t, reserved, live, budget (positions)
+    steps: list[dict] = field(default_factory=list)  # per step: t, held, live, pool (positions)
     token_times: dict[int, list[float]] = field(default_factory=dict)  # request -> when each token came
     preemptions: int = 0
     end: float = 0.0  # when the last request finished
@@ -67,7 +68,7 @@ def serve(engine, requests: list[Request], clock=time.perf_counter, sleep=time.s
     """Feed ``requests`` (sorted by arrival) to a paged engine in real time; greedy, ``ignore_eos``."""
     timeline, seqs = Timeline.empty(requests), []
     block_size = engine.allocator.block_size
-    budget = engine.allocator.num_blocks * block_size
+    pool = engine.allocator.num_blocks * block_size
     preempted_before = engine.stats().preemptions
     start = clock()
     while len(seqs) < len(requests) or engine.has_unfinished():
@@ -84,7 +85,7 @@ def serve(engine, requests: list[Request], clock=time.perf_counter, sleep=time.s
             timeline.tokens(i, seq.output_ids, now)
         live = sum(seq.num_computed_tokens for seq in engine.scheduler.running)
         timeline.steps.append(
-            {"t": now, "reserved": engine.allocator.num_used * block_size, "live": live, "budget": budget}
+            {"t": now, "held": engine.allocator.num_used * block_size, "live": live, "pool": pool}
         )
     timeline.end = clock() - start
     timeline.preemptions = engine.stats().preemptions - preempted_before
@@ -130,9 +131,9 @@ def summary(timeline: Timeline) -> dict:
     tpots = [r["tpot"] for r in rows if r["tpot"] is not None]
     ttfts = [r["ttft"] for r in rows]
     span = timeline.end - min(timeline.arrivals) if rows else 0.0
-    reserved = sum(s["reserved"] for s in timeline.steps)
+    held = sum(s["held"] for s in timeline.steps)
     live = sum(s["live"] for s in timeline.steps)
-    budget = sum(s["budget"] for s in timeline.steps)
+    pool = sum(s["pool"] for s in timeline.steps)
     return {
         "requests": len(rows),
         "mean_normalized_latency": sum(r["normalized"] for r in rows) / len(rows) if rows else None,
@@ -145,8 +146,8 @@ def summary(timeline: Timeline) -> dict:
         "requests_per_s": len(rows) / span if span > 0 else None,
         "preemptions": timeline.preemptions,
         "steps": len(timeline.steps),
-        "kv_live_share": live / reserved if reserved else None,  # of the memory requests held
-        "kv_budget_share": live / budget if budget else None,  # of the whole budget
-        "kv_reserved_share": reserved / budget if budget else None,
+        "kv_utilization": live / held if held else None,  # of the memory requests held
+        "kv_pool_share": live / pool if pool else None,  # of the whole pool
+        "kv_held_share": held / pool if pool else None,
         "duration_s": timeline.end,
     }

@@ -13,14 +13,14 @@ sizes). The last line is
 
 and the exit status is 0 only if every row agrees (a reported numerical tie counts as agreement), 1 if
 a row disagrees, and 2 for bad input (a malformed prompt file, a missing model folder, a prompt longer
-than the model's context, a budget below 1, a device this machine does not have), which is reported as
+than the model's context, max_new_tokens below 1, a device this machine does not have), which is reported as
 one ``error: ...`` line.
 
 ``--device`` (default ``$KVCOURSE_DEVICE``, else the CPU) runs the stage, the previous stage and HF on
 that device; HF's answers are cached per device (``kvcourse.harness.reference``).
 
 A smoke script describes its configurations as functions of a ``SmokeContext``: the prompts, their
-budgets and HF's answers for one model. So configurations that need a tight pool size it from the
+max_new_tokens and HF's answers for one model. So configurations that need a tight pool size it from the
 prompts they are given (the longest request fits, all of them at once do not), and every engine gets
 a ``max_model_len`` that holds the longest request.
 
@@ -44,7 +44,7 @@ from typing import Any
 from kvcourse.config import ModelConfig
 from kvcourse.devices import add_device_argument, describe, device_argument, resolve_device
 from kvcourse.harness.compare import Row, compare, format_rows
-from kvcourse.harness.prompts import Prompt, budgets, encode, load_tokenizer, read_prompts
+from kvcourse.harness.prompts import Prompt, encode, load_tokenizer, max_new_tokens_of, read_prompts
 from kvcourse.harness.reference import Reference, hf_greedy
 from kvcourse.limits import DEFAULT_MAX_MODEL_LEN, check_context
 from kvcourse.model_store import MODEL_ENV, resolve_model_dir
@@ -63,7 +63,7 @@ class SmokeContext:
     tokenizer: Any
     prompts: list[Prompt]
     ids: list[list[int]]  # token ids of each prompt
-    budgets: list[int]  # max_new_tokens of each prompt
+    max_new_tokens: list[int]  # max_new_tokens of each prompt
     refs: list[Reference]  # HF greedy's answer for each prompt
     context_limit: int  # the model's max_position_embeddings
     device: str | None = None  # --device: where every engine and HF run (None: the torch stages' CPU)
@@ -71,7 +71,7 @@ class SmokeContext:
     @property
     def max_model_len(self) -> int:
         """A length limit that holds every request: the engines' default, or the longest request."""
-        longest = max(len(p) + b for p, b in zip(self.ids, self.budgets, strict=True))
+        longest = max(len(p) + b for p, b in zip(self.ids, self.max_new_tokens, strict=True))
         return max(min(DEFAULT_MAX_MODEL_LEN, self.context_limit), longest)
 
     def tight_pool(self, block_size: int) -> int:
@@ -79,10 +79,10 @@ class SmokeContext:
         token) fits at once, but nothing more. All prompts are admitted in the first step and the
         pool is then full: when a sequence grows into a new block before another one has finished
         and freed its blocks, the scheduler must preempt. That happens whenever two or more
-        sequences run past their prompt's last block, which budgets above ``block_size`` guarantee;
-        with budgets too small to grow any sequence by a block there is nothing to preempt.
+        sequences run past their prompt's last block, which max_new_tokens above ``block_size`` guarantee;
+        with max_new_tokens too small to grow any sequence by a block there is nothing to preempt.
 
-        Example, block_size 16, prompts of 365, 32 and 34 tokens with budgets 12, 8, 5: the longest
+        Example, block_size 16, prompts of 365, 32 and 34 tokens with max_new_tokens 12, 8, 5: the longest
         needs 24 blocks; the prompts need 23 + 3 + 3 = 29; the pool gets 29 and the three sequences,
         which grow to 24 + 3 + 3 = 30 blocks, cannot all stay.
         """
@@ -91,9 +91,11 @@ class SmokeContext:
     def longest_blocks(self, block_size: int) -> int:
         """Blocks the longest request needs to finish: the smallest pool that can run every prompt.
 
-        Example, block_size 16, prompts of 365, 32 and 34 tokens with budgets 12, 8, 5 -> 24.
+        Example, block_size 16, prompts of 365, 32 and 34 tokens with max_new_tokens 12, 8, 5 -> 24.
         """
-        return max(blocks_for(len(p) + b, block_size) for p, b in zip(self.ids, self.budgets, strict=True))
+        return max(
+            blocks_for(len(p) + b, block_size) for p, b in zip(self.ids, self.max_new_tokens, strict=True)
+        )
 
     def shortest(self, n: int) -> list[int]:
         """Indices of the n shortest prompts, in file order (for slow interpreted kernels)."""
@@ -104,11 +106,11 @@ class SmokeContext:
 class StageRun:
     """One way to run a stage: a name for the report and a factory ``make(ctx) -> engine``.
 
-    ``run(engine, prompt_ids, budgets)`` defaults to ``engine.generate(prompt_ids, budgets)``; a smoke
+    ``run(engine, prompt_ids, max_new_tokens)`` defaults to ``engine.generate(prompt_ids, max_new_tokens)``; a smoke
     can override it (for example to submit requests in a staggered order). For slow interpreted
-    kernels, ``only`` picks which prompts run (indices) and ``cap`` limits every budget; the
+    kernels, ``only`` picks which prompts run (indices) and ``cap`` caps every max_new_tokens; the
     references are then compared up to the cap, which is exact: greedy decoding's first n tokens do
-    not depend on the budget. ``skip``, when set, is why this configuration cannot run on this machine
+    not depend on max_new_tokens. ``skip``, when set, is why this configuration cannot run on this machine
     (the C++ kernel without a compiler): the run is reported as skipped, with the reason, and not counted.
     """
 
@@ -124,10 +126,10 @@ class StageRun:
         engine returned a different number of outputs than prompts)."""
         chosen = list(range(len(ctx.ids))) if self.only is None else self.only
         ids = [ctx.ids[i] for i in chosen]
-        budget = [min(ctx.budgets[i], self.cap or ctx.budgets[i]) for i in chosen]
+        max_new = [min(ctx.max_new_tokens[i], self.cap or ctx.max_new_tokens[i]) for i in chosen]
         engine = self.make(ctx)
         t0 = time.perf_counter()
-        out = self.run(engine, ids, budget) if self.run else engine.generate(ids, budget)
+        out = self.run(engine, ids, max_new) if self.run else engine.generate(ids, max_new)
         seconds = time.perf_counter() - t0
         n = sum(map(len, out))
         stats = engine.stats()
@@ -149,14 +151,14 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", help="JSONL prompt file (default: the course prompt set)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=64, help="per-prompt budget unless the file sets one"
+        "--max-new-tokens", type=int, default=64, help="per-prompt max_new_tokens unless the file sets one"
     )
     add_device_argument(p)
     return p.parse_args(argv)
 
 
 def prepare(
-    model_dir: Path, prompts: list[Prompt], default_budget: int, device: str | None = None
+    model_dir: Path, prompts: list[Prompt], default_max_new: int, device: str | None = None
 ) -> SmokeContext:
     """Tokenize and check every prompt for one model, then fetch HF's answers on ``device`` (cached).
 
@@ -165,10 +167,10 @@ def prepare(
     cfg = ModelConfig.from_dir(model_dir)
     tok = load_tokenizer(model_dir)
     ids = [encode(tok, p) for p in prompts]
-    budget = budgets(prompts, default_budget)
-    check_context(ids, budget, cfg)
-    refs = hf_greedy(model_dir, ids, budget, device)
-    return SmokeContext(model_dir, tok, prompts, ids, budget, refs, cfg.max_position_embeddings, device)
+    max_new = max_new_tokens_of(prompts, default_max_new)
+    check_context(ids, max_new, cfg)
+    refs = hf_greedy(model_dir, ids, max_new, device)
+    return SmokeContext(model_dir, tok, prompts, ids, max_new, refs, cfg.max_position_embeddings, device)
 
 
 def compare_run(ctx: SmokeContext, run: StageRun, prev: dict[int, list[int]] | None, prev_name: str | None):
@@ -205,7 +207,7 @@ def prepare_models(
     ``$KVCOURSE_MODEL_DIR``, else the course model plus a seeded random tiny Qwen3 written into
     ``tiny_dir`` (the caller deletes it).
 
-    Raises ValueError or OSError, naming the value and the limit, for bad input: a budget below 1, a
+    Raises ValueError or OSError, naming the value and the limit, for bad input: max_new_tokens below 1, a
     device this machine lacks, a malformed or missing prompt file, a missing model folder, a request
     over the context limit.
     """

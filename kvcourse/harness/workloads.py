@@ -8,12 +8,12 @@ Both return the new tokens of each prompt in input order, like ``generate``.
 from __future__ import annotations
 
 
-def all_at_once(engine, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
-    """Submit everything, run to completion: ``engine.generate(prompts, budgets)``."""
-    return engine.generate(prompts, budgets)
+def all_at_once(engine, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
+    """Submit everything, run to completion: ``engine.generate(prompts, max_new_tokens)``."""
+    return engine.generate(prompts, max_new_tokens)
 
 
-def staggered(engine, prompts: list[list[int]], budgets: list[int], every: int = 2) -> list[list[int]]:
+def staggered(engine, prompts: list[list[int]], max_new_tokens: list[int], every: int = 2) -> list[list[int]]:
     """Submit prompt i before engine step i * ``every`` and step until every request is done.
 
     Needs the engine's ``add_request(prompt, max_new_tokens) -> Request``, ``step()`` and
@@ -27,7 +27,7 @@ def staggered(engine, prompts: list[list[int]], budgets: list[int], every: int =
     while len(requests) < len(prompts) or engine.has_unfinished():
         if step % every == 0 and len(requests) < len(prompts):
             i = len(requests)
-            requests.append(engine.add_request(prompts[i], budgets[i]))
+            requests.append(engine.add_request(prompts[i], max_new_tokens[i]))
         engine.step()
         step += 1
     return [req.output_ids for req in requests]
