@@ -8,8 +8,7 @@
     pallas_attention   the same attention as a Pallas TPU kernel (TPU interpret mode off a TPU)
     device_stats       the statistics, counted on the device
     l6_smoke           the smoke check: L6 against L5 and Hugging Face
-    mesh_engine        the engine over a device mesh, each device holding a share of slots and pages
-    mesh_tables        one device's tables per device, side by side
-    multihost          the mesh across hosts: replicated reads and the same-call guard
+    mesh/              the wing: the engine over a device mesh, each device holding a share of slots
+                       and pages, and across hosts (``mesh/__init__.py`` lists its modules)
     l6_multihost       the multi-host smoke: the mesh engine as several JAX processes
 """
