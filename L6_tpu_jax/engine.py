@@ -20,7 +20,7 @@ into; the device still checks every allocation, and a shortage raises ``OutOfPag
 wrong answer. ``stats()`` is counted on the device (``device_stats.py``).
 
 Left out on purpose: sampling (greedy), preemption (L3), a prefix cache (L5), streaming, and more
-than one device (``mesh_engine.py`` is this engine over a device mesh, and across hosts).
+than one device (``mesh/engine.py`` is this engine over a device mesh, and across hosts).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 The launcher (this process) prepares every model's prompts, HF's greedy answers (cached) and the
 single-process L6 engine's tokens, then starts P "hosts": copies of this script, each a JAX process
 with D / P CPU devices, joined by ``jax.distributed.initialize`` on a free localhost port with gloo
-CPU collectives. Every host runs the same program: one ``MeshEngine`` (``mesh_engine.py``) over the
+CPU collectives. Every host runs the same program: one ``MeshEngine`` (``mesh/engine.py``) over the
 global ``data`` mesh of D devices, with the same-call guard on, and ``generate`` on every prompt. Each host writes the tokens it
 reads from its own copy of the replicated state; host 0's report is streamed here. The launcher then
 checks, prompt by prompt, that every host read the same tokens and that they equal single-process L6
@@ -109,7 +109,7 @@ def diverge_demos(
     """
     import jax
 
-    from L6_tpu_jax.multihost import HostDivergenceError
+    from L6_tpu_jax.mesh.multihost import HostDivergenceError
 
     me = jax.process_index()
     demos = []
@@ -194,8 +194,8 @@ def host_main(args: argparse.Namespace) -> int:
         jax.distributed.initialize(
             coordinator_address=f"localhost:{args.port}", num_processes=args.processes, process_id=args.host
         )
-    from L6_tpu_jax.mesh_engine import MeshEngine
-    from L6_tpu_jax.multihost import data_mesh
+    from L6_tpu_jax.mesh.engine import MeshEngine
+    from L6_tpu_jax.mesh.multihost import data_mesh
 
     job = json.loads(Path(args.job).read_text())
     mesh = data_mesh()

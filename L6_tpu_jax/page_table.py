@@ -20,7 +20,7 @@ the token of slot ``s`` at position ``p``::
     page = page_indices[s, p // page_size]        kv_pages[page, p % page_size]  holds its K/V
 
 Left out on purpose: eviction and preemption (L3's job; here the host admits only what fits), the
-prefix cache (L5), and devices: these are one pool's tables (``mesh_tables.py`` runs them once per
+prefix cache (L5), and devices: these are one pool's tables (``mesh/tables.py`` runs them once per
 device's share of the pool, side by side).
 """
 

@@ -531,7 +531,7 @@ def test_the_name_map_check_names_the_missing_name_and_its_side():
 
 def test_the_one_device_engine_holds_no_mesh_code():
     """L6's lesson path: ``engine.py`` and the tables it uses know nothing of meshes, shards or hosts;
-    that is ``mesh_engine.py``'s, ``mesh_tables.py``'s and ``multihost.py``'s."""
+    that is ``mesh/``'s: ``engine.py``, ``tables.py`` and ``multihost.py``."""
     for name in ("engine.py", "page_table.py", "decode_state.py", "device_stats.py", "kv_cache.py"):
         code = (
             (ROOT / "L6_tpu_jax" / name).read_text(encoding="utf-8").split('"""', 2)[2]

@@ -30,7 +30,7 @@ from L3_block_tensor.sequence import Sequence
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine
 from L6_tpu_jax.engine import Engine as L6Engine
-from L6_tpu_jax.mesh_engine import MeshEngine
+from L6_tpu_jax.mesh.engine import MeshEngine
 
 _rng = random.Random(35)
 PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (2, 9, 13, 3, 22, 6, 17, 5)]

@@ -51,7 +51,7 @@ from kvcourse.harness.prompts import encode
 from L1_contiguous.engine import Engine as L1Engine
 from L2_token_flat.allocator import OutOfBlocksError
 from L6_tpu_jax.kv_cache import update_kv
-from L6_tpu_jax.multihost import DATA
+from L6_tpu_jax.mesh.multihost import DATA
 
 # ---- L1: write_kv, the decode loop, KV bytes per token ----
 
@@ -554,12 +554,12 @@ def test_l6_mesh_specs_hidden_cases_fail_wrong_answers(wrong, says):
 
 def test_l6_mesh_specs_copied_from_the_engine_is_not_credited(tmp_path):
     """An answer that hands back the mesh engine's own ``SPECS`` (or a copy) trips at run time."""
-    from L6_tpu_jax import mesh_engine
+    from L6_tpu_jax.mesh import engine as mesh_engine
 
     out = tmp_path / "L6.4.json"
     hidden.harvest("L6_tpu_jax", "L6.4", lambda: dict(mesh_engine.SPECS), seed=0, out=str(out))
     record = json.loads(out.read_text())
-    assert record["aliased"] == ["L6_tpu_jax.mesh_engine:SPECS"]
+    assert record["aliased"] == ["L6_tpu_jax.mesh.engine:SPECS"]
     assert hidden.judge("L6_tpu_jax", "L6.4", 0, record)
     assert mesh_engine.SPECS == {"params": P(), "decode_state": P(), "kv_pages": P(DATA)}  # put back
 

@@ -1,6 +1,6 @@
 """L6 over a mesh and across processes: the per-shard bookkeeping, and l6_multihost.py run as a learner runs it.
 
-- ``mesh_tables.py``'s allocation, cloning and packing with the pool and the slots cut into shards (pure
+- ``mesh/tables.py``'s allocation, cloning and packing with the pool and the slots cut into shards (pure
   functions, one device): a slot only ever gets its own shard's pages, one short shard fails the whole
   step, each device finds its own sequences in its own block of the batch, with page ids local to its
   slice;
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import pytest
 
 from L6_tpu_jax import decode_state as ds
-from L6_tpu_jax.mesh_tables import allocate_on_shards, clone_pages_on_shard, pack_on_shards, shard_batch_info
+from L6_tpu_jax.mesh.tables import allocate_on_shards, clone_pages_on_shard, pack_on_shards, shard_batch_info
 from L6_tpu_jax.page_table import PageTable, SequenceTable
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@
 - ``check_write_kv_pages``: the vectorized KV write into the page pool, run under ``jax.jit``, against
   ``update_kv`` (``kv_cache.py``);
 - ``check_mesh_specs``: the ``PartitionSpec``s of the mesh engine's inputs over a ``data`` mesh, by
-  sharded runs against the engine on one device (``mesh_engine.py``, ``SPECS``; ``engine.py``);
+  sharded runs against the engine on one device (``mesh/engine.py``, ``SPECS``; ``engine.py``);
 - ``check_allocate_cow`` (beyond the stage): copy-on-write allocation, against expected values stored
   here as data (computed once with the answer key, which does not ship) and rules checked from the
   output alone (``cow_rules``);
@@ -521,7 +521,7 @@ def mesh_rules(specs: dict) -> str:
     Example: ``{"params": P(), "decode_state": P(), "kv_pages": P()}`` -> ``'kv_pages: each device
     holds one range of pages, so the pool is cut along axis 0 (the pages) over data'``.
     """
-    from L6_tpu_jax.multihost import DATA
+    from L6_tpu_jax.mesh.multihost import DATA
 
     def axes(spec) -> tuple:
         spec = tuple(spec) if isinstance(spec, PartitionSpec) else (spec,)
@@ -561,8 +561,8 @@ def check_mesh_specs(mesh_specs: Callable) -> None:
     """
     from kvcourse.harness.tiny import make_tiny_checkpoint
     from L6_tpu_jax.engine import Engine
-    from L6_tpu_jax.mesh_engine import MeshEngine
-    from L6_tpu_jax.multihost import data_mesh
+    from L6_tpu_jax.mesh.engine import MeshEngine
+    from L6_tpu_jax.mesh.multihost import data_mesh
 
     if len(jax.devices()) < MESH_DEVICES:
         raise RuntimeError(
@@ -1227,7 +1227,7 @@ def observe_mesh(fn, case) -> list[dict]:
     """The learner's specs on an abstract mesh of ``case["devices"]`` devices (no devices needed):
     what one device holds of the params, of the decode state and of one layer's KV pool."""
     from L6_tpu_jax.decode_state import DecodeState
-    from L6_tpu_jax.multihost import DATA
+    from L6_tpu_jax.mesh.multihost import DATA
 
     specs = fn()
     if not isinstance(specs, dict) or set(specs) != {"params", "decode_state", "kv_pages"}:
@@ -1448,7 +1448,7 @@ HIDDEN = {
         describe_write_kv_pages,
         answers=("L6_tpu_jax.kv_cache:update_kv",),
     ),
-    "L6.4": Hidden(draw_mesh, observe_mesh, describe_mesh, answers=("L6_tpu_jax.mesh_engine:SPECS",)),
+    "L6.4": Hidden(draw_mesh, observe_mesh, describe_mesh, answers=("L6_tpu_jax.mesh.engine:SPECS",)),
     "L6.5": Hidden(draw_cow, observe_cow, describe_cow, answers=(ALLOCATE,)),
     "L6.6": Hidden(draw_compact, observe_compact, describe_compact),
     "L6.7": replace(catch_hidden(ALLOCATE, CATCH_ALL, watch=(ALLOCATE,)), observe=observe_catch),

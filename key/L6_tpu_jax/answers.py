@@ -1,7 +1,7 @@
 """Independent answers to the L6 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
 
 Each function has the signature the notebook asks for and is written apart from the stage's own
-code (``page_table.py``, ``kv_cache.py``, ``mesh_engine.py``), so a bug in the stage cannot make a wrong
+code (``page_table.py``, ``kv_cache.py``, ``mesh/engine.py``), so a bug in the stage cannot make a wrong
 answer pass: the allocation and the free step work on plain Python lists (a sorted list of free
 pages, a loop over the slots), the KV write puts one token at a time into the pool in a
 ``lax.fori_loop`` (Levanter's first version; the stage scatters all tokens at once), and the specs
@@ -237,7 +237,7 @@ def stage_free_finished(page_ref_counts, page_indices, seq_lens, used_mask, fini
 
 def stage_mesh_specs():
     """L6.4 by the mesh engine's own ``SPECS``."""
-    from L6_tpu_jax.mesh_engine import SPECS
+    from L6_tpu_jax.mesh.engine import SPECS
 
     return SPECS
 

@@ -286,7 +286,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "L6 over a mesh, one short device does not stop the others allocating",
-        f"{L6}/mesh_tables.py",
+        f"{L6}/mesh/tables.py",
         "ok = ~jnp.any(short)",
         "ok = ~jnp.all(short)",
         ("tests/test_l6_multihost.py::test_one_short_shard_fails_the_step_and_reports_its_numbers",),

@@ -24,7 +24,7 @@ package marker naming the stage) and the smoke script (``lN_smoke.py``), the sta
 its lesson (the notebook's checkers and answers are not in the stage at all: ``exercises/`` and
 ``key/``). L6 is not
 diffed against L5: it is a rewrite in JAX, and ``names.py`` maps L5's names to Levanter's instead (a
-table, also written into the L6 chapter). Within L6, ``mesh_engine.py`` is a copy of ``engine.py``
+table, also written into the L6 chapter). Within L6, ``mesh/engine.py`` is a copy of ``engine.py``
 changed for a device mesh: ``L6_mesh.diff`` is that change, then the files only the mesh uses, whole
 (``MESH``).
 
@@ -102,7 +102,7 @@ class MixedParagraph(ValueError):
 
 # L6's lesson of sharding: (stage, one-device file, mesh file, files only the mesh uses).
 NEW_FILE = "\ndiff -u "  # how each file's diff starts
-MESH = ("L6_tpu_jax", "engine.py", "mesh_engine.py", ("mesh_tables.py", "multihost.py"))
+MESH = ("L6_tpu_jax", "engine.py", "mesh/engine.py", ("mesh/tables.py", "mesh/multihost.py"))
 
 
 def lesson_files(stage_dir: Path) -> dict[str, str]:

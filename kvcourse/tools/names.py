@@ -7,8 +7,8 @@ one-line note on what differs, or to ``""`` with the reason L6 has none. A name 
 public attribute a class sets in ``__init__``, and the options of ``Engine`` as ``Engine(option=)``.
 L5's side is its engine modules (``L5_clones/*.py`` and its wings, ``L5_clones/fast/*.py`` and
 ``L5_clones/beams/*.py``; not the smoke script); L6's names are in ``L6_tpu_jax/*.py``
-the same way, or in the shared ``kvcourse/*.py`` when written ``kvcourse/x.py:Name``. Several L6 names
-are separated by ``", "``.
+the same way (its mesh wing's written ``mesh/x.py:Name``), or in the shared ``kvcourse/*.py`` when
+written ``kvcourse/x.py:Name``. Several L6 names are separated by ``", "``.
 
 Checked against the code with ``ast`` (``problems``): every L5 name is a key of ``NAMES``, every key is a
 name L5 has, and every L6 name it gives is a name L6 has; each failure says which name is missing on
@@ -86,7 +86,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "cache.py:KvPool.copy_block": ("kv_cache.py:copy_page", "the clone's partial last page, every layer"),
     "cache.py:KvPool.nbytes": ("engine.py:Engine.stats", "`kv_bytes_pool` sums the pools' `nbytes`"),
     # ---- engine.py
-    "engine.py:Engine": ("engine.py:Engine", "the same contract; `mesh_engine.MeshEngine` runs it over a device mesh"),
+    "engine.py:Engine": ("engine.py:Engine", "the same contract; `mesh.engine.MeshEngine` runs it over a device mesh"),
     "engine.py:Engine(model_dir=)": ("engine.py:Engine(model_dir=)", "the same"),
     "engine.py:Engine(device=)": ("engine.py:Engine(device=)", "a JAX device: `cpu`, `cuda`, `tpu`"),
     "engine.py:Engine(block_size=)": ("engine.py:Engine(page_size=)", "Levanter's name"),
@@ -293,7 +293,7 @@ def stage_names(stage: str, root: Path = ROOT) -> dict[str, list[str]]:
 def l6_has(name: str, root: Path = ROOT) -> bool:
     """Whether L6 (or, for ``kvcourse/x.py:...``, the shared layer) defines ``name``."""
     where, _, qualname = name.partition(":")
-    path = root / where if "/" in where else root / L6 / where
+    path = root / where if where.startswith("kvcourse/") else root / L6 / where
     return path.is_file() and qualname in module_names(path)
 
 

@@ -4,7 +4,7 @@ A JAX program on several hosts (Levanter's TPU slices, or here several processes
 *multi-controller*: every host runs the same Python program, and each jit'd call is one SPMD program
 over every device of the global mesh. A host that calls something the others don't, or the same thing
 with another shape, leaves the others waiting in a collective: on a TPU slice that is a hang or an
-XLA crash with no Python traceback. This file holds the three pieces ``mesh_engine.py`` needs for that
+XLA crash with no Python traceback. This file holds the three pieces ``engine.py`` needs for that
 world:
 
 - ``data_mesh``: a one-axis ``Mesh`` named ``data`` over the given devices (default: every device of
@@ -18,7 +18,7 @@ world:
 
 Left out on purpose: a ``model`` axis (sharding heads; the course model has 3 KV heads, see the
 chapter, section 12), process groups other than "all", and timeouts (the launcher,
-``l6_multihost.py``, has one for the whole run).
+``../l6_multihost.py``, has one for the whole run).
 """
 
 from __future__ import annotations

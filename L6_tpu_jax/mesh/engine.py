@@ -1,12 +1,12 @@
-"""L6 over a device mesh: ``engine.py``'s engine, every device holding a share of the slots and pages.
+"""L6 over a device mesh: ``../engine.py``'s engine, every device holding a share of the slots and pages.
 
 ``MeshEngine`` is ``Engine`` changed for a mesh with one axis named ``data`` (``multihost.data_mesh``),
-in one process or in several (``l6_multihost.py``): ``lessons/diffs/L6_mesh.diff`` is what changes.
+in one process or in several (``../l6_multihost.py``): ``lessons/diffs/L6_mesh.diff`` is what changes.
 ``mesh`` takes the place of ``device``; without one, the mesh is every device of every process.
 
 - Every device holds an equal share of the slots and of every layer's KV pages (``SPECS["kv_pages"]``),
   plus a whole copy of the params and of the ``DecodeState`` (``SPECS``; ``specs=`` overrides them, for
-  exercise L6.4). A slot only ever gets pages of its own device (``mesh_tables.py``).
+  exercise L6.4). A slot only ever gets pages of its own device (``tables.py``).
 - Each jit'd call is one ``shard_map`` program: every device computes the same page allocation for
   the whole batch (the tables are small), then runs the model only on its own block of the batch
   against its own pages, and the devices exchange just the tokens they picked (one ``psum`` of
@@ -19,7 +19,7 @@ in one process or in several (``l6_multihost.py``): ``lessons/diffs/L6_mesh.diff
 The multi-host rules hold by construction: every host makes the same jit calls in the same order with
 the same shapes, host-only code reads local copies, and reset is never skipped.
 
-Left out on purpose: sharding heads over a ``model`` axis, and what ``engine.py`` leaves out.
+Left out on purpose: sharding heads over a ``model`` axis, and what ``../engine.py`` leaves out.
 """
 
 from __future__ import annotations
@@ -47,21 +47,21 @@ from kvcourse.limits import (
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats
 
-from . import decode_state as ds
-from .attention import paged_attend, reference_decode_kernel, reference_kernel
-from .device_stats import Totals, count_step, record_peaks
-from .engine import ATTENTIONS, CLEANUPS, RESETS, OutOfPagesError, bucket
-from .kv_cache import copy_page, init_kv_pages
-from .mesh_tables import (
+from .. import decode_state as ds
+from ..attention import paged_attend, reference_decode_kernel, reference_kernel
+from ..device_stats import Totals, count_step, record_peaks
+from ..engine import ATTENTIONS, CLEANUPS, RESETS, OutOfPagesError, bucket
+from ..kv_cache import copy_page, init_kv_pages
+from ..page_table import INVALID, cdiv, pages_for
+from ..pallas_attention import interpret_mode, pallas_kernel
+from .multihost import DATA, check_same_call, data_mesh, local_copy
+from .tables import (
     allocate_on_shards,
     clone_pages_on_shard,
     pack_on_shards,
     shard_batch_info,
     shard_block,
 )
-from .multihost import DATA, check_same_call, data_mesh, local_copy
-from .page_table import INVALID, cdiv, pages_for
-from .pallas_attention import interpret_mode, pallas_kernel
 
 REPLICATED = P()  # a whole copy on every device
 # How each input of a jit'd call is laid out over the mesh (``specs=`` overrides them, for the notebook).

@@ -1,12 +1,12 @@
-"""L6's tables over a device mesh: ``page_table.py``'s one-device tables, one per device, side by side.
+"""L6's tables over a device mesh: ``../page_table.py``'s one-device tables, one per device, side by side.
 
-Over a mesh of ``num_shards`` devices (the ``data`` axis, ``mesh_engine.py``) the pool's P pages and the
+Over a mesh of ``num_shards`` devices (the ``data`` axis, ``engine.py``) the pool's P pages and the
 S slots are each cut into ``num_shards`` equal ranges, one per device (a shard): device k holds pages
 ``k * P/n ...`` and runs slots ``k * S/n ...``. A slot only ever gets pages of its own shard, so its
 attention reads only pages its own device holds, and no K/V ever crosses devices. The tables stay whole
 on every device (a few KB, and every device must agree on every slot's row). Seen shard by shard they
 are ``n`` one-device tables whose page ids are offset by the shard's first page, so the functions here
-run ``page_table.py``'s own functions on each shard's tables, page ids made local (``on_shards``), and
+run ``../page_table.py``'s own functions on each shard's tables, page ids made local (``on_shards``), and
 put the results back together (``off_shards``):
 
 - ``allocate_on_shards``: ``allocate_for_seq`` on every shard at once (``jax.vmap``), all or nothing
@@ -28,8 +28,8 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from .decode_state import TokenQueue
-from .page_table import (
+from ..decode_state import TokenQueue
+from ..page_table import (
     INVALID,
     PageBatchInfo,
     PageTable,
