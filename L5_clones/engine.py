@@ -192,9 +192,7 @@ class Engine:
         [max_new_tokens] = self.config.check_requests([prompt_ids], max_new_tokens, label="request", n=n)
         return self._submit(prompt_ids, max_new_tokens, priority, ignore_eos, n, sampling)
 
-    def _submit(
-        self, prompt_ids, max_new_tokens, priority=0, ignore_eos=False, n=1, sampling=None, group=None
-    ):
+    def _submit(self, prompt_ids, max_new_tokens, priority=0, ignore_eos=False, n=1, sampling=None, group=None):
         """Queue a request already checked; with a ``group``, its sequences run as one (``beams/``)."""
         sampling = sampling or SamplingParams()  # greedy
         seq = Sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos, priority, n, sampling)
@@ -220,9 +218,7 @@ class Engine:
         seeded ``sampling.seed_of(j)`` as a clone seeds sample j, so both ways give the same tokens."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        max_new_tokens = self.config.check_requests(
-            prompts, max_new_tokens, n=n if share else 1
-        )  # and the pool
+        max_new_tokens = self.config.check_requests(prompts, max_new_tokens, n=n if share else 1)  # and the pool
         self.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * n)
         sampling = sampling or SamplingParams()
         params = [sampling] if share else [replace(sampling, seed=sampling.seed_of(j)) for j in range(n)]

@@ -160,9 +160,7 @@ class EngineConfig:
             needed = -(-total // self.block_size)
             check_blocks(label.format(i=i), total, needed, self.block_size, self.num_blocks, self.sizing)
             if n > self.max_num_seqs:
-                raise ValueError(
-                    f"{label.format(i=i)}: n={n} samples exceed max_num_seqs={self.max_num_seqs}"
-                )
+                raise ValueError(f"{label.format(i=i)}: n={n} samples exceed max_num_seqs={self.max_num_seqs}")
             clones = -(-len(prompt) // self.block_size) + (n - 1) * (len(prompt) % self.block_size > 0)
             if clones > self.num_blocks:  # n samples of one prefill: a copy of its partial block each
                 raise ValueError(

@@ -571,6 +571,4 @@ def unnamed_modules(package: Path) -> list[str]:
 @pytest.mark.parametrize("package", packages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_package_docstring_names_its_modules(package):
     """A reader opening a folder's ``__init__.py`` finds what each of its files is for."""
-    assert not unnamed_modules(package), (
-        f"{package.relative_to(ROOT)}/__init__.py does not name {unnamed_modules(package)}"
-    )
+    assert not unnamed_modules(package), f"{package.relative_to(ROOT)}/__init__.py does not name {unnamed_modules(package)}"

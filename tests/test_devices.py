@@ -138,11 +138,8 @@ def test_gpu_memory_utilization_is_this_processs_share(monkeypatch):
         state["peak"] = 3 * GB  # a 1 GB activation peak
 
     assert devices.kv_bytes_for_fraction(torch.device("cuda"), 0.5, profile) == 47 * GB  # 50 - 2 - 1
-    with pytest.raises(
-        ValueError,
-        match=r"gpu_memory_utilization=0.7 asks for 70,000,000,000 bytes .* only "
-        r"60,000,000,000 are free or this process's \(40,000,000,000 held elsewhere\)",
-    ):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.7 asks for 70,000,000,000 bytes .* only "
+                       r"60,000,000,000 are free or this process's \(40,000,000,000 held elsewhere\)"):
         devices.kv_bytes_for_fraction(torch.device("cuda"), 0.7, profile)
     with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
         devices.kv_bytes_for_fraction(torch.device("cpu"), 0.5, profile)
@@ -361,10 +358,7 @@ def test_the_gpu_check_runs_its_steps_side_by_side_and_records_them(tmp_path, ca
     the record (card, commit, each step) that ``make numbers`` draws the README's GPU table from."""
     slow = "import time; time.sleep(2); print('L1 smoke: 2/2 prompts match HF (4 new tokens)')"
     bad = "import sys; print('L2 smoke: 1/2 prompts match L1 and HF | 3 new tokens'); sys.exit(1)"
-    steps = [
-        gpu_check.Step("L1", [sys.executable, "-c", slow]),
-        gpu_check.Step("L2", [sys.executable, "-c", bad]),
-    ]
+    steps = [gpu_check.Step("L1", [sys.executable, "-c", slow]), gpu_check.Step("L2", [sys.executable, "-c", bad])]
     verdicts = gpu_check.run_steps(steps, tmp_path, timeout=60, side_by_side=True)
     assert [(v.name, v.ok) for v in verdicts] == [("L1", True), ("L2", False)]
     assert capsys.readouterr().out.splitlines()[0].startswith("L2 ")  # the quick failure printed first

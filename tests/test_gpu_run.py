@@ -38,11 +38,7 @@ def test_the_plan_fits_nine_minutes_and_every_flag_exists():
     for step in steps:
         module = step.command[2]
         help_text = subprocess.run(
-            [sys.executable, "-m", module, "--help"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
+            [sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
         ).stdout
         for flag in (word for word in step.command[3:] if word.startswith("--")):
             assert flag in help_text, f"{step.name}: {module} has no {flag}"
@@ -52,9 +48,7 @@ def test_fits_keeps_the_required_steps_time():
     assert gpu_run.fits(Plan("bench (b)", [], 310, ""), 200, []) == "needs about 310 s, 200 s left"
     assert gpu_run.fits(Plan("a", [], 100, ""), 200, []) is None
     later = [Plan("b", [], 150, "")]
-    assert (
-        gpu_run.fits(Plan("sweep", [], 100, "", optional=True), 200, later) == "needs about 100 s, 200 s left"
-    )
+    assert gpu_run.fits(Plan("sweep", [], 100, "", optional=True), 200, later) == "needs about 100 s, 200 s left"
 
 
 def fake_step(name: str, code: str, seconds: int = 1, optional: bool = False) -> Plan:

@@ -114,9 +114,7 @@ def generate_beams(
     max_new_tokens = engine.config.check_requests(prompts, max_new_tokens)
     for i, (p, b) in enumerate(zip(prompts, max_new_tokens, strict=True)):
         check_beam_request(beam, f"prompt {i}", len(p), b, engine.scheduler)
-    engine.fit_pool(
-        [len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * beam.num_beams
-    )  # each beam grows
+    engine.fit_pool([len(p) + b for p, b in zip(prompts, max_new_tokens, strict=True)] * beam.num_beams)  # each beam grows
     groups = [_submit(engine, p, b, beam) for p, b in zip(prompts, max_new_tokens, strict=True)]
     while engine.has_unfinished():
         engine.step()

@@ -232,9 +232,7 @@ def table(results: dict) -> str:
     lines = ["| step | verdict | what it printed | seconds |", "|---|---|---|---|"]
     for step in results["steps"]:
         first = step["line"].split("\n")[0].replace("|", "\\|")
-        lines.append(
-            f"| {step['name']} | {'ok' if step['ok'] else 'FAILED'} | {first} | {step['seconds']:.0f} |"
-        )
+        lines.append(f"| {step['name']} | {'ok' if step['ok'] else 'FAILED'} | {first} | {step['seconds']:.0f} |")
     return "\n".join(lines)
 
 

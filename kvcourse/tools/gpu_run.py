@@ -131,10 +131,7 @@ def wheel_site(wheels: Path, site: Path) -> tuple[Path | None, str]:
          "--upgrade", "--target", str(site), *map(str, found)],
         check=True,
     )  # fmt: skip
-    return (
-        site,
-        f"installed {', '.join(w.name.split('-')[0] + ' ' + w.name.split('-')[1] for w in found)} from {wheels}",
-    )
+    return site, f"installed {', '.join(w.name.split('-')[0] + ' ' + w.name.split('-')[1] for w in found)} from {wheels}"
 
 
 def shaped_model(folder: Path) -> Path:
@@ -194,12 +191,8 @@ def print_plan(steps: list[Plan], minutes: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvcourse.tools.gpu_run", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument(
-        "--out", default=str(REPO_ROOT / "bench"), help="folder for results/, plots/, gpu-runs/"
-    )
+    parser = argparse.ArgumentParser(prog="python -m kvcourse.tools.gpu_run", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO_ROOT / "bench"), help="folder for results/, plots/, gpu-runs/")
     parser.add_argument("--minutes", type=float, default=9.0, help="the whole run's limit (default 9)")
     parser.add_argument("--commit", help="the commit the tree is at, where it is not a git checkout")
     parser.add_argument("--plan", action="store_true", help="print the plan and exit (no GPU needed)")
@@ -213,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: make gpu-run needs a CUDA device: {problem}", file=sys.stderr)
         return 2
     import torch
-
     deadline = time.perf_counter() + args.minutes * 60
     out = Path(args.out).resolve()
     date = time.strftime("%Y-%m-%d")
@@ -225,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(site))
         importlib.invalidate_caches()
     env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(site or ""), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-        ),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site or ""), str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
