@@ -1,14 +1,14 @@
-"""A KV memory budget and the vLLM paper's admission policies (issue 35), on tiny seeded checkpoints.
+"""A pool sized in bytes and the vLLM paper's admission policies (issue 35), on tiny seeded checkpoints.
 
 - ``held_at_admission``: each policy's reservation on hand-worked lengths;
-- each policy's admission rule, with a fake model: how many requests one step admits at a budget,
-  worked out by hand from the policy's definition (paged: a prompt's blocks; Oracle: its whole length;
+- each policy's admission rule, with a fake model: how many requests one step admits to a pool,
+  worked out by hand from the policy's definition (on_demand: a prompt's blocks; Oracle: its whole length;
   Pow2: the next power of two; Max: max_model_len), and no preemption under a reserving policy;
-- a budget in bytes is sized into blocks as 2 x H_kv x D x layers x 4 bytes a token (the set-up line
-  shows the sum), is never grown, never has more blocks in use than it holds, and a budget too small
+- a pool given in bytes is sized into blocks as 2 x H_kv x D x layers x 4 bytes a token (the set-up line
+  shows the sum), is never grown, never has more blocks in use than it holds, and bytes too few
   for one request is refused naming the bytes needed and given; in L3-L5 and in L6 (one device and a
   one-device mesh);
-- under pressure (a budget just big enough for the longest reservation, requests arriving over
+- under pressure (a pool just big enough for the longest reservation, requests arriving over
   time), every policy in L3, L4 and L5 produces HF's greedy tokens.
 """
 
@@ -38,7 +38,7 @@ MAX_NEW = [17, 6, 11, 20, 9, 14, 3, 12]  # every request ends within 32 position
 BLOCK, MAX_LEN = 4, 32
 TOKEN_BYTES = 2 * 2 * 16 * 2 * 4  # the tiny checkpoints: 2 (K, V) x 2 KV heads x 16 dims x 2 layers x fp32
 BLOCK_BYTES = BLOCK * TOKEN_BYTES  # 2,048
-BUDGET = 10 * BLOCK_BYTES + 1000  # 10 blocks: Max's 8 for one request, and 2 to spare
+KV_BYTES = 10 * BLOCK_BYTES + 1000  # 10 blocks: Max's 8 for one request, and 2 to spare
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def expected(tiny_qwen3_dir):
     return [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW)]
 
 
-def test_reservation_len_of_each_policy():
+def test_held_at_admission_of_each_policy():
     assert [held_at_admission(p, 100, 2048) for p in ADMISSION_POLICIES] == [0, 100, 128, 2048]
     assert [held_at_admission(p, 128, 2048) for p in ADMISSION_POLICIES] == [0, 128, 128, 2048]
     assert held_at_admission("pow2", 1500, 1800) == 1800  # 2048 would pass max_model_len
@@ -85,7 +85,7 @@ def test_each_policy_admits_what_its_reservation_allows(policy, count, blocks):
 @pytest.mark.parametrize("policy", ADMISSION_POLICIES)
 def test_reserving_policies_never_preempt_and_drain_clean(policy):
     """Stepped to the end with a fake model: the books balance after every step (a running sequence
-    holds its reservation), blocks in use never pass the pool, and only paged ever preempts."""
+    holds its reservation), blocks in use never pass the pool, and only on_demand ever preempts."""
     config = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=64, admission_policy=policy, max_model_len=32
     )
@@ -112,31 +112,31 @@ def test_unknown_policy_and_max_without_a_length_are_refused():
         EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, admission_policy="max")
 
 
-# ---------------------------------------------------------------- a budget in bytes
+# ---------------------------------------------------------------- a pool in bytes
 
 
-def test_budget_blocks_is_the_course_arithmetic(tiny_qwen3_dir):
+def test_blocks_for_bytes_is_the_course_arithmetic(tiny_qwen3_dir):
     cfg = ModelConfig.from_dir(tiny_qwen3_dir)
     assert cfg.kv_bytes_per_token() == TOKEN_BYTES
-    assert blocks_for_bytes(BUDGET, BLOCK, cfg) == 10
+    assert blocks_for_bytes(KV_BYTES, BLOCK, cfg) == 10
     assert blocks_for_bytes(BLOCK_BYTES, BLOCK, cfg) == 1
     with pytest.raises(
         ValueError, match="kv_cache_bytes=2,047 holds no block: one block of 4 tokens takes 2,048 bytes"
     ):
         blocks_for_bytes(BLOCK_BYTES - 1, BLOCK, cfg)
     with pytest.raises(ValueError, match="give num_blocks or kv_cache_bytes, not both"):
-        blocks_for_bytes(BUDGET, BLOCK, cfg, num_blocks=4)
+        blocks_for_bytes(KV_BYTES, BLOCK, cfg, num_blocks=4)
 
 
 @pytest.mark.parametrize("engine_class", [L3Engine, L4Engine, L5Engine], ids=["L3", "L4", "L5"])
-def test_budget_sets_the_pool_shows_its_sum_and_refuses_a_request_it_cannot_hold(
+def test_bytes_size_the_pool_show_their_sum_and_refuse_a_request_it_cannot_hold(
     engine_class, tiny_qwen3_dir
 ):
-    engine = engine_class(tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=BUDGET, max_model_len=MAX_LEN)
+    engine = engine_class(tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=KV_BYTES, max_model_len=MAX_LEN)
     assert engine.allocator.num_blocks == 10
-    assert engine.pool.k.shape[1] == 10 and engine.pool.nbytes == 10 * BLOCK_BYTES <= BUDGET
+    assert engine.pool.k.shape[1] == 10 and engine.pool.nbytes == 10 * BLOCK_BYTES <= KV_BYTES
     assert (
-        "KV budget 21,480 bytes / (2 x 2 KV heads x 16 dims x 2 layers x 4 bytes = 512 bytes a token, "
+        "kv_cache_bytes 21,480 / (2 x 2 KV heads x 16 dims x 2 layers x 4 bytes = 512 bytes a token, "
         "x 4 a block) = 10 blocks: 10 blocks of 4 (20.0 KiB of KV)"
     ) in engine.stats().describe()
     with pytest.raises(
@@ -159,18 +159,18 @@ def test_budget_sets_the_pool_shows_its_sum_and_refuses_a_request_it_cannot_hold
         ValueError, match="request: 32 tokens need 8 blocks of 4, but the pool has only 6 blocks"
     ):
         maxed.add_request([5], 1)  # one token, but Max holds max_model_len
-    assert "reservation max" in maxed.stats().describe()
+    assert "admission_policy max" in maxed.stats().describe()
 
 
 @pytest.mark.parametrize("policy", ADMISSION_POLICIES)
 @pytest.mark.parametrize("engine_class", [L3Engine, L4Engine, L5Engine], ids=["L3", "L4", "L5"])
-def test_every_policy_under_a_tight_budget_changes_no_token(engine_class, policy, tiny_qwen3_dir, expected):
-    """Requests join one every 2 steps (and all at once) at a 10-block budget: the pool is never
+def test_every_policy_in_a_tight_pool_changes_no_token(engine_class, policy, tiny_qwen3_dir, expected):
+    """Requests join one every 2 steps (and all at once) in a 10-block pool: the pool is never
     grown, blocks in use never pass it, the books balance after every step, and every token is HF's."""
     engine = engine_class(
         tiny_qwen3_dir,
         block_size=BLOCK,
-        kv_cache_bytes=BUDGET,
+        kv_cache_bytes=KV_BYTES,
         max_model_len=MAX_LEN,
         admission_policy=policy,
     )
@@ -197,7 +197,7 @@ def test_l5_refuses_clones_under_a_reserving_policy(tiny_qwen3_dir):
     engine = L5Engine(
         tiny_qwen3_dir,
         block_size=BLOCK,
-        kv_cache_bytes=BUDGET,
+        kv_cache_bytes=KV_BYTES,
         max_model_len=MAX_LEN,
         admission_policy="oracle",
     )
@@ -205,12 +205,12 @@ def test_l5_refuses_clones_under_a_reserving_policy(tiny_qwen3_dir):
         engine.add_request([5, 6], 3, n=2)
 
 
-# ---------------------------------------------------------------- L6: a budget in pages; admission waits
+# ---------------------------------------------------------------- L6: a pool in bytes, sized in pages; admission waits
 
 
-def test_l6_budget_sets_the_pages_and_admission_waits(tiny_qwen3_dir, expected):
+def test_l6_bytes_size_the_pages_and_admission_waits(tiny_qwen3_dir, expected):
     engine = L6Engine(
-        tiny_qwen3_dir, page_size=BLOCK, kv_cache_bytes=BUDGET, max_model_len=MAX_LEN, max_num_seqs=4
+        tiny_qwen3_dir, page_size=BLOCK, kv_cache_bytes=KV_BYTES, max_model_len=MAX_LEN, max_num_seqs=4
     )
     assert engine.num_pages == 10
     assert sum(pool.nbytes for pool in engine.kv_pages) == 10 * BLOCK_BYTES
@@ -226,10 +226,10 @@ def test_l6_budget_sets_the_pages_and_admission_waits(tiny_qwen3_dir, expected):
         small.generate([PROMPTS[4]], [9])
 
 
-def test_l6_mesh_budget_is_split_over_its_devices(tiny_qwen3_dir):
+def test_l6_mesh_pool_is_split_over_its_devices(tiny_qwen3_dir):
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
     engine = MeshEngine(
-        tiny_qwen3_dir, mesh, page_size=BLOCK, kv_cache_bytes=BUDGET, max_model_len=MAX_LEN, max_num_seqs=4
+        tiny_qwen3_dir, mesh, page_size=BLOCK, kv_cache_bytes=KV_BYTES, max_model_len=MAX_LEN, max_num_seqs=4
     )
     assert engine.num_pages == 10 and "= 10 blocks" in engine.stats().describe()
     with pytest.raises(ValueError, match="16,384 bytes of KV needed, kv_cache_bytes=12,288 given"):
