@@ -11,9 +11,9 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
 2. if nobody was preempted in this step, waiting sequences are admitted in order (priority, then
    arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
-``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the vLLM paper's
-baselines hold a request's whole reservation from admission to finish, so a running sequence never
-needs a block and nothing is preempted: a request waits until its reservation fits.
+``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the
+vLLM paper's baselines hold a request's whole reservation from admission to finish, so a running
+sequence never needs a block and nothing is preempted: a request waits until its reservation fits.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
@@ -75,9 +75,8 @@ class Scheduler:
             if num_new == 0:
                 break  # the step's token budget is spent
             try:  # its first tokens' blocks, or an admission policy's whole reservation
-                allocate_slots(
-                    seq, self.allocator, max(seq.num_computed_tokens + num_new, self.hold_len(seq))
-                )
+                target = max(seq.num_computed_tokens + num_new, self.hold_len(seq))
+                allocate_slots(seq, self.allocator, target)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
             self.waiting.pop(0)

@@ -18,9 +18,9 @@ computed: the victims come from the back of ``running``, behind the sequence bei
 are not in the batch yet, and nothing is admitted after a preemption. So a block registered in the
 prefix cache this step is always filled by this step, whoever else shares it.
 
-``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the vLLM paper's
-baselines hold a request's whole reservation from admission to finish, so a running sequence never
-needs a block and nothing is preempted: a request waits until its reservation fits.
+``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the
+vLLM paper's baselines hold a request's whole reservation from admission to finish, so a running
+sequence never needs a block and nothing is preempted: a request waits until its reservation fits.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
@@ -82,12 +82,9 @@ class Scheduler:
         self.groups: dict[int, object] = {}  # request_id -> the group its sequences run as (beams/)
 
     def add(self, seq: Sequence, group=None) -> None:
-        if (
-            seq.num_samples > 1 and self.config.admission_policy != "on_demand"
-        ):  # clones share; a reservation is one sequence's
-            raise ValueError(
-                f"n={seq.num_samples} samples need admission_policy='on_demand', got {self.config.admission_policy!r}"
-            )
+        policy = self.config.admission_policy
+        if seq.num_samples > 1 and policy != "on_demand":  # clones share; a reservation is one sequence's
+            raise ValueError(f"n={seq.num_samples} samples need admission_policy='on_demand', got {policy!r}")
         if group is not None:  # its sequences run as one group, this one first (``groups``)
             self.groups[seq.request_id], group.seqs = group, [seq]
         seq.status = Status.WAITING
@@ -110,9 +107,8 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             unit, plan, need = self._unit(self.running[i]), [], 0  # a sequence, or its group's: served whole
             for seq in unit:
-                num_new = self._num_new_tokens(
-                    seq, token_budget - sum(m for _, m in plan), seq.num_computed_tokens
-                )
+                left = token_budget - sum(m for _, m in plan)
+                num_new = self._num_new_tokens(seq, left, seq.num_computed_tokens)
                 plan += [(seq, num_new)] if num_new else []
                 need += max(0, blocks_needed(seq.num_computed_tokens + num_new, bs) - len(seq.block_table))
             if self._make_room(need, unit):  # others preempted from the back first, perhaps this unit
@@ -149,8 +145,8 @@ class Scheduler:
     def update(self, batch: Batch, logits: torch.Tensor) -> tuple[list[Sequence], Copies]:
         """Record a step and sample: each sequence computed its scheduled tokens; each that ran its
         last known token samples the next one from its row of ``logits`` (N, vocab), rows in batch
-        order. A sequence with num_new > 1 whose prefill just ended is cloned first, and all its num_new sequences
-        sample from that row, each with its own generator; a group's sequences hand it their row.
+        order. A sequence with num_samples > 1 whose prefill just ended is cloned first, and all its
+        sequences sample from that row, each with its own generator; a group's sequences hand it their row.
         Returns the sequences finished, and the block copies the engine makes before the next forward."""
         rows = iter(logits)
         ended = []  # each sequence that ran its last known token, with its row of logits
@@ -213,7 +209,7 @@ class Scheduler:
         self.allocator.check_invariants(r.block_table for r in self.running)
 
     def _held_blocks(self, seq: Sequence) -> int:
-        """Blocks ``seq`` holds from admission under the admission policy (0 for paged)."""
+        """Blocks ``seq`` holds from admission under the admission policy (0 for on_demand)."""
         return blocks_needed(self.hold_len(seq), self.allocator.block_size)
 
     def hold_len(self, seq: Sequence) -> int:
@@ -225,7 +221,7 @@ class Scheduler:
         others, cut to the prefill chunk and the token budget; without chunking, all of them or nothing (0).
         Also 0 while an admission policy's blocks for it do not fit the free list."""
         if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
-            return 0  # its whole reservation must fit first (paged holds none ahead)
+            return 0  # its whole reservation must fit first (on_demand holds none ahead)
         num_new = seq.num_tokens - computed
         if self.config.prefill_chunk_size is None:
             return num_new if num_new <= token_budget else 0

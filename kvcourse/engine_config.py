@@ -138,7 +138,7 @@ class EngineConfig:
 
     def hold_len(self, length: int) -> int:
         """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
-        under the admission policy (0 for paged)."""
+        under the admission policy (0 for on_demand)."""
         return held_at_admission(self.admission_policy, length, self.max_model_len)
 
     def check_requests(
