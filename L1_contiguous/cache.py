@@ -42,5 +42,5 @@ class KvCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved, whether or not they hold tokens."""
+        """Bytes of the cache, whether or not they hold tokens."""
         return self.k.nbytes + self.v.nbytes

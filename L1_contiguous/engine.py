@@ -45,7 +45,7 @@ class Engine:
         cfg = self.model.cfg
         self.max_model_len = config.max_model_len  # checked
         self.cache = KvCache(cfg.num_layers, self.max_model_len, cfg.num_kv_heads, cfg.head_dim, self.device)
-        self.meter = UsageMeter()  # live vs reserved positions, step by step
+        self.meter = UsageMeter()  # live vs held positions, step by step
         self.num_steps = self.num_tokens_run = 0
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:

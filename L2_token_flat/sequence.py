@@ -1,7 +1,7 @@
 """A sequence as the L2 engine tracks it, and ``allocate_slots()``, which grows its blocks as it grows.
 
 ``Sequence`` is one request's token stream: its prompt, its generated tokens, the blocks that hold
-its K/V (``block_table``) and the slot of every position it has reserved (``slot_indices``).
+its K/V (``block_table``) and the slot of every position it holds (``slot_indices``).
 
 Left out on purpose (and the stage that adds it): a life cycle and scheduling fields (L3: waiting,
 running, finished), and ``slot_indices`` itself (L3 keeps only the block table and computes slots).
@@ -20,7 +20,7 @@ class Sequence:
 
     prompt_ids: list[int]
     block_table: list[int] = field(default_factory=list)  # owned block ids, in position order
-    slot_indices: list[int] = field(default_factory=list)  # slot of every reserved position
+    slot_indices: list[int] = field(default_factory=list)  # slot of every position it holds
     num_computed_tokens: int = 0  # positions 0 .. num_computed_tokens - 1 have their K/V in the pool
     output_ids: list[int] = field(default_factory=list)  # generated tokens; the newest is not cached yet
 

@@ -53,5 +53,5 @@ class KvPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved, whether or not they hold tokens."""
+        """Bytes of the pool, whether or not they hold tokens."""
         return self.k.nbytes + self.v.nbytes

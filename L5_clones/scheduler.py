@@ -246,12 +246,11 @@ class Scheduler:
         """Split a sequence whose prefill just ended into its n samples: [parent, child 1, .., child n-1],
         sharing its full blocks, each child with a copy of its partial one (added to ``copies``), its
         sample_index i and a generator seeded for sample i. [] if making room preempted the parent."""
-        need = self.allocator.clone_needs(parent.num_computed_tokens, parent.num_samples - 1)
+        num_computed, num_children = parent.num_computed_tokens, parent.num_samples - 1
+        need = self.allocator.clone_needs(num_computed, num_children)
         if not self._make_room(need, [parent]):
             return []  # it clones when its recompute ends
-        tables, more = self.allocator.clone(
-            parent.block_table, parent.num_computed_tokens, parent.num_samples - 1
-        )
+        tables, more = self.allocator.clone(parent.block_table, num_computed, num_children)
         copies += more
         children = [
             replace(parent, num_samples=1, sample_index=i, generator=None, block_table=table, output_ids=[])

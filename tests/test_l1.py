@@ -83,7 +83,7 @@ def test_max_model_len_over_model_limit(tiny_llama_dir):
         Engine(tiny_llama_dir, max_model_len=4096)
 
 
-def test_stats_report_reserved_live_and_utilization(tiny_llama_dir):
+def test_stats_report_pool_live_and_utilization(tiny_llama_dir):
     eng = Engine(tiny_llama_dir, max_model_len=64)
     eng.generate([[1, 2, 3, 4]], 4, ignore_eos=True)
     per_token = eng.model.cfg.kv_bytes_per_token()

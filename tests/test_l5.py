@@ -60,7 +60,7 @@ def same(a, b) -> bool:
 
 
 def full_request(m: BlockAllocator, request_id: int, tokens: list[int]) -> Sequence:
-    """A request whose ``tokens`` are all computed: prefix hits shared, the rest reserved and registered."""
+    """A request whose ``tokens`` are all computed: prefix hits shared, the rest allocated and registered."""
     seq = Sequence(request_id, list(tokens), 1)
     cached = match_prefix(seq.all_ids, m)
     allocate_slots(seq, m, len(tokens), cached)

@@ -172,7 +172,7 @@ def l5_books(m: L5Allocator):
 
 
 def l5_request(m: L5Allocator, request_id: int, tokens: list[int]) -> L5Sequence:
-    """A request whose tokens are all computed: prefix hits shared, the rest reserved and registered."""
+    """A request whose tokens are all computed: prefix hits shared, the rest allocated and registered."""
     seq = L5Sequence(request_id, list(tokens), 1)
     l5_allocate_slots(seq, m, seq.num_tokens, match_prefix(seq.all_ids, m))
     seq.num_computed_tokens = seq.num_tokens

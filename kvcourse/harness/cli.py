@@ -9,7 +9,7 @@
     python -m kvcourse generate --stage L5 --num-beams 4 "What is a KV cache?"
 
 ``generate`` prints each prompt's generated text, then the tokens/s, how the engine was set up (device,
-kernel, pool and batch sizes) and its statistics (KV memory reserved against the memory that held live
+kernel, pool and batch sizes) and its statistics (the KV pool against the memory that held live
 tokens, blocks, steps). ``--device`` defaults to ``$KVCOURSE_DEVICE``, else the CPU. Bad input (a
 malformed prompt file, a missing model folder, a prompt longer than the model's context, a device this
 machine does not have, ``--num-beams`` below 1 or on a stage without beam search, a width the pool
