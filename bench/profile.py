@@ -2,7 +2,7 @@
 [--device auto|cpu|cuda] [--torch-profiler] [--out FILE]``.
 
 ``--out`` also writes the profiles to a JSON file, with the command, commit, machine and load average
-(``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
+before and after (``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
 rounds back to back show how much the machine drifts between them.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
@@ -144,7 +144,8 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
 
 
 def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
-    """Run the workload twice on a fresh L6 engine (the first run compiles); time each call of the second."""
+    """Run the workload twice on a fresh L6 engine (the first run compiles, unless JAX's persistent
+    cache, recorded as ``persistent_cache``, holds its programs); time each call of the second."""
     import jax
 
     engine = engine_class("L6")(model_dir, **options)
@@ -179,6 +180,7 @@ def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
     parts["host Python"] = wall - sum(seconds.values())
     return {"seconds": wall, "parts_s": parts, "calls": dict(calls), "steps": steps,
             "decode_step_ms": 1000 * seconds["decode"] / max(steps, 1), "first_run_s": first_run,
+            "persistent_cache": jax.config.jax_compilation_cache_dir,  # None: the first run compiled all
             "compiles": {"after_first_run": compiles_after_first, "after_second": dict(engine.stats().compiles)}}  # fmt: skip
 
 
@@ -370,6 +372,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="model directory (default: the course model)")
     parser.add_argument("--out", help="also write the profiles to this JSON file (the chapters' tables)")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
     try:
         device = bench_device(args.device)
     except ValueError as e:
@@ -428,7 +431,7 @@ def main(argv=None) -> int:
             a for a in (argv if argv is not None else sys.argv[1:])
         )
         results = {"command": command.strip(), **provenance(), "machine": describe(device) if device.type == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores",
-                   "load_average_after": os.getloadavg()[0], "workload": args.workload,
+                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0], "workload": args.workload,
                    "profiles": profiles, "l6": l6}  # fmt: skip
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
