@@ -82,7 +82,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench import ceilings
+from bench import OMP_WAIT_POLICY, ceilings
 from bench.measure import add_device_option, bench_device, cpu_name, package_version, provenance
 from kvcourse.harness.kernel_cases import dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
@@ -712,13 +712,14 @@ def main(argv=None) -> int:
 
 
 def finish(results: dict, out: str | None, default: str, make_table, timed: str, device=None) -> int:
-    """Name the machine in ``results``, write them (``out``, else ``bench/results/<default>``), print
+    """Name the machine (and the OpenMP wait policy it ran under) in ``results``, write them (``out``, else ``bench/results/<default>``), print
     ``make_table(results)``; exit status 1 when a row's output differed from dense attention (its
     ``timed`` field is NaN), else 0."""
     cuda = device is not None and device.type == "cuda"
     results["device_name"] = torch.cuda.get_device_name(device) if cuda else cpu_name()
     results["versions"] = {name: package_version(name) for name in ("torch", "triton")}
     results["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results["omp_wait_policy"] = OMP_WAIT_POLICY  # a CPU's small kernels slow down when idle threads sleep
     results.update(provenance())
     path = Path(out or REPO_ROOT / "bench" / "results" / default)
     path.parent.mkdir(parents=True, exist_ok=True)
