@@ -30,8 +30,9 @@ the workload under ``torch.profiler`` (CPU and CUDA activities), giving per step
 (its kernels, copies and memsets, summed) against the step's wall time (the difference is launch gaps
 and host work), the number of launches, and the top kernels by GPU time. ``--torch-profiler`` runs
 the same on a CPU, with CPU activity only: the top ops by self CPU time, and "device busy" n/a (the
-host is the device). L6 reports its first run's seconds (tracing and compiling) and its trace counts,
-besides ms per decode step of its ``while_loop``.
+host is the device). L6 reports its first run's seconds (tracing and compiling), how many of them
+JAX's own compile events cover (``jax.monitoring``: tracing, lowering to StableHLO, XLA's compile) and
+its trace counts, besides ms per decode step of its ``while_loop``.
 
 Left out on purpose: JAX's profiler (L6's decode loop is one compiled call; its time per step is
 enough here), memory profiling, and operator detail beyond the top kernels.
@@ -47,7 +48,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -143,15 +144,56 @@ def profile_stage(name: str, model_dir, prompts, budgets, options: dict) -> dict
     }
 
 
+# JAX's own compile events (jax.monitoring; names as in jax 0.10.2's jax/_src/dispatch.py), by the part
+# of a first run they time: tracing Python into a jaxpr, lowering it to StableHLO, XLA's compile
+COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "XLA compile",
+}
+
+
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """The seconds that a union of (start, end) spans covers, each second counted once (a trace inside
+    another trace is not counted twice): ``covered_seconds([(0, 2), (1, 3), (5, 6)])`` -> 4."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
+
+
+@contextmanager
+def compile_spans():
+    """Collect JAX's compile events while the block runs: yields ``{part: [(start, end), ...]}``."""
+    import jax.monitoring
+
+    spans = defaultdict(list)
+
+    def listen(event, start, end, **_):
+        if event in COMPILE_EVENTS:
+            spans[COMPILE_EVENTS[event]].append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(listen)
+    try:
+        yield spans
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(listen)
+
+
 def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
     """Run the workload twice on a fresh L6 engine (the first run compiles, unless JAX's persistent
     cache, recorded as ``persistent_cache``, holds its programs); time each call of the second."""
     import jax
 
     engine = engine_class("L6")(model_dir, **options)
-    t0 = time.perf_counter()
-    engine.generate(prompts, budgets, ignore_eos=True)  # warm-up, compiles every shape the workload needs
-    first_run = time.perf_counter() - t0  # generate ends reading the device's state: nothing is left queued
+    with compile_spans() as spans:
+        t0 = time.perf_counter()
+        # the warm-up compiles every shape the workload needs; generate ends reading the device's state,
+        # so nothing is left queued when the clock stops
+        engine.generate(prompts, budgets, ignore_eos=True)
+        first_run = time.perf_counter() - t0
+    first_run_parts = {part: covered_seconds(spans[part]) for part in COMPILE_EVENTS.values()}
     compiles_after_first = dict(engine.stats().compiles)
     seconds, calls = defaultdict(float), defaultdict(int)
 
@@ -180,6 +222,7 @@ def profile_l6(model_dir, prompts, budgets, options: dict) -> dict:
     parts["host Python"] = wall - sum(seconds.values())
     return {"seconds": wall, "parts_s": parts, "calls": dict(calls), "steps": steps,
             "decode_step_ms": 1000 * seconds["decode"] / max(steps, 1), "first_run_s": first_run,
+            "first_run_compile_s": first_run_parts,  # JAX's compile events during the first run
             "persistent_cache": jax.config.jax_compilation_cache_dir,  # None: the first run compiled all
             "compiles": {"after_first_run": compiles_after_first, "after_second": dict(engine.stats().compiles)}}  # fmt: skip
 
@@ -195,6 +238,12 @@ def l6_table(p: dict) -> str:
         f"L6: first run {p['first_run_s']:.2f} s (tracing and compiling included); traces per jit'd function "
         f"after it {c['after_first_run']}, after the second run {c['after_second']}"
     )
+    parts = p.get("first_run_compile_s") or {}
+    if parts:
+        lines.append(
+            "L6: of the first run, JAX's compile events cover "
+            + ", ".join(f"{part} {sec:.2f} s" for part, sec in parts.items())
+        )
     return "\n".join(lines)
 
 

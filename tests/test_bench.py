@@ -153,6 +153,15 @@ def test_quick_profile_splits_a_step_into_its_parts(tmp_path, capsys):
     assert list(results["profiles"]) == ["L3", l4, "L3 #2"]
     assert all(p["decode_step_ms"]["gather + loop"] > 0 for k, p in results["profiles"].items() if "L3" in k)
     assert results["l6"]["compiles"]["after_first_run"]
+    compile_s = results["l6"]["first_run_compile_s"]  # JAX's compile events cover part of the first run
+    assert set(compile_s) == {"trace", "lower", "XLA compile"} and compile_s["XLA compile"] > 0
+    assert sum(compile_s.values()) <= results["l6"]["first_run_s"]
+    assert re.search(r"JAX's compile events cover trace [\d.]+ s, lower [\d.]+ s, XLA compile [\d.]+ s", out)
+
+
+def test_covered_seconds_counts_overlapping_spans_once():
+    assert profile.covered_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+    assert profile.covered_seconds([(0, 5), (1, 2)]) == 5 and profile.covered_seconds([]) == 0
 
 
 def test_quick_profile_under_torch_profiler_on_the_cpu(capsys):
