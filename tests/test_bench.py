@@ -286,6 +286,29 @@ def test_gpu_targets_from_a_gpu_run():
     assert "L4 >= L3 on (b)" in {t["target"] for t in report.targets(results)}
 
 
+def test_a_ratio_target_is_decided_on_the_spread_of_the_runs():
+    """Medians 1.05x apart decide nothing by themselves: met only when L4's slowest run beats L3's
+    fastest, missed only when L4's fastest loses to L3's slowest, else not separable in this run."""
+
+    def row(*runs):  # 100 new tokens, median of the runs
+        return {"new_tokens": 100, "runs": list(runs), "seconds": sorted(runs)[len(runs) // 2],
+                "tok_s": 100 / sorted(runs)[len(runs) // 2]}  # fmt: skip
+
+    def decided(l4, l3):
+        results = {"systems": {"L4": {"b": l4}, "L3": {"b": l3}}}
+        (target,) = report.ratio_target(results, report.speeds(results), "t", "L4", "L3", "b", 1.0)
+        return target["met"], target["measured"]
+
+    assert decided(row(0.94, 0.95, 0.96), row(1.0, 1.0, 1.01)) == (
+        True, "L4 1.05x L3 (105.3 vs 100.0 tok/s; runs 104.2-106.4 vs 99.0-100.0)",
+    )  # fmt: skip
+    assert decided(row(0.80, 0.95, 1.02), row(1.0, 1.0, 1.01))[0] is None
+    assert decided(row(1.02, 1.03, 1.04), row(1.0, 1.0, 1.01))[0] is False
+    assert decided(row(0.95), row(1.0))[1] == "L4 1.05x L3 (105.3 vs 100.0 tok/s)"  # timed once: no spread
+    assert [report.VERDICTS[m] for m in (True, False, None)] == ["met", "missed", "not separable in this run"]
+    assert report.run_rates({"tok_s": 10.0, "seconds": 2.0, "runs": [2.0, 4.0]}) == [10.0, 5.0]
+
+
 def test_agreement_records_hf_gap_where_each_output_differs():
     """HF [5, 9, 4] with top-2 gaps [2.0, 1e-4, 0.5]: a difference at token 1 is a tie, at token 2 a
     mismatch (gap 0.5), and a missing token a mismatch with no gap to compare."""
