@@ -3,7 +3,8 @@ and the verdict on the outputs (``verdict``: a stage that differs from HF batch 
 peer that does is reported).
 
 A run's targets depend on its device (``results["device"]``, absent in runs before it was recorded:
-the CPU): issue #13's on a CPU, issue #27's on a GPU, each met or missed from ratios measured in the run.
+the CPU): issue #13's on a CPU, issue #27's on a GPU, each met, missed or not separable in this run,
+decided on the spread of the run's timed runs (``decide``), not on the medians alone.
 """
 
 from __future__ import annotations
