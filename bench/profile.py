@@ -1,8 +1,8 @@
 """Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L4:graphs,L6] [--workload b|a] [--quick]
 [--device auto|cpu|cuda] [--torch-profiler] [--out FILE]``.
 
-``--out`` also writes the profiles to a JSON file, with the command, commit, machine and load average
-before and after (``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
+``--out`` also writes the profiles to a JSON file, with the command, commit, machine, OpenMP wait policy
+and load average before and after (``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
 rounds back to back show how much the machine drifts between them.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
@@ -54,6 +54,7 @@ from unittest import mock
 
 import torch
 
+from bench import OMP_WAIT_POLICY
 from bench.ceilings import synchronizer
 from bench.measure import add_device_option, bench_device, cpu_name, provenance, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
@@ -480,7 +481,8 @@ def main(argv=None) -> int:
             a for a in (argv if argv is not None else sys.argv[1:])
         )
         results = {"command": command.strip(), **provenance(), "machine": describe(device) if device.type == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores",
-                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0], "workload": args.workload,
+                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+                   "omp_wait_policy": OMP_WAIT_POLICY, "workload": args.workload,
                    "profiles": profiles, "l6": l6}  # fmt: skip
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
