@@ -430,8 +430,14 @@ def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
         kernels.sweep_configs(quick=True)
     )
     assert all(r["max_error"] < kernels.TOLERANCE and r["ms"] > 0 for r in results["rows"])
+    # on a CPU every run is kept (2 with --quick) and the table quotes the fastest and the slowest
+    assert all(
+        len(r["ms_runs"]) == 2 and min(r["ms_runs"]) <= r["ms"] <= max(r["ms_runs"]) for r in results["rows"]
+    )
+    assert results["omp_wait_policy"]
     table = capsys.readouterr().out
     assert table.count("Triton, fastest of 4 launches") == len(kernels.QUICK_SHAPES), table
+    assert re.search(r"\| SDPA contiguous \| [\d.]+ \([\d.]+-[\d.]+\) \|", table), table
 
 
 def test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them(tmp_path, capsys):
