@@ -71,6 +71,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -699,6 +700,7 @@ def main(argv=None) -> int:
         "--out", help="the JSON file (default: bench/results/kernels.json, kernels-cuda.json on a GPU)"
     )
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # the timings depend on what else the machine runs
     if args.resources:
         if args.prefill:
             shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
@@ -714,6 +716,7 @@ def main(argv=None) -> int:
         return 0
     if args.interpreter:
         results = measure_interpreter(QUICK_INTERPRETER_PROMPTS if args.quick else INTERPRETER_PROMPTS)
+        results["load_average_before"] = load_before
         return finish(results, args.out, "kernels-interpreter.json", interpreter_table, "seconds")
     try:
         device = bench_device(args.device)
@@ -723,22 +726,25 @@ def main(argv=None) -> int:
     cuda = "-cuda" if device.type == "cuda" else ""
     if args.prefill:
         shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES if cuda else CPU_PREFILL_SHAPES
-        results = measure_prefill(device, shapes, args.sweep, args.quick)
+        results = measure_prefill(device, shapes, args.sweep, args.quick) | {
+            "load_average_before": load_before
+        }
         return finish(results, args.out, f"kernels-prefill{cuda}.json", prefill_table, "ms", device)
     shapes = QUICK_SHAPES if args.quick else SHAPES if cuda else CPU_SHAPES
-    results = measure(device, shapes, args.sweep, args.quick)
+    results = measure(device, shapes, args.sweep, args.quick) | {"load_average_before": load_before}
     return finish(results, args.out, f"kernels{cuda}.json", table, "ms", device)
 
 
 def finish(results: dict, out: str | None, default: str, make_table, timed: str, device=None) -> int:
-    """Name the machine (and the OpenMP wait policy it ran under) in ``results``, write them (``out``, else ``bench/results/<default>``), print
-    ``make_table(results)``; exit status 1 when a row's output differed from dense attention (its
-    ``timed`` field is NaN), else 0."""
+    """Name the machine (and the OpenMP wait policy and load it ran under) in ``results``, write them
+    (``out``, else ``bench/results/<default>``), print ``make_table(results)``; exit status 1 when a
+    row's output differed from dense attention (its ``timed`` field is NaN), else 0."""
     cuda = device is not None and device.type == "cuda"
     results["device_name"] = torch.cuda.get_device_name(device) if cuda else cpu_name()
     results["versions"] = {name: package_version(name) for name in ("torch", "triton")}
     results["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
     results["omp_wait_policy"] = OMP_WAIT_POLICY  # a CPU's small kernels slow down when idle threads sleep
+    results["load_average_after"] = os.getloadavg()[0]
     results.update(provenance())
     path = Path(out or REPO_ROOT / "bench" / "results" / default)
     path.parent.mkdir(parents=True, exist_ok=True)
