@@ -25,13 +25,6 @@ DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
 # rerun with issue #43's renames (the serving harness's fields); remove each name once its file is rerun
 PENDING_RERUN = {"serving.json", "serving_quick.json"}
 
-# written before bench.kernels recorded its commit: each names the commit that added it together with
-# the code that wrote it (committed_in) and when it ran (when). They are CPU timings that the shared VM's
-# load moves several-fold (reruns on 2026-11-28 under load measured half the copy bandwidth), so they
-# wait for a quiet machine: `python -m bench.kernels --device cpu` and `--interpreter`, OMP_WAIT_POLICY
-# unset as make bench leaves it, from a clean checkout; then remove the name here.
-BEFORE_PROVENANCE = {"kernels.json": "07dfa70", "kernels-interpreter.json": "94e9e91"}
-
 
 def provenance_problems(results: dict) -> list[str]:
     """What a results file's provenance lacks: ``provenance_problems({"commit": "c14a18f+dirty"})`` ->
@@ -58,15 +51,6 @@ def test_there_are_results_files():
 def test_every_results_file_records_a_clean_commit_and_a_date(path):
     results = json.loads(path.read_text(encoding="utf-8"))
     problems = provenance_problems(results) if isinstance(results, dict) else ["not a JSON object"]
-    if path.name in BEFORE_PROVENANCE and path.parent.name == "results":
-        assert problems, (
-            f"{path.name} now records a clean commit and a date: take it out of BEFORE_PROVENANCE"
-        )
-        assert results.get("committed_in") == BEFORE_PROVENANCE[path.name], results.get("committed_in")
-        assert DATE.match(str(results.get("when", ""))), f"{path.name}: no date in 'when'"
-        pytest.skip(
-            f"{path.name}: results committed in {results['committed_in']}, before commits were recorded"
-        )
     if path.name in PENDING_RERUN:
         assert problems, f"{path.name} now records a clean commit and a date: take it out of PENDING_RERUN"
         pytest.skip(f"{path.name}: pending its rerun ({'; '.join(problems)})")
@@ -87,4 +71,4 @@ def test_the_rule_catches_a_dirty_tree_a_missing_date_and_an_unknown_commit():
 
 
 def test_the_exceptions_name_files_that_exist():
-    assert {p.name for p in RESULTS} >= PENDING_RERUN | set(BEFORE_PROVENANCE)
+    assert {p.name for p in RESULTS} >= PENDING_RERUN
