@@ -49,9 +49,7 @@ from L5_clones.engine import Engine
 SAMPLES = 4
 CLONE_TOKENS = 24
 SAMPLED_PROMPTS = 3
-PREFIX_TOKENS = (
-    16  # the max_new_tokens of a line of the prefix-cache file that sets none (the course's set them all)
-)
+PREFIX_TOKENS = 16  # max_new_tokens of a prefix-cache file line that sets none (the course's set them all)
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
 BEAM_WIDTHS = (2, 4, 6)  # width 1 is greedy decoding, in HF as here: the rows above
 BEAM_PROMPTS = 2

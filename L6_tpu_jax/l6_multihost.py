@@ -98,9 +98,7 @@ def max_num_seqs_for(devices: int, wanted: int = 16) -> int:
 # ---- a host ----
 
 
-def diverge_demos(
-    engine, ids: list[list[int]], max_new_tokens: list[int], expected: list[list[int]]
-) -> list[dict]:
+def diverge_demos(engine, ids: list[list[int]], max_new: list[int], expected: list[list[int]]) -> list[dict]:
     """The multi-host rules, broken on purpose one at a time; returns what happened in each.
 
     Every host runs this same function; ``me`` decides which host misbehaves. A divergence caught by
@@ -120,13 +118,13 @@ def diverge_demos(
         except HostDivergenceError as e:
             demos.append({"name": name, "ok": expect_caught, "said": str(e)})
         else:
-            same = engine.generate(ids, max_new_tokens) == expected
+            same = engine.generate(ids, max_new) == expected
             said = "no error; outputs equal single-process L6" if same else "no error, but outputs DIFFER"
             demos.append({"name": name, "ok": same and not expect_caught, "said": said})
         print(f"  [{'ok' if demos[-1]['ok'] else 'FAILED'}] {name}: {demos[-1]['said']}", flush=True)
 
     def host_only_logging():
-        engine.generate(ids, max_new_tokens)
+        engine.generate(ids, max_new)
         if me == 0:  # reads this host's own copy of the state: no jit call, nothing the others must join
             print(f"    host 0 only: occupancy {engine.occupancy()}; {engine.stats()}", flush=True)
             engine.check_invariants()
@@ -141,7 +139,7 @@ def diverge_demos(
 
         engine._call = with_extra
         try:
-            engine.generate(ids, max_new_tokens)
+            engine.generate(ids, max_new)
         finally:
             del engine._call
 
@@ -149,7 +147,7 @@ def diverge_demos(
         if me == 1:
             engine.decode_width = lambda host: 2 * type(engine).decode_width(engine, host)
         try:
-            engine.generate(ids, max_new_tokens)
+            engine.generate(ids, max_new)
         finally:
             engine.__dict__.pop("decode_width", None)
 
@@ -157,7 +155,7 @@ def diverge_demos(
         if me == 1:
             engine.reset = lambda: None
         try:
-            engine.generate(ids, max_new_tokens)
+            engine.generate(ids, max_new)
         finally:
             engine.__dict__.pop("reset", None)
 

@@ -53,7 +53,9 @@ kernel records that kernel's registers and local bytes as the driver reported th
 
 Results: one JSON file (``--out``, default ``bench/results/kernels.json``, ``kernels-cuda.json`` for a
 GPU's; ``kernels-prefill[-cuda].json`` with ``--prefill``, ``kernels-interpreter.json`` with
-``--interpreter``) and a table on stdout.
+``--interpreter``) and a table on stdout. On a CPU a timed row is the median of 5 runs and keeps
+every run's milliseconds (``ms_runs``), which the tables show in brackets, fastest and slowest; on a
+GPU it is ``do_bench``'s median.
 ``make bench`` runs it (without the sweep) after ``bench.run``, in a process of its own. A wrong output fails the run
 (exit status 1) after the results are written.
 
@@ -69,7 +71,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,7 +86,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench import ceilings
+from bench import OMP_WAIT_POLICY, ceilings
 from bench.measure import add_device_option, bench_device, cpu_name, package_version, provenance
 from kvcourse.harness.kernel_cases import dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
@@ -165,14 +169,30 @@ def shape_name(shape) -> str:
     return f"{seqs} x {ctx:,} ({heads}/{n_kv} x {head_dim})"
 
 
-def device_seconds(fn, device: torch.device, quick: bool) -> float:
-    """Median seconds of ``fn()``: CUDA events with the L2 flushed between launches on a GPU (Triton's
-    ``do_bench``), wall time on a CPU."""
+def device_timings(fn, device: torch.device, quick: bool) -> list[float]:
+    """Seconds of ``fn()``: on a GPU one number, the median of CUDA events with the L2 flushed between
+    launches (Triton's ``do_bench``); on a CPU the wall time of each of 5 runs (2 with ``quick``)."""
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=10, rep=20 if quick else 100, return_mode="median") / 1e3
-    return ceilings.median_seconds(fn, 2 if quick else 5)  # a CPU has ended every op when it returns
+        return [triton.testing.do_bench(fn, warmup=10, rep=20 if quick else 100, return_mode="median") / 1e3]
+    return ceilings.run_seconds(fn, 2 if quick else 5)  # a CPU has ended every op when it returns
+
+
+def timed_row(run, error: float, device: torch.device, quick: bool) -> tuple[float, dict]:
+    """The median seconds of ``run`` (NaN when its output was wrong) and, where it ran more than once,
+    ``{"ms_runs": [...]}``, every run's milliseconds, so a table can quote the spread."""
+    if error >= TOLERANCE:
+        return math.nan, {}
+    timings = device_timings(run, device, quick)
+    return statistics.median(timings), ({"ms_runs": [t * 1e3 for t in timings]} if len(timings) > 1 else {})
+
+
+def ms_cell(r: dict) -> str:
+    """A row's milliseconds: the median, and the fastest and slowest run where there were several:
+    ``2.974 (2.901-3.120)``."""
+    runs = r.get("ms_runs")
+    return f"{r['ms']:.3f}" + (f" ({min(runs):.3f}-{max(runs):.3f})" if runs else "")
 
 
 def contiguous_kv(k_pool, v_pool, block_tables, ctx: int):
@@ -425,10 +445,10 @@ def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwid
     record = device.type == "cuda" and "paged kernel (Triton)" in runs
     for name, run in runs.items():
         error, ran = checked(run, expected, record)
-        seconds = device_seconds(run, device, quick) if error < TOLERANCE else math.nan
+        seconds, spread = timed_row(run, error, device, quick)
         rows.append({"shape": shape_name(shape), "system": name, "max_error": error,
                      "ms": seconds * 1e3, "GBps": kv_bytes(shape) / seconds / 1e9,
-                     "of_copy": kv_bytes(shape) / seconds / bandwidth} | ran)  # fmt: skip
+                     "of_copy": kv_bytes(shape) / seconds / bandwidth} | spread | ran)  # fmt: skip
     return rows
 
 
@@ -470,9 +490,9 @@ def measure_prefill_shape(shape, device: torch.device, sweep: bool, quick: bool)
     record = device.type == "cuda" and "paged kernel (Triton)" in runs
     for name, run in runs.items():
         error, ran = checked(run, expected, record)
-        seconds = device_seconds(run, device, quick) if error < TOLERANCE else math.nan
+        seconds, spread = timed_row(run, error, device, quick)
         rows.append({"shape": shape_name(shape), "system": name, "max_error": error, "ms": seconds * 1e3,
-                     "GFLOPs": prefill_flops(shape) / seconds / 1e9} | ran)  # fmt: skip
+                     "GFLOPs": prefill_flops(shape) / seconds / 1e9} | spread | ran)  # fmt: skip
     before = next((r["ms"] for r in rows if r["system"] == BEFORE), math.nan)
     for r in rows:
         r["x_before"] = before / r["ms"]
@@ -609,7 +629,7 @@ def table(results: dict) -> str:
             "",
             *header(results, DECODE_COLUMNS),
             *shape_rows(
-                results, lambda r: f"{r['ms']:.3f} | {r['GBps']:,.0f} | {r['of_copy']:.0%}", "Triton tile"
+                results, lambda r: f"{ms_cell(r)} | {r['GBps']:,.0f} | {r['of_copy']:.0%}", "Triton tile"
             ),
         ]
     )
@@ -623,7 +643,7 @@ def prefill_table(results: dict) -> str:
             "",
             *header(results, PREFILL_COLUMNS),
             *shape_rows(
-                results, lambda r: f"{r['ms']:.3f} | {r['GFLOPs']:,.1f} | {r['x_before']:.1f}", "Triton rows"
+                results, lambda r: f"{ms_cell(r)} | {r['GFLOPs']:,.1f} | {r['x_before']:.1f}", "Triton rows"
             ),
         ]
     )
@@ -680,6 +700,7 @@ def main(argv=None) -> int:
         "--out", help="the JSON file (default: bench/results/kernels.json, kernels-cuda.json on a GPU)"
     )
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # the timings depend on what else the machine runs
     if args.resources:
         if args.prefill:
             shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
@@ -695,6 +716,7 @@ def main(argv=None) -> int:
         return 0
     if args.interpreter:
         results = measure_interpreter(QUICK_INTERPRETER_PROMPTS if args.quick else INTERPRETER_PROMPTS)
+        results["load_average_before"] = load_before
         return finish(results, args.out, "kernels-interpreter.json", interpreter_table, "seconds")
     try:
         device = bench_device(args.device)
@@ -704,21 +726,25 @@ def main(argv=None) -> int:
     cuda = "-cuda" if device.type == "cuda" else ""
     if args.prefill:
         shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES if cuda else CPU_PREFILL_SHAPES
-        results = measure_prefill(device, shapes, args.sweep, args.quick)
+        results = measure_prefill(device, shapes, args.sweep, args.quick) | {
+            "load_average_before": load_before
+        }
         return finish(results, args.out, f"kernels-prefill{cuda}.json", prefill_table, "ms", device)
     shapes = QUICK_SHAPES if args.quick else SHAPES if cuda else CPU_SHAPES
-    results = measure(device, shapes, args.sweep, args.quick)
+    results = measure(device, shapes, args.sweep, args.quick) | {"load_average_before": load_before}
     return finish(results, args.out, f"kernels{cuda}.json", table, "ms", device)
 
 
 def finish(results: dict, out: str | None, default: str, make_table, timed: str, device=None) -> int:
-    """Name the machine in ``results``, write them (``out``, else ``bench/results/<default>``), print
-    ``make_table(results)``; exit status 1 when a row's output differed from dense attention (its
-    ``timed`` field is NaN), else 0."""
+    """Name the machine (and the OpenMP wait policy and load it ran under) in ``results``, write them
+    (``out``, else ``bench/results/<default>``), print ``make_table(results)``; exit status 1 when a
+    row's output differed from dense attention (its ``timed`` field is NaN), else 0."""
     cuda = device is not None and device.type == "cuda"
     results["device_name"] = torch.cuda.get_device_name(device) if cuda else cpu_name()
     results["versions"] = {name: package_version(name) for name in ("torch", "triton")}
     results["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results["omp_wait_policy"] = OMP_WAIT_POLICY  # a CPU's small kernels slow down when idle threads sleep
+    results["load_average_after"] = os.getloadavg()[0]
     results.update(provenance())
     path = Path(out or REPO_ROOT / "bench" / "results" / default)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Where a stage's time goes: ``python -m bench.profile [--stages L3,L4:cpp,L4:graphs,L6] [--workload b|a] [--quick]
 [--device auto|cpu|cuda] [--torch-profiler] [--out FILE]``.
 
-``--out`` also writes the profiles to a JSON file, with the command, commit, machine and load average
-(``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
+``--out`` also writes the profiles to a JSON file, with the command, commit, machine, OpenMP wait policy
+and load average before and after (``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
 rounds back to back show how much the machine drifts between them.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
@@ -30,8 +30,9 @@ the workload under ``torch.profiler`` (CPU and CUDA activities), giving per step
 (its kernels, copies and memsets, summed) against the step's wall time (the difference is launch gaps
 and host work), the number of launches, and the top kernels by GPU time. ``--torch-profiler`` runs
 the same on a CPU, with CPU activity only: the top ops by self CPU time, and "device busy" n/a (the
-host is the device). L6 reports its first run's seconds (tracing and compiling) and its trace counts,
-besides ms per decode step of its ``while_loop``.
+host is the device). L6 reports its first run's seconds (tracing and compiling), how many of them
+JAX's own compile events cover (``jax.monitoring``: tracing, lowering to StableHLO, XLA's compile) and
+its trace counts, besides ms per decode step of its ``while_loop``.
 
 Left out on purpose: JAX's profiler (L6's decode loop is one compiled call; its time per step is
 enough here), memory profiling, and operator detail beyond the top kernels.
@@ -47,12 +48,13 @@ import os
 import sys
 import time
 from collections import defaultdict
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
 
 import torch
 
+from bench import OMP_WAIT_POLICY
 from bench.ceilings import synchronizer
 from bench.measure import add_device_option, bench_device, cpu_name, provenance, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
@@ -143,16 +145,56 @@ def profile_stage(name: str, model_dir, prompts, max_new_tokens, options: dict) 
     }
 
 
+# JAX's own compile events (jax.monitoring; names as in jax 0.10.2's jax/_src/dispatch.py), by the part
+# of a first run they time: tracing Python into a jaxpr, lowering it to StableHLO, XLA's compile
+COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "XLA compile",
+}
+
+
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """The seconds that a union of (start, end) spans covers, each second counted once (a trace inside
+    another trace is not counted twice): ``covered_seconds([(0, 2), (1, 3), (5, 6)])`` -> 4."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
+
+
+@contextmanager
+def compile_spans():
+    """Collect JAX's compile events while the block runs: yields ``{part: [(start, end), ...]}``."""
+    import jax.monitoring
+
+    spans = defaultdict(list)
+
+    def listen(event, start, end, **_):
+        if event in COMPILE_EVENTS:
+            spans[COMPILE_EVENTS[event]].append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(listen)
+    try:
+        yield spans
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(listen)
+
+
 def profile_l6(model_dir, prompts, max_new_tokens, options: dict) -> dict:
-    """Run the workload twice on a fresh L6 engine (the first run compiles); time each call of the second."""
+    """Run the workload twice on a fresh L6 engine (the first run compiles, unless JAX's persistent
+    cache, recorded as ``persistent_cache``, holds its programs); time each call of the second."""
     import jax
 
     engine = engine_class("L6")(model_dir, **options)
-    t0 = time.perf_counter()
-    engine.generate(
-        prompts, max_new_tokens, ignore_eos=True
-    )  # warm-up, compiles every shape the workload needs
-    first_run = time.perf_counter() - t0  # generate ends reading the device's state: nothing is left queued
+    with compile_spans() as spans:
+        t0 = time.perf_counter()
+        # the warm-up compiles every shape the workload needs; generate ends reading the device's state,
+        # so nothing is left queued when the clock stops
+        engine.generate(prompts, max_new_tokens, ignore_eos=True)
+        first_run = time.perf_counter() - t0
+    first_run_parts = {part: covered_seconds(spans[part]) for part in COMPILE_EVENTS.values()}
     compiles_after_first = dict(engine.stats().compiles)
     seconds, calls = defaultdict(float), defaultdict(int)
 
@@ -181,6 +223,8 @@ def profile_l6(model_dir, prompts, max_new_tokens, options: dict) -> dict:
     parts["host Python"] = wall - sum(seconds.values())
     return {"seconds": wall, "parts_s": parts, "calls": dict(calls), "steps": steps,
             "decode_step_ms": 1000 * seconds["decode"] / max(steps, 1), "first_run_s": first_run,
+            "first_run_compile_s": first_run_parts,  # JAX's compile events during the first run
+            "persistent_cache": jax.config.jax_compilation_cache_dir,  # None: the first run compiled all
             "compiles": {"after_first_run": compiles_after_first, "after_second": dict(engine.stats().compiles)}}  # fmt: skip
 
 
@@ -195,6 +239,12 @@ def l6_table(p: dict) -> str:
         f"L6: first run {p['first_run_s']:.2f} s (tracing and compiling included); traces per jit'd function "
         f"after it {c['after_first_run']}, after the second run {c['after_second']}"
     )
+    parts = p.get("first_run_compile_s") or {}
+    if parts:
+        lines.append(
+            "L6: of the first run, JAX's compile events cover "
+            + ", ".join(f"{part} {sec:.2f} s" for part, sec in parts.items())
+        )
     return "\n".join(lines)
 
 
@@ -206,9 +256,7 @@ def spread(items: list[int], k: int) -> list[int]:
     return sorted({items[round(j * (len(items) - 1) / max(k - 1, 1))] for j in range(k)})
 
 
-def kernel_profile(
-    name: str, model_dir, prompts, max_new_tokens, options: dict, steps=PROFILED_STEPS
-) -> dict:
+def kernel_profile(name: str, model_dir, prompts, max_new_tokens, options: dict, steps=PROFILED_STEPS) -> dict:
     """A few decode steps of the workload on a fresh engine of torch stage ``name``, under torch.profiler.
 
     Three runs on one engine. The first warms up (Triton compiles its kernels) and records each step's
@@ -374,6 +422,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="model directory (default: the course model)")
     parser.add_argument("--out", help="also write the profiles to this JSON file (the chapters' tables)")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
     try:
         device = bench_device(args.device)
     except ValueError as e:
@@ -396,9 +445,7 @@ def main(argv=None) -> int:
     if args.workload == "a":
         prompts, max_new_tokens = batch1_workload(model_dir, sizes["a_tokens"])
     else:
-        prompts, max_new_tokens = mixed_workload(
-            vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"]
-        )
+        prompts, max_new_tokens = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
     max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + max_new_tokens[0])
     profiles, kernels, l6 = {}, {}, None
     for spec in (args.stages or DEFAULT_STAGES[device.type]).split(","):
@@ -434,7 +481,8 @@ def main(argv=None) -> int:
             a for a in (argv if argv is not None else sys.argv[1:])
         )
         results = {"command": command.strip(), **provenance(), "machine": describe(device) if device.type == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores",
-                   "load_average_after": os.getloadavg()[0], "workload": args.workload,
+                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+                   "omp_wait_policy": OMP_WAIT_POLICY, "workload": args.workload,
                    "profiles": profiles, "l6": l6}  # fmt: skip
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -207,14 +207,14 @@ def main(argv=None) -> int:
         "cpp_kernel_build_seconds": {str(p.relative_to(REPO_ROOT)): compile_seconds(p)
                                      for p in sorted(REPO_ROOT.glob("L[0-9]_*/fast/*.cpp"))},
     }  # fmt: skip
-    a_prompts, a_budgets = batch1_workload(model_dir, sizes["a_tokens"])
-    b_prompts, b_budgets = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
+    a_prompts, a_max_new = batch1_workload(model_dir, sizes["a_tokens"])
+    b_prompts, b_max_new = mixed_workload(vocab, sizes["b_requests"], sizes["b_prompt"], sizes["b_new"])
     c_prompt = mixed_workload(vocab, 1, (sizes["c_prompt"],) * 2, (1, 1), seed=7)[0][0]
 
-    u_prompts, u_budgets = mixed_workload(
+    u_prompts, u_max_new = mixed_workload(
         vocab, sizes["u_requests"], (sizes["u_prompt"],) * 2, (sizes["u_new"],) * 2, seed=3
     )
-    requests = {"a": (a_prompts, a_budgets), "b": (b_prompts, b_budgets), "u": (u_prompts, u_budgets)}
+    requests = {"a": (a_prompts, a_max_new), "b": (b_prompts, b_max_new), "u": (u_prompts, u_max_new)}
     results["workload_ceilings"] = {
         w: ceilings.workload_ceiling(model.w, *requests[w], results["ceilings"]["matmul_GFLOPs"] * 1e9)
         for w in ("b", "u")

@@ -202,11 +202,9 @@ def describe_sizing(kv_cache_bytes: int, block_size: int, cfg: ModelConfig, dtyp
     )
 
 
-def finished(
-    token: int, num_generated: int, max_new_tokens: int, eos_ids: tuple[int, ...], ignore_eos: bool
-) -> bool:
+def finished(token: int, num_generated: int, max_new: int, eos_ids: tuple[int, ...], ignore_eos: bool) -> bool:
     """True once ``token`` (the newest of ``num_generated``) ends the request.
 
-    Example with eos 2 and max_new_tokens 4: token 2 after 1 step -> True; token 7 after 4 steps -> True.
+    Example with eos 2 and max_new 4: token 2 after 1 step -> True; token 7 after 4 steps -> True.
     """
-    return num_generated >= max_new_tokens or (not ignore_eos and token in eos_ids)
+    return num_generated >= max_new or (not ignore_eos and token in eos_ids)

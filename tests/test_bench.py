@@ -161,6 +161,15 @@ def test_quick_profile_splits_a_step_into_its_parts(tmp_path, capsys):
     assert list(results["profiles"]) == ["L3", l4, "L3 #2"]
     assert all(p["decode_step_ms"]["gather + loop"] > 0 for k, p in results["profiles"].items() if "L3" in k)
     assert results["l6"]["compiles"]["after_first_run"]
+    compile_s = results["l6"]["first_run_compile_s"]  # JAX's compile events cover part of the first run
+    assert set(compile_s) == {"trace", "lower", "XLA compile"} and compile_s["XLA compile"] > 0
+    assert sum(compile_s.values()) <= results["l6"]["first_run_s"]
+    assert re.search(r"JAX's compile events cover trace [\d.]+ s, lower [\d.]+ s, XLA compile [\d.]+ s", out)
+
+
+def test_covered_seconds_counts_overlapping_spans_once():
+    assert profile.covered_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+    assert profile.covered_seconds([(0, 5), (1, 2)]) == 5 and profile.covered_seconds([]) == 0
 
 
 def test_quick_profile_under_torch_profiler_on_the_cpu(capsys):
@@ -285,6 +294,29 @@ def test_gpu_targets_from_a_gpu_run():
     assert "L4 >= L3 on (b)" in {t["target"] for t in report.targets(results)}
 
 
+def test_a_ratio_target_is_decided_on_the_spread_of_the_runs():
+    """Medians 1.05x apart decide nothing by themselves: met only when L4's slowest run beats L3's
+    fastest, missed only when L4's fastest loses to L3's slowest, else not separable in this run."""
+
+    def row(*runs):  # 100 new tokens, median of the runs
+        return {"new_tokens": 100, "runs": list(runs), "seconds": sorted(runs)[len(runs) // 2],
+                "tok_s": 100 / sorted(runs)[len(runs) // 2]}  # fmt: skip
+
+    def decided(l4, l3):
+        results = {"systems": {"L4": {"b": l4}, "L3": {"b": l3}}}
+        (target,) = report.ratio_target(results, report.speeds(results), "t", "L4", "L3", "b", 1.0)
+        return target["met"], target["measured"]
+
+    assert decided(row(0.94, 0.95, 0.96), row(1.0, 1.0, 1.01)) == (
+        True, "L4 1.05x L3 (105.3 vs 100.0 tok/s; runs 104.2-106.4 vs 99.0-100.0)",
+    )  # fmt: skip
+    assert decided(row(0.80, 0.95, 1.02), row(1.0, 1.0, 1.01))[0] is None
+    assert decided(row(1.02, 1.03, 1.04), row(1.0, 1.0, 1.01))[0] is False
+    assert decided(row(0.95), row(1.0))[1] == "L4 1.05x L3 (105.3 vs 100.0 tok/s)"  # timed once: no spread
+    assert [report.VERDICTS[m] for m in (True, False, None)] == ["met", "missed", "not separable in this run"]
+    assert report.run_rates({"tok_s": 10.0, "seconds": 2.0, "runs": [2.0, 4.0]}) == [10.0, 5.0]
+
+
 def test_agreement_records_hf_gap_where_each_output_differs():
     """HF [5, 9, 4] with top-2 gaps [2.0, 1e-4, 0.5]: a difference at token 1 is a tie, at token 2 a
     mismatch (gap 0.5), and a missing token a mismatch with no gap to compare."""
@@ -406,8 +438,14 @@ def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
         kernels.sweep_configs(quick=True)
     )
     assert all(r["max_error"] < kernels.TOLERANCE and r["ms"] > 0 for r in results["rows"])
+    # on a CPU every run is kept (2 with --quick) and the table quotes the fastest and the slowest
+    assert all(
+        len(r["ms_runs"]) == 2 and min(r["ms_runs"]) <= r["ms"] <= max(r["ms_runs"]) for r in results["rows"]
+    )
+    assert results["omp_wait_policy"]
     table = capsys.readouterr().out
     assert table.count("Triton, fastest of 4 launches") == len(kernels.QUICK_SHAPES), table
+    assert re.search(r"\| SDPA contiguous \| [\d.]+ \([\d.]+-[\d.]+\) \|", table), table
 
 
 def test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them(tmp_path, capsys):

@@ -247,9 +247,7 @@ class MeshEngine:
         state, kv_pages = jax.lax.fori_loop(0, self.max_num_seqs, clone_one, (state, kv_pages))
         state = record_peaks(state)  # the clones' pages, before anything frees them
         if self.cleanup == "incremental":
-            state = ds.free_finished(
-                state
-            )  # a sequence can finish on its prefill token (eos, max_new_tokens 1)
+            state = ds.free_finished(state)  # a sequence can end on its prefill token (eos, max_new_tokens 1)
         return state, kv_pages
 
     def _decode_fn(self, params, state, kv_pages, width):

@@ -951,7 +951,7 @@ def _prompt(rng, bases: list[list[int]], vocab: list[int], block_size: int) -> l
     return tokens or [rng.choice(vocab)]
 
 
-def _budget(ops: list[list], needs: list[int], rng) -> int:
+def _pool_blocks(ops: list[list], needs: list[int], rng) -> int:
     """The pool for a run of ops: what every allocation could take at most, and 0 .. 3 to spare.
     Each ``drain`` op leaves exactly what the allocations after it could take."""
     for k, op in enumerate(ops):
@@ -991,14 +991,14 @@ def draw_free(rng) -> list[dict]:
                 need = 0
             else:
                 name = f"X{count}"
-                ops.append(["drain", name, 0])  # its count is set by _budget
+                ops.append(["drain", name, 0])  # its count is set by _pool_blocks
                 live[name], need = None, 0
             count += 1
             needs.append(need)
         for name in rng.sample(sorted(live), rng.randint(0, len(live))):  # some finish at the end
             ops.append(["free", name])
             needs.append(0)
-        num_blocks = _budget(ops, needs, rng)
+        num_blocks = _pool_blocks(ops, needs, rng)
         cases.append({"block_size": block_size, "num_blocks": num_blocks, "ops": ops})
     return cases
 
@@ -1112,7 +1112,7 @@ def draw_match_prefix(rng) -> list[dict]:
                 split = blocks > 1 and rng.random() < 0.5
                 op, need = (["free_split", name, rng.randint(1, blocks - 1)] if split else ["free", name]), 0
             elif kind == "drain":
-                op, need = ["drain", f"X{count}", 0], 0  # its count is set by _budget
+                op, need = ["drain", f"X{count}", 0], 0  # its count is set by _pool_blocks
             else:  # a block holding other tokens under the key of a seen prompt's first block ...
                 prompt = rng.choice(seen)
                 if len(prompt) < block_size:
@@ -1129,7 +1129,7 @@ def draw_match_prefix(rng) -> list[dict]:
         else:
             ops.append(["match", _query(rng, rng.choice(seen), vocab, block_size)])
             needs.append(0)
-        num_blocks = _budget(ops, needs, rng)
+        num_blocks = _pool_blocks(ops, needs, rng)
         cases.append({"block_size": block_size, "num_blocks": num_blocks, "ops": ops})
     return cases
 
@@ -1178,9 +1178,7 @@ def observe_match_prefix(fn, case) -> list[dict]:
             call = f"match_prefix({len(tokens)} tokens{' of ' + op[1] if op[0] == 'admit' else ''})"
             if op[0] == "admit":
                 seq = Sequence(0, list(tokens), 1)
-                allocate_slots(
-                    seq, allocator, len(tokens), list(returned)
-                )  # the request takes what was found
+                allocate_slots(seq, allocator, len(tokens), list(returned))  # it takes what was found
                 made = tables[op[1]] = seq.block_table
         elif op[0] in ("free", "free_split"):
             table = tables.pop(op[1])

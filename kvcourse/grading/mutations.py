@@ -541,8 +541,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "L6 a sequence that finishes on its prefill token keeps its pages",
         f"{L6}/engine.py",
-        "state = ds.free_finished(state)  # a sequence can finish on its prefill token (eos, budget 1)",
-        "state = state  # a sequence can finish on its prefill token (eos, budget 1)",
+        "state = ds.free_finished(state)  # a sequence can end on its prefill token (eos, max_new_tokens 1)",
+        "state = state  # a sequence can end on its prefill token (eos, max_new_tokens 1)",
         ("tests/test_l6_engine.py::test_incremental_cleanup_frees_sequences_that_finish_at_prefill",),
     ),
     Mutation(

@@ -210,17 +210,11 @@ def tables(markdown: str) -> list[list[str]]:
 
 
 def provenance(source: Source, results: dict) -> str:
-    """The line above a generated table: command, file, commit, machine, date. A results file written
-    before the commands recorded their commit names the commit that added it (``committed_in``, written
-    into the file by hand: the line must not depend on the git history, which a shallow clone or a
-    student release does not have)."""
+    """The line above a generated table: command, file, commit, machine, date, as the results file
+    records them (every one records a clean commit and a date: ``tests/test_results_provenance.py``),
+    not from the git history, which a shallow clone or a student release does not have."""
     commit = results.get("commit")
-    if commit:
-        where = f"measured at commit {commit}"
-    elif results.get("committed_in"):
-        where = f"commit not recorded, results committed in {results['committed_in']}"
-    else:
-        where = "commit not recorded"
+    where = f"measured at commit {commit}" if commit else "commit not recorded"
     machine = results.get("machine") or results.get("device_name") or "machine not recorded"
     if isinstance(machine, dict):  # make bench's: platform, processor, threads, torch (and the GPU)
         host = f"{machine['processor']}, {machine['threads']} threads, torch {machine['torch']}"
