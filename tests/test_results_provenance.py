@@ -22,10 +22,6 @@ RESULTS = sorted(
 COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
 
-# rerun with issue #43's renames (the serving harness's fields); remove each name once its file is rerun
-PENDING_RERUN = {"serving.json"}
-
-
 def provenance_problems(results: dict) -> list[str]:
     """What a results file's provenance lacks: ``provenance_problems({"commit": "c14a18f+dirty"})`` ->
     ``["commit 'c14a18f+dirty' is not a clean tree's short hash", "no date"]``."""
@@ -51,9 +47,6 @@ def test_there_are_results_files():
 def test_every_results_file_records_a_clean_commit_and_a_date(path):
     results = json.loads(path.read_text(encoding="utf-8"))
     problems = provenance_problems(results) if isinstance(results, dict) else ["not a JSON object"]
-    if path.name in PENDING_RERUN:
-        assert problems, f"{path.name} now records a clean commit and a date: take it out of PENDING_RERUN"
-        pytest.skip(f"{path.name}: pending its rerun ({'; '.join(problems)})")
     assert not problems, f"{path.relative_to(REPO_ROOT)}: " + "; ".join(problems)
 
 
@@ -68,7 +61,3 @@ def test_the_rule_catches_a_dirty_tree_a_missing_date_and_an_unknown_commit():
         "no date",
     ]
     assert provenance_problems({}) == ["no commit", "no date"]
-
-
-def test_the_exceptions_name_files_that_exist():
-    assert {p.name for p in RESULTS} >= PENDING_RERUN
