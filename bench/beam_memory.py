@@ -58,7 +58,7 @@ THROUGHPUT_WIDTH = 4
 SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, seed=0)
 # name -> (requests, prompt median, output median, log-normal sigma): synthetic, not the paper's data
 MIXES = {"alpaca-like": (8, 20, 40, 0.6), "sharegpt-like": (8, 160, 48, 0.6)}
-PAPER = {  # Kwon et al., SOSP 2023, section 6.3, Fig. 15 (as issue #36 quotes them)
+PAPER = {  # Kwon et al., SOSP 2023, section 6.3 (the savings its text gives beside Fig. 15)
     "parallel sampling": {"alpaca": "6.1-9.8%", "sharegpt": "16.2-30.5%"},
     "beam search": {"alpaca": "37.6-55.2%", "sharegpt": "44.3-66.3%"},
 }
