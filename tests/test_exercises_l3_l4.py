@@ -316,13 +316,13 @@ def admitted_pow2_uncapped(policy, requests, num_blocks, block_size, max_model_l
     )  # wrong: pow2 past max_model_len
 
 
-def admitted_paged_whole_length(policy, requests, num_blocks, block_size, max_model_len):
+def admitted_on_demand_whole_length(policy, requests, num_blocks, block_size, max_model_len):
     def held(p, prompt_len, length, m):
         return length if p == "on_demand" else _held(p, prompt_len, length, m)
 
     return _admitted(
         policy, requests, num_blocks, block_size, max_model_len, held
-    )  # wrong: paged reserves it all
+    )  # wrong: on_demand holds it all
 
 
 def admitted_jumps_the_queue(policy, requests, num_blocks, block_size, max_model_len):
@@ -334,7 +334,7 @@ def admitted_jumps_the_queue(policy, requests, num_blocks, block_size, max_model
 WRONG = [
     # (checker, wrong answer, the name of a case that must catch it)
     (l3_checks.check_admitted, admitted_pow2_uncapped, "pow2 never past max_model_len"),
-    (l3_checks.check_admitted, admitted_paged_whole_length, "paged holds a prompt's blocks only"),
+    (l3_checks.check_admitted, admitted_on_demand_whole_length, "on_demand holds a prompt's blocks only"),
     (
         l3_checks.check_admitted,
         admitted_jumps_the_queue,

