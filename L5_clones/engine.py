@@ -21,8 +21,8 @@ left to its default starts with L1's bytes, and ``generate`` grows it, if need b
 side by side (``fit_pool``); a pool given in blocks or bytes is never grown.
 
 ``kernel``, ``num_splits`` and ``cuda_graphs`` choose a fast path (``fast/``: compiled kernels,
-split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path, and the default,
-``"auto"``, takes the fastest this device has.
+split-KV, decode graphs); ``kernel="torch"`` with one split is the readable path, and the defaults,
+``"auto"`` and ``None``, take the fastest this device has (on a GPU: the Triton kernel, decode graphs).
 
 ``enable_prefix_caching=False`` turns the prefix cache off; ``stats()`` shows the sharing.
 
@@ -68,7 +68,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         kernel: str = "auto",
         num_splits: int = 1,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         **options,
     ):
         self.device = resolve_device(device)

@@ -348,7 +348,9 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     L3-L6 ``max_num_seqs``; L6 calls its pool ``num_pages`` (Levanter's name). A stage with a
     ``kernel`` choice (L4, L5) runs, on a CPU, its compiled C++ kernel, the fastest it has there (its
     PyTorch kernel where no compiler could build the C++ one; ``cpp_kernel_problem`` says why); on a
-    GPU ``kernel="auto"``, which is its Triton kernel. A stage with a
+    GPU ``kernel="auto"``, which is its Triton kernel; a stage with decode graphs (L4, L5) runs without
+    them (``cuda_graphs=False``, its readable step, though on a GPU its default turns them on): ``bench.run``
+    and ``bench.profile`` run them as a variant of their own (``L4 + decode graphs``, ``L4:graphs``). A stage with a
     prefix cache (L5) runs without it: every timed run repeats the warm-up's prompts, and the blocks
     the warm-up left in the cache would let it skip their prefill, which new requests never get (L5
     1.5x L4 on (u) in the ``make bench`` run committed in a26ba50, 2026-11-23, that found this). (c)'s sharing is the clone, which needs
@@ -367,6 +369,7 @@ def stage_options(engine_cls, sizes: dict, max_len: int, device: torch.device | 
     gpu = torch.device(device).type == "cuda"
     if "kernel" in params and (gpu or not cpp_kernel_problem(engine_cls)):
         options["kernel"] = "auto" if gpu else "cpp"
+    options |= {"cuda_graphs": False} if "cuda_graphs" in params else {}
     options |= {"enable_prefix_caching": False} if "enable_prefix_caching" in params else {}
     return options
 

@@ -6,9 +6,10 @@
 Systems: HF ``generate`` one request at a time (``HF batch 1``, the token reference), HF ``generate``
 on all requests left-padded (``HF batched``), transformers' own paged continuous batching
 (``HF generate_batch``), and every stage present (L4 and L5 with their C++ kernel on a CPU, their
-Triton kernel on a GPU: ``kernel="auto"``). On a GPU, L4 and L5 also run on their decode-graph fast
-path (``cuda_graphs=True``, ``kvcourse/decode_graphs.py``) as systems of their own, ``L4 + decode graphs``
-and ``L5 + decode graphs``, beside the readable ones.
+Triton kernel on a GPU: ``kernel="auto"``), each on its readable step (``cuda_graphs=False``). On a GPU,
+L4 and L5 also run on their decode-graph fast path (``cuda_graphs=True``, ``kvcourse/decode_graphs.py``,
+the engines' default there) as systems of their own, ``L4 + decode graphs`` and ``L5 + decode graphs``,
+beside the readable ones.
 
 Every system runs on one device, ``--device``: ``auto`` (the default) is a CUDA GPU where torch sees
 one, else the CPU; ``cuda`` without a GPU is refused in one ``error:`` line (exit status 2). The HF

@@ -14,7 +14,10 @@ model runner's ``capture_cudagraph``, commit bb823b3):
   27 sequences replays the graph of 32, rows 27-31 padding;
 - the step's inputs are copied into static buffers the graphs read: token ids, positions, write slots,
   block tables at their widest (``max_model_len`` / block size), context lengths; the query offsets
-  and the logits rows of a decode batch are always ``0, 1, 2, ...``;
+  and the logits rows of a decode batch are always ``0, 1, 2, ...``. On a GPU the kernel's metadata
+  (block tables, context lengths, query offsets) is kept as int32, the Triton kernel's type, so the
+  copy into the buffer is the step's one conversion and the graph holds none (the wrapper's
+  ``.to(torch.int32)`` returns its argument); on a CPU it stays int64, the C++ kernel's type;
 - a padding row is a sequence of one position that lives in ``padding_block``, a block past the
   allocator's last id that the engine adds to its pool and no sequence ever owns: the row's K/V write
   lands there and its attention reads it, touching nothing real;
@@ -60,14 +63,14 @@ class DecodeGraphs:
         self.block_size = block_size
         self.device = device
         n = self.sizes[-1]
+        index = torch.int32 if device.type == "cuda" else torch.long  # the kernel's metadata type
         self.token_ids = torch.zeros(n, dtype=torch.long, device=device)  # (n,)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)  # (n,)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)  # (n,)
-        self.block_tables = torch.full(
-            (n, max_blocks), -1, dtype=torch.long, device=device
-        )  # (n, max_blocks)
-        self.context_lens = torch.ones(n, dtype=torch.long, device=device)  # (n,)
-        self.rows = torch.arange(n + 1, device=device)  # (n + 1,): query offsets, and logits rows
+        self.block_tables = torch.full((n, max_blocks), -1, dtype=index, device=device)  # (n, max_blocks)
+        self.context_lens = torch.ones(n, dtype=index, device=device)  # (n,)
+        self.cu_q_lens = torch.arange(n + 1, dtype=index, device=device)  # (n + 1,): query offsets
+        self.rows = torch.arange(n, device=device)  # (n,): the logits rows
         self.graphs: dict[int, tuple] = {}  # bucket -> (replay, logits buffer)
         self.recorded_for = None  # the pool tensor the graphs were recorded with
         self.memory_pool = None  # the graphs' shared CUDA allocator pool (GPU only)
@@ -120,7 +123,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size],
-            cu_q_lens=self.rows[: size + 1],
+            cu_q_lens=self.cu_q_lens[: size + 1],
             logits_at=self.rows[:size],
         )
 

@@ -132,3 +132,25 @@ def test_cuda_graphs_on_a_gpu_equal_hf(tiny_qwen3_dir, stage):
 def test_cuda_graphs_on_a_gpu_need_the_triton_kernel(tiny_qwen3_dir):
     with pytest.raises(ValueError, match="cuda_graphs=True needs kernel='triton' on a GPU"):
         L4Engine(tiny_qwen3_dir, device="cuda", kernel="torch", cuda_graphs=True)
+
+
+def test_decode_graphs_are_off_by_default_on_a_cpu(tiny_llama_dir):
+    """``cuda_graphs=None``, the default, turns them on only for a GPU's Triton kernel: on a CPU a step is
+    the readable one, with no padding block."""
+    engine = L4Engine(tiny_llama_dir, kernel="torch", max_model_len=64)
+    assert engine.fast.graphs is None and engine.fast.padding_blocks == 0
+    assert "decode graphs" not in engine.stats().kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("stage", ["L4", "L5"])
+def test_decode_graphs_are_on_by_default_on_a_gpu(tiny_qwen3_dir, stage):
+    """On a GPU the default kernel is Triton's and decode steps replay graphs; the reference kernel,
+    which reads lengths back to the host, runs without them."""
+    gpu = resolve_device("cuda")
+    expected = [r.tokens for r in hf_greedy(tiny_qwen3_dir, PROMPTS, MAX_NEW, device=gpu)]
+    engine = ENGINES[stage](tiny_qwen3_dir, device=gpu)
+    assert engine.stats().kernel.endswith("decode graphs")
+    assert engine.generate(PROMPTS, MAX_NEW) == expected
+    assert engine.fast.graphs.num_replayed > 0
+    assert ENGINES[stage](tiny_qwen3_dir, device=gpu, kernel="torch").fast.graphs is None

@@ -19,6 +19,8 @@ graphs add to the pool and its ``name`` what ``stats().kernel`` says.
                        (``kvcourse.decode_graphs``), padded to its bucket; prompt steps keep the
                        readable path. On a GPU it needs the Triton kernel; on a CPU it runs the same
                        padded steps eagerly, which is how the tests check it
+    cuda_graphs=None   the engines' default: decode graphs where they pay, a GPU running the Triton
+                       kernel (a step there is launch-bound without them); off on a CPU
 
 Left out on purpose: choosing a kernel per batch shape (a GPU engine picks a decode or a prefill
 kernel), graphs for prompt steps, and a persistent kernel.
@@ -94,7 +96,7 @@ class FastPath:
     ``FastPath(torch.device("cpu"), "torch", 2, False, 32, 2048, 16)`` has ``name`` ``"torch, 2 splits"``,
     ``kernel`` ``split_kv_attention`` with 2 splits, ``padding_blocks`` 0, and its ``run`` calls the
     engine's forward; with ``cuda_graphs=True`` its name ends ``", decode graphs"`` and it pads the pool
-    with 1 block.
+    with 1 block. ``cuda_graphs=None`` turns them on for the Triton kernel on a GPU only.
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class FastPath:
         device: torch.device,
         kernel: str,
         num_splits: int,
-        cuda_graphs: bool,
+        cuda_graphs: bool | None,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
@@ -111,6 +113,8 @@ class FastPath:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         name = choose_kernel(device, num_splits) if kernel == "auto" else kernel
         self.kernel = load_kernel(name, device, num_splits)
+        if cuda_graphs is None:  # the default: on where a step would be launch-bound without them
+            cuda_graphs = device.type == "cuda" and name == "triton"
         if cuda_graphs and device.type == "cuda" and name != "triton":
             raise ValueError(
                 f"cuda_graphs=True needs kernel='triton' on a GPU (a graph cannot record the {name} "
