@@ -269,7 +269,9 @@ def kernel_profile(name: str, model_dir, prompts, max_new_tokens, options: dict,
     Per chosen step: decode rows, wall ms (second run), and on a GPU the device's busy ms (every kernel,
     copy and memset, summed: overlapping streams would count twice, and the stages use one), its share
     of the wall, and launches (device events). On a CPU busy and launches are None (n/a): the ops run
-    on the host, and ``top`` ranks them by self CPU time instead of kernels by GPU time.
+    on the host, ``ops`` counts them (every op the profiler saw, an op inside another counted too: what
+    fusing or stacking work removes), and ``top`` ranks them by self CPU time instead of kernels by GPU
+    time.
     """
     engine = engine_class(name)(model_dir, **options)
     device = engine.device
@@ -329,7 +331,8 @@ def kernel_profile(name: str, model_dir, prompts, max_new_tokens, options: dict,
             totals[event][1] += us
         busy = sum(us for _, us in profiled[i]) / 1000 if gpu else None
         per_step.append({"step": i, "rows": rows[i], "wall_ms": 1000 * walls[i], "device_busy_ms": busy,
-                         "launches": len(profiled[i]) if gpu else None})  # fmt: skip
+                         "launches": len(profiled[i]) if gpu else None,
+                         "ops": None if gpu else len(profiled[i])})  # fmt: skip
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     n = max(len(chosen), 1)
     return {
@@ -364,7 +367,7 @@ def kernel_table(kernels: dict) -> str:
         f"torch.profiler, decode steps on {device}: wall = the step unprofiled, device synchronized around it; "
         "device busy = its kernels, copies and memsets summed (n/a on a CPU: the host is the device)",
         "",
-        "| stage | step | decode rows | wall ms | device busy ms | busy share | launches |",
+        "| stage | step | decode rows | wall ms | device busy ms | busy share | launches (ops on a CPU) |",
         "|---|---|---|---|---|---|---|",
     ]
     for spec, k in kernels.items():
@@ -372,7 +375,7 @@ def kernel_table(kernels: dict) -> str:
             share = None if s["device_busy_ms"] is None else s["device_busy_ms"] / s["wall_ms"]
             lines.append(
                 f"| {spec} | {s['step']} | {s['rows']} | {s['wall_ms']:.2f} | {na(s['device_busy_ms'], '.2f')} "
-                f"| {na(share, '.0%')} | {na(s['launches'], 'd')} |"
+                f"| {na(share, '.0%')} | {na(s['launches'] if s.get('ops') is None else s['ops'], 'd')} |"
             )
     lines += ["", "| stage | top kernels by device time (a CPU: ops by self CPU time) | calls / step | ms / step |",
               "|---|---|---|---|"]  # fmt: skip

@@ -174,17 +174,17 @@ def test_covered_seconds_counts_overlapping_spans_once():
 
 def test_quick_profile_under_torch_profiler_on_the_cpu(capsys):
     """--torch-profiler on a CPU: the decode steps it picks (first, middle, last of the run's decode-only
-    steps, counted by the host-timer table), each with its wall time and 'n/a' for device busy time and
-    launches; then the ops with the most self CPU time."""
+    steps, counted by the host-timer table), each with its wall time, 'n/a' for device busy time and its
+    share, and the ops it ran; then the ops with the most self CPU time."""
     assert profile.main(["--quick", "--device", "cpu", "--stages", "L3,L4:torch", "--torch-profiler"]) == 0
     out = capsys.readouterr().out
     counts = re.findall(r"\| (\d+) steps \| (\d+) decode", out)  # the host-timer table's, per stage
     for spec, (steps, decode) in zip(("L3", "L4:torch"), counts, strict=True):
-        row = rf"^\| {re.escape(spec)} \| (\d+) \| (\d+) \| ([\d.]+) \| n/a \| n/a \| n/a \|$"
+        row = rf"^\| {re.escape(spec)} \| (\d+) \| (\d+) \| ([\d.]+) \| n/a \| n/a \| (\d+) \|$"
         rows = re.findall(row, out, re.M)
         assert len(rows) == min(int(decode), profile.PROFILED_STEPS), out
         assert int(rows[-1][0]) == int(steps) - 1  # (b)'s last step decodes the last request's last token
-        assert all(int(r) >= 1 and float(ms) > 0 for _, r, ms in rows)
+        assert all(int(r) >= 1 and float(ms) > 0 and int(ops) > 0 for _, r, ms, ops in rows)
         assert len(re.findall(rf"^\| {re.escape(spec)} \| `aten::", out, re.M)) == profile.TOP_KERNELS
     assert "ops by self CPU time" in out
 
