@@ -64,19 +64,23 @@ class Plan:
 
 
 def plan() -> list[Plan]:
-    """The steps, in order (``python`` is this interpreter)."""
+    """The steps, in order (``python`` is this interpreter): correctness first, then the timings, the
+    kernels' before and after side by side in one table."""
     py = [sys.executable, "-m"]
     return [
         Plan("gpu-check", [*py, "kvcourse.tools.gpu_check", "--side-by-side", "--max-new-tokens", "16",
                            "--timeout", "200", "--json", "{out}/results/gpu-check-cuda.json"], 150,
              "kernel cases and every smoke at once: 180 s at 32 new tokens on 2026-11-27"),
+        Plan("cuda tests", [*py, "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                            "tests/test_decode_graphs.py", "tests/test_model_parts.py"], 45,
+             "estimated: real decode graphs, on by default, against HF; stacked projections bit for bit"),
         Plan("decode kernels", [*py, "bench.kernels", "--device", "cuda",
-                                "--out", "{out}/results/kernels-cuda.json"], 20, "20 s on 2026-11-27"),
+                                "--out", "{out}/results/kernels-cuda.json"], 30, "20 s on 2026-11-27, more rows now"),
         Plan("prefill kernels", [*py, "bench.kernels", "--device", "cuda", "--prefill",
                                  "--out", "{out}/results/kernels-prefill-cuda.json"], 20, "20 s on 2026-11-27"),
         Plan("bench (b)", [*py, "bench.run", "--device", "cuda", "--workloads", "b",
-                           "--stages", "L3,L4,L5,L6", "--model", "{model}", "--out", "{out}"], 300,
-             "300 s on 2026-11-27: L6's first run 81 s, HF batch 1 57 s"),
+                           "--stages", "L4,L5,L6", "--model", "{model}", "--out", "{out}"], 200,
+             "300 s on 2026-11-27 with L3 (66 s): L6's first run 81 s, HF batch 1 57 s"),
         Plan("decode profile", [*py, "bench.profile", "--device", "cuda", "--stages", "L4,L4:graphs",
                                 "--model", "{model}", "--out", "{out}/results/profile-cuda.json"], 40,
              "estimated: (b) at about 3 s a run, twice per stage, and the profiler's steps"),
