@@ -2,7 +2,8 @@
 [--device auto|cpu|cuda] [--torch-profiler] [--out FILE]``.
 
 ``--out`` also writes the profiles to a JSON file, with the command, commit, machine, OpenMP wait policy
-and load average before and after (``bench/results/profile-*.json``, which the chapters cite). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
+and load average before and after (``bench/results/profile-*.json``, which the chapters cite), and with
+``--torch-profiler`` or on a GPU the profiled decode steps too (``kernels``). A stage named twice is profiled twice, the second as ``L4:cpp #2``: two
 rounds back to back show how much the machine drifts between them.
 
 Each stage runs the workload ((b) of ``make bench`` by default, or (a), batch-1 decode) once to warm up,
@@ -486,7 +487,7 @@ def main(argv=None) -> int:
         results = {"command": command.strip(), **provenance(), "machine": describe(device) if device.type == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores",
                    "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
                    "omp_wait_policy": OMP_WAIT_POLICY, "workload": args.workload,
-                   "profiles": profiles, "l6": l6}  # fmt: skip
+                   "profiles": profiles, "kernels": kernels, "l6": l6}  # fmt: skip
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 0
 
