@@ -819,7 +819,8 @@ def main(argv=None) -> int:
         if args.out:
             import triton
 
-            results = {"target": "sm_90", "prefill": args.prefill, "rows": rows, "triton": triton.__version__}
+            results = {"target": "sm_90", "prefill": args.prefill, "rows": rows, "triton": triton.__version__,
+                       "device_name": f"built for sm_90 on {cpu_name()}, no GPU, Triton {triton.__version__}"}
             Path(args.out).write_text(json.dumps(results | provenance(), indent=1) + "\n")
         return 0
     if args.interpreter:
