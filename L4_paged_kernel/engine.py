@@ -57,7 +57,7 @@ class Engine:
         device="cpu",
         *,
         kernel: str = "auto",
-        num_splits: int = 1,
+        num_splits: int | str = "auto",
         cuda_graphs: bool | None = None,
         **options,
     ):

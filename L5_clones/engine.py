@@ -67,7 +67,7 @@ class Engine:
         *,
         enable_prefix_caching: bool = True,
         kernel: str = "auto",
-        num_splits: int = 1,
+        num_splits: int | str = "auto",
         cuda_graphs: bool | None = None,
         **options,
     ):

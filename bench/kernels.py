@@ -7,9 +7,11 @@ One decode step of attention (one query token per sequence, every sequence the s
 three ways, each checked against dense attention before it is timed:
 
 - ``paged kernel``: L4's kernel reading the pool in place, the Triton one on a GPU (in its default
-  launch shape, and with ``--sweep`` in every shape of ``SWEEP``, the fastest reported), the C++ one
-  on a CPU (Triton's interpreter times nothing worth reading: it runs there only with ``--quick``, to
-  check the code);
+  launch, with splits chosen by shape; then, in ``DECODE_LAUNCHES``, the launch it had before the
+  prefetch, the splits and the 3xTF32 dots, and that launch with each of the three alone, so one run
+  times before and after; with ``--sweep`` in every shape of ``sweep_configs``, the fastest
+  reported), the C++ one on a CPU (Triton's interpreter times nothing worth reading: it runs there
+  only with ``--quick``, to check the code);
 - ``gather + SDPA``: L3's way: copy each sequence's blocks into contiguous K/V (``k_pool[tables]``),
   then PyTorch's ``scaled_dot_product_attention``;
 - ``SDPA contiguous``: K/V already contiguous per sequence, as a dense cache keeps them: the peer a
@@ -25,7 +27,8 @@ model's 32 / 8 of 128, up to 256 sequences x 4,096 positions and 8 x 32,768, blo
 
 ``--prefill``: one prefill step of attention instead (every sequence a prompt of the same length,
 causal), on ``PREFILL_SHAPES``: the Triton kernel with query tiles in its grid (in its default launch,
-and with ``--sweep`` in every shape of ``prefill_sweep_configs``), the same kernel as it was before
+in ``PREFILL_LAUNCHES``' launch before 8 warps and 3xTF32 dots and the default with IEEE dots, and
+with ``--sweep`` in every shape of ``prefill_sweep_configs``), the same kernel as it was before
 query tiles (``bench/triton_sequence_grid.py``: one program per sequence and KV head), the C++ kernel
 on a CPU, and SDPA over contiguous K/V with its causal mask. A row's rate is the attention's
 floating-point operations (4 x heads x head dim per visible query-key pair) over its time; the
@@ -39,15 +42,18 @@ same combine functions, query tiles with ``tl.max``'s and ``tl.sum``'s (which th
 with NumPy), and query tiles in the interpreter's own launch shape (``choose_launch``). One run each,
 on the longest prompt of ``INTERPRETER_PROMPTS`` that the step was given.
 
-``--resources`` needs no GPU: it compiles the attention kernel for an H100 (``sm_90``) in each launch
-shape of the sweep (``--prefill``: the prefill sweep) on each shape of the table, as the JIT compiles
-that launch (``jit_source``): the arguments' values specialize the build (a pointer or an integer that
-is a multiple of 16 is marked so, an integer equal to 1 becomes a constant), and a build without
-that is another kernel (216 registers a thread at 9/3 x 64 in the default launch, where the JIT's
-build takes 62). From the binary (``cuobjdump -res-usage``, shipped with Triton) it reads the
-registers a thread and the bytes of local memory a thread (where spills go), the numbers the driver
-reports when it loads the kernel, and from the registers how many programs fit on one
-multiprocessor. On a GPU, every row of the decode and prefill tables that ran a compiled Triton
+``--resources`` needs no GPU: it compiles the attention kernel for an H100 (``sm_90``) in each Triton
+launch the table runs (``DECODE_LAUNCHES``; ``--prefill``: ``PREFILL_LAUNCHES``; with ``--sweep``,
+each launch of the sweep instead) on each shape of the table, as the JIT compiles that launch
+(``jit_source``): the arguments' values specialize the build (a pointer or an integer that is a
+multiple of 16 is marked so, an integer equal to 1 becomes a constant), and a build without that is
+another kernel (216 registers a thread at 9/3 x 64 in the launch before the prefetch, where the
+JIT's build takes 62). From the binary (``cuobjdump``, shipped with Triton) it reads the registers a
+thread and the bytes of local memory a thread (where spills go), the numbers the driver reports when
+it loads the kernel, from the registers how many programs fit on one multiprocessor, and from the
+machine code where the key loop's global loads sit among its dot instructions (``key_loop``). With
+``--out`` it writes them as JSON too (``bench/results/kernel-resources.json``). On a GPU, every row
+of the decode and prefill tables that ran a compiled Triton
 kernel records that kernel's registers and local bytes as the driver reported them (``registers``,
 ``local_bytes``: the tables' last column).
 
@@ -62,7 +68,7 @@ GPU it is ``do_bench``'s median.
 Left out on purpose: fp16/bf16, ragged histories and prompts (each row of a shape has one length, so
 the contiguous peer needs no mask), prefill chunks after a history (the kernel tests check them;
 the engines' workloads time them), and ``--resources`` for split launches (it compiles one split; a
-GPU run records the kernels of the sweep's ``splits auto`` rows).
+GPU run records the kernels of its split rows).
 """
 
 from __future__ import annotations
@@ -119,35 +125,77 @@ QUICK_INTERPRETER_PROMPTS = (24, 40)
 TOLERANCE = 2e-5  # max |output - dense attention|, as in the kernel tests
 
 
+# The Triton launches of the decode table, by row name: (launch fields, or None for choose_launch's;
+# num_splits). The first is the kernel's default; "before" is the launch every GPU run had until the
+# loop prefetched (one split, 16 x 32, 4 warps, 2 stages, IEEE dots); each "before +" row adds one of
+# the three changes to it, alone.
+BEFORE_LAUNCH = {"block_m": 16, "tile_n": 32, "num_warps": 4, "num_stages": 2, "prefetch": False,
+                 "precision": "ieee"}  # fmt: skip
+DECODE_LAUNCHES = {
+    "paged kernel (Triton)": (None, "auto"),
+    "Triton before: 1 split, 16 x 32, IEEE dots": (BEFORE_LAUNCH, 1),
+    "Triton before + splits auto": (BEFORE_LAUNCH, "auto"),
+    "Triton before + prefetch (16 x 16, 1 stage)": (
+        BEFORE_LAUNCH | {"tile_n": 16, "num_stages": 1, "prefetch": True}, 1),
+    "Triton before + tf32x3 dots": (BEFORE_LAUNCH | {"precision": "tf32x3"}, 1),
+}
+# The prefill table's: the default, the launch before (as above, no prefetch), the default with IEEE dots.
+PREFILL_LAUNCHES = {
+    "paged kernel (Triton)": (None, "auto"),
+    "Triton before: 16 x 32, 4 warps, IEEE dots": (BEFORE_LAUNCH, 1),
+    "Triton default with IEEE dots": ({"block_m": 16, "tile_n": 32, "num_warps": 8, "num_stages": 2,
+                                       "prefetch": False, "precision": "ieee"}, "auto"),
+}  # fmt: skip
+
+
 def sweep_configs(quick: bool = False) -> list[dict]:
-    """The launch shapes ``--sweep`` times: tiles of 16-64 positions, 4 or 8 warps, 1-3 pipeline stages."""
+    """The launch shapes ``--sweep`` times (with ``num_splits="auto"``): tiles of 16-64 positions, 4 or 8
+    warps, the loop's next tile prefetched (1 stage) or Triton's pipeline of 2 or 3 stages, IEEE or
+    3xTF32 dots."""
     if quick:
         return [
-            {"tile_n": 16, "num_warps": 4, "num_stages": 1},
-            {"tile_n": 64, "num_warps": 8, "num_stages": 3},
+            {"tile_n": 16, "num_warps": 4, "num_stages": 1, "prefetch": True, "precision": "tf32x3"},
+            {"tile_n": 64, "num_warps": 8, "num_stages": 3, "prefetch": False, "precision": "ieee"},
         ]
     return [
-        {"tile_n": tile, "num_warps": warps, "num_stages": stages}
+        {"tile_n": tile, "num_warps": warps, "num_stages": stages, "prefetch": stages == 1,
+         "precision": precision}
         for tile in (16, 32, 64)
         for warps in (4, 8)
         for stages in (1, 2, 3)
-    ]
+        for precision in ("ieee", "tf32x3")
+    ]  # fmt: skip
 
 
 def prefill_sweep_configs(quick: bool = False) -> list[dict]:
     """The launch shapes ``--prefill --sweep`` times: 16-128 query rows, tiles of 32 or 64 positions, 4
-    or 8 warps, 2 pipeline stages."""
+    or 8 warps, Triton's 2-stage pipeline (no prefetch), IEEE dots, and 3xTF32 dots at 8 warps."""
     if quick:
         return [
-            {"block_m": 16, "tile_n": 16, "num_warps": 4, "num_stages": 1},
-            {"block_m": 64, "tile_n": 64, "num_warps": 8, "num_stages": 2},
-        ]
+            {"block_m": 16, "tile_n": 16, "num_warps": 4, "num_stages": 1, "prefetch": True},
+            {"block_m": 64, "tile_n": 64, "num_warps": 8, "num_stages": 2, "prefetch": False,
+             "precision": "ieee"},
+        ]  # fmt: skip
     return [
-        {"block_m": rows, "tile_n": tile, "num_warps": warps, "num_stages": 2}
+        {"block_m": rows, "tile_n": tile, "num_warps": warps, "num_stages": 2, "prefetch": False,
+         "precision": precision}
         for rows in (16, 32, 64, 128)
         for tile in (32, 64)
         for warps in (4, 8)
-    ]
+        for precision in ("ieee", "tf32x3")
+        if precision == "ieee" or warps == 8  # 3xTF32 at 8 warps only: 24 launches, not 32
+    ]  # fmt: skip
+
+
+def launch_name(config: dict) -> str:
+    """A sweep row's name: ``Triton tile 16, 4 warps, 1 stages, prefetch, tf32x3`` (and ``rows 64, ``
+    first where the config names its query rows)."""
+    from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig
+
+    c = LaunchConfig(**config)
+    rows = f"rows {c.block_m}, " if "block_m" in config else ""
+    return (f"Triton {rows}tile {c.tile_n}, {c.num_warps} warps, {c.num_stages} stages, "
+            f"{'prefetch' if c.prefetch else 'no prefetch'}, {c.precision}")  # fmt: skip
 
 
 def kv_bytes(shape) -> int:
@@ -363,26 +411,58 @@ def meta_case(shape, prefill: bool) -> tuple:
     )
 
 
-def binary_resources(binary, cuobjdump: Path) -> tuple[int, int]:
-    """(registers a thread, bytes of stack frame a thread: local memory, where spills go) of a compiled
-    kernel's CUDA binary, as NVIDIA's ``cuobjdump -res-usage`` reads them from it (a line like
-    ``REG:62 STACK:0 SHARED:0 LOCAL:0 ...``): the numbers the driver reports when it loads it."""
+def binary_resources(binary, cuobjdump: Path) -> tuple[int, int, str]:
+    """(registers a thread, bytes of stack frame a thread: local memory, where spills go, SASS) of a
+    compiled kernel's CUDA binary, as NVIDIA's ``cuobjdump`` reads them from it: ``-res-usage`` gives
+    a line like ``REG:62 STACK:0 SHARED:0 LOCAL:0 ...``, the numbers the driver reports when it loads
+    it, and ``-sass`` the machine code."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(binary.asm["cubin"])
-        usage = subprocess.run(
-            [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-    return int(re.search(r"REG:(\d+)", usage)[1]), int(re.search(r"STACK:(\d+)", usage)[1])
+        usage, sass = (
+            subprocess.run([str(cuobjdump), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+            for flag in ("-res-usage", "-sass")
+        )
+    return int(re.search(r"REG:(\d+)", usage)[1]), int(re.search(r"STACK:(\d+)", usage)[1]), sass
 
 
-def resources(configs: list[dict], shapes, prefill: bool = False, capability: int = 90) -> list[dict]:
-    """Registers a thread, local bytes a thread (spills) and programs per multiprocessor of the attention
-    kernel in each launch shape of ``configs`` (query rows 16 where a config names none, one split) on
-    each of ``shapes`` (decode steps, or prefill steps with ``prefill``), compiled for
-    ``sm_<capability>`` without a GPU, as the JIT compiles that launch (``jit_source``): the arguments'
-    values pick the build, so two shapes may compile two kernels. A row per kernel, with the shapes
-    that launch it. Raises RuntimeError naming what is missing where Triton has no NVIDIA backend."""
+GLOBAL_LOADS = ("LDG", "LDGSTS")  # SASS: a load from global memory (LDGSTS: straight into shared memory)
+DOT_MATH = ("FFMA", "HMMA", "HGMMA")  # the dots: fp32 multiply-adds, tensor-core products
+
+
+def key_loop(sass: str) -> dict:
+    """Where the key loop's global loads sit among its math, in the SASS of the attention kernel: the
+    loop is the longest backward branch (the binary search's is a few instructions). Returns its length
+    in instructions and the place (0-based, in the loop) of its first and last global load and its
+    first and last dot instruction, with ``loads_before_math`` true when every load of the loop issues
+    before its first dot: the next tile is in flight while this one computes (``prefetch``). Without
+    the prefetch the loads of the next tile come after the math (Triton's pipeline issues them late)."""
+    code = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    start, end = 0, -1
+    for address, text in code:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch[1], 16) < address and address - int(branch[1], 16) > end - start:
+            start, end = int(branch[1], 16), address
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for address, text in code if start <= address <= end]
+    loads = [i for i, op in enumerate(ops) if op.split(".")[0] in GLOBAL_LOADS]
+    math = [i for i, op in enumerate(ops) if op.split(".")[0] in DOT_MATH]
+    if not loads or not math:
+        return {"loop_instructions": len(ops)}
+    kinds = [ops[i].split(".")[0] for i in math]
+    return {"loop_instructions": len(ops), "global_loads_at": [loads[0], loads[-1]],
+            "dot_math_at": [math[0], math[-1]], "loads_before_math": loads[-1] < math[0],
+            "dot_instructions": {kind: kinds.count(kind) for kind in DOT_MATH if kind in kinds}}  # fmt: skip
+
+
+def resources(launches: dict, shapes, prefill: bool = False, capability: int = 90) -> list[dict]:
+    """Registers a thread, local bytes a thread (spills), shared memory, programs per multiprocessor and
+    the key loop's order (``key_loop``) of the attention kernel in each launch of ``launches`` (name ->
+    ``LaunchConfig`` fields, or None for ``choose_launch``'s) on each of ``shapes`` (decode steps, or
+    prefill steps with ``prefill``), compiled for ``sm_<capability>`` without a GPU, as the JIT
+    compiles that launch (``jit_source``): the arguments' values pick the build, so two shapes may
+    compile two kernels. One split (the split count changes the last stores only). A row per kernel,
+    with the launches and shapes that run it. Raises RuntimeError naming what is missing where Triton
+    has no NVIDIA backend."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -395,20 +475,23 @@ def resources(configs: list[dict], shapes, prefill: bool = False, capability: in
     rows: dict[tuple, dict] = {}  # by the JIT's build: its source's hash and its options
     for shape in shapes:
         case = meta_case(shape, prefill)
-        for config in configs:
-            launch = LaunchConfig(**config)
-            with recorded_launches(run=False) as launches:
-                triton_paged_attention(*case, config=launch)
-            source, options = jit_source(launches[0], target)
+        for name, config in launches.items():
+            with recorded_launches(run=False) as recorded:
+                triton_paged_attention(*case, num_splits=1, config=config and LaunchConfig(**config))
+            source, options = jit_source(recorded[0], target)
             key = (source.hash(), str(options))
             if key not in rows:
                 binary = triton.compile(source, target=target, options=options.__dict__)
-                registers, local = binary_resources(binary, cuobjdump)
-                rows[key] = {"shapes": [], "block_m": launch.block_m, "tile_n": launch.tile_n,
-                             "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                registers, local, sass = binary_resources(binary, cuobjdump)
+                k = recorded[0].kwargs
+                rows[key] = {"launches": [], "shapes": [], "block_m": k["BLOCK_M"], "tile_n": k["TILE_N"],
+                             "num_warps": k["num_warps"], "num_stages": k["num_stages"],
+                             "prefetch": k["PREFETCH"], "precision": k["PRECISION"],
                              "registers": registers, "local_bytes": local, "shared_bytes": binary.metadata.shared,
-                             "programs_per_sm": programs_per_sm(registers, launch.num_warps, binary.metadata.shared)}  # fmt: skip
-            rows[key]["shapes"].append(shape_name(shape))
+                             "programs_per_sm": programs_per_sm(registers, k["num_warps"], binary.metadata.shared)}
+                rows[key] |= key_loop(sass)  # fmt: skip
+            rows[key]["launches"] = list(dict.fromkeys(rows[key]["launches"] + [name]))
+            rows[key]["shapes"] = list(dict.fromkeys(rows[key]["shapes"] + [shape_name(shape)]))
     return list(rows.values())
 
 
@@ -422,6 +505,21 @@ def checked(run, expected, record: bool) -> tuple[float, dict]:
     return error, ran_resources(launches)
 
 
+def triton_launches(case: tuple, launches: dict, sweep: list[dict]) -> dict:
+    """Runs of the Triton kernel on ``case`` by row name: each of ``launches`` but the default (the
+    ``paged kernel (Triton)`` row runs that), then each launch of ``sweep`` (``launch_name``), all with
+    ``num_splits="auto"``."""
+    from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
+
+    chosen = [(name, config, splits) for name, (config, splits) in launches.items() if config is not None]
+    chosen += [(launch_name(config), config, "auto") for config in sweep]
+    runs = {}
+    for name, config, splits in chosen:
+        launch = LaunchConfig(**config)
+        runs[name] = lambda c=launch, s=splits: triton_paged_attention(*case, num_splits=s, config=c)
+    return runs
+
+
 def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwidth: float) -> list[dict]:
     """Every system on one decode shape: checked against dense attention, then timed."""
     ctx = shape[1]
@@ -431,16 +529,8 @@ def measure_shape(shape, device: torch.device, sweep: bool, quick: bool, bandwid
     runs = {name: (lambda fn=fn: fn(*case)) for name, fn in paged_kernels(device, quick).items()}
     runs["gather + SDPA"] = lambda: sdpa(case[0], *contiguous_kv(*case[1:4], ctx))
     runs["SDPA contiguous"] = lambda: sdpa(case[0], k, v)
-    if sweep and "paged kernel (Triton)" in runs:
-        from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
-
-        for config in sweep_configs(quick):
-            for splits in (1, "auto"):
-                name = "Triton tile {tile_n}, {num_warps} warps, {num_stages} stages".format(**config)
-                launch = LaunchConfig(**config)
-                runs[f"{name}, splits {splits}"] = lambda c=launch, s=splits: triton_paged_attention(
-                    *case, num_splits=s, config=c
-                )
+    if "paged kernel (Triton)" in runs:
+        runs |= triton_launches(case, DECODE_LAUNCHES, sweep_configs(quick) if sweep else [])
     rows = []
     record = device.type == "cuda" and "paged kernel (Triton)" in runs
     for name, run in runs.items():
@@ -477,15 +567,8 @@ def measure_prefill_shape(shape, device: torch.device, sweep: bool, quick: bool)
     runs["SDPA contiguous, causal"] = lambda: (
         sdpa_causal(q, k, v).transpose(1, 2).reshape(-1, heads, head_dim)
     )
-    if sweep and "paged kernel (Triton)" in runs:
-        from L4_paged_kernel.fast.triton_paged_attention import LaunchConfig, triton_paged_attention
-
-        for config in prefill_sweep_configs(quick):
-            launch = LaunchConfig(**config)
-            name = f"Triton rows {launch.block_m}, tile {launch.tile_n}, {launch.num_warps} warps, "
-            runs[f"{name}{launch.num_stages} stages"] = lambda c=launch: triton_paged_attention(
-                *case, config=c
-            )
+    if "paged kernel (Triton)" in runs:
+        runs |= triton_launches(case, PREFILL_LAUNCHES, prefill_sweep_configs(quick) if sweep else [])
     rows = []
     record = device.type == "cuda" and "paged kernel (Triton)" in runs
     for name, run in runs.items():
@@ -650,15 +733,27 @@ def prefill_table(results: dict) -> str:
 
 
 def resources_table(rows: list[dict]) -> str:
-    """Markdown, a row per kernel of ``resources``, with the shapes that launch it."""
+    """Markdown, a row per kernel of ``resources``, with the launches and shapes that run it, and where
+    the key loop's global loads sit (``key_loop``): instructions of the loop, first-last load, first
+    dot instruction, and the loop's dot instructions by kind."""
     lines = [
-        "| shapes | rows | tile | warps | stages | registers | local bytes (spills) | programs per SM |",
-        "|---|---|---|---|---|---|---|---|",
+        "| launches | shapes | rows | tile | warps | stages | prefetch | dots | registers | local bytes (spills) "
+        "| shared bytes | programs per SM | key loop: instructions, loads at, first dot at | dot instructions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {'; '.join(r['shapes'])} | {r['block_m']} | {r['tile_n']} | {r['num_warps']} | "
-                     f"{r['num_stages']} | {r['registers']} | {r['local_bytes']} | {r['programs_per_sm']} |")  # fmt: skip
+        loads, math = r.get("global_loads_at", ["-"] * 2), r.get("dot_math_at", ["-"])
+        kinds = ", ".join(f"{n} {kind}" for kind, n in r.get("dot_instructions", {}).items()) or "-"
+        lines.append(f"| {'; '.join(r['launches'])} | {'; '.join(r['shapes'])} | {r['block_m']} | {r['tile_n']} | "
+                     f"{r['num_warps']} | {r['num_stages']} | {'yes' if r['prefetch'] else 'no'} | {r['precision']} | "
+                     f"{r['registers']} | {r['local_bytes']} | {r['shared_bytes']:,} | {r['programs_per_sm']} | "
+                     f"{r['loop_instructions']}, {loads[0]}-{loads[-1]}, {math[0]} | {kinds} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def resources_results_table(results: dict) -> str:
+    """``resources_table`` of a ``--resources --out`` file, for the chapter (``kvcourse.tools.numbers``)."""
+    return resources_table(results["rows"])
 
 
 def interpreter_table(results: dict) -> str:
@@ -693,7 +788,10 @@ def main(argv=None) -> int:
         "--sweep", action="store_true", help="also time every launch shape of the Triton kernel"
     )
     parser.add_argument(
-        "--resources", action="store_true", help="registers and spills per launch shape, as the JIT builds it"
+        "--resources",
+        action="store_true",
+        help="registers, spills and the key loop's order of the table's launches (the sweep's with "
+        "--sweep), as the JIT builds them for an H100, no GPU needed",
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (for tests)")
     parser.add_argument(
@@ -704,15 +802,27 @@ def main(argv=None) -> int:
     if args.resources:
         if args.prefill:
             shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
-            configs = prefill_sweep_configs(args.quick)
+            table_launches, sweep = PREFILL_LAUNCHES, prefill_sweep_configs(args.quick)
         else:
-            shapes, configs = QUICK_SHAPES if args.quick else SHAPES, sweep_configs(args.quick)
+            shapes = QUICK_SHAPES if args.quick else SHAPES
+            table_launches, sweep = DECODE_LAUNCHES, sweep_configs(args.quick)
+        launches = (
+            {launch_name(config): config for config in sweep}
+            if args.sweep
+            else {name: config for name, (config, _) in table_launches.items()}
+        )
         try:
-            rows = resources(configs, shapes, prefill=args.prefill)
+            rows = resources(launches, shapes, prefill=args.prefill)
         except (ImportError, RuntimeError) as e:
             print(f"error: --resources needs Triton's NVIDIA backend: {e}", file=sys.stderr)
             return 2
         print(resources_table(rows))
+        if args.out:
+            import triton
+
+            results = {"target": "sm_90", "prefill": args.prefill, "rows": rows, "triton": triton.__version__,
+                       "device_name": f"built for sm_90 on {cpu_name()}, no GPU, Triton {triton.__version__}"}
+            Path(args.out).write_text(json.dumps(results | provenance(), indent=1) + "\n")
         return 0
     if args.interpreter:
         results = measure_interpreter(QUICK_INTERPRETER_PROMPTS if args.quick else INTERPRETER_PROMPTS)

@@ -434,9 +434,8 @@ def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
     results = json.loads(out.read_text())
     systems = {r["system"] for r in results["rows"]}
     assert {"paged kernel (Triton)", "gather + SDPA", "SDPA contiguous"} <= systems
-    assert len([s for s in systems if s.startswith("Triton tile")]) == 2 * len(
-        kernels.sweep_configs(quick=True)
-    )
+    assert set(kernels.DECODE_LAUNCHES) <= systems  # the launch before, and each change alone
+    assert len([s for s in systems if s.startswith("Triton tile")]) == len(kernels.sweep_configs(quick=True))
     assert all(r["max_error"] < kernels.TOLERANCE and r["ms"] > 0 for r in results["rows"])
     # on a CPU every run is kept (2 with --quick) and the table quotes the fastest and the slowest
     assert all(
@@ -444,7 +443,7 @@ def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
     )
     assert results["omp_wait_policy"]
     table = capsys.readouterr().out
-    assert table.count("Triton, fastest of 4 launches") == len(kernels.QUICK_SHAPES), table
+    assert table.count("Triton, fastest of 2 launches") == len(kernels.QUICK_SHAPES), table
     assert re.search(r"\| SDPA contiguous \| [\d.]+ \([\d.]+-[\d.]+\) \|", table), table
 
 
@@ -460,6 +459,7 @@ def test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them(tm
     rows = json.loads(out.read_text())["rows"]
     systems = {r["system"] for r in rows}
     assert {"paged kernel (Triton)", kernels.BEFORE, "SDPA contiguous, causal"} <= systems, systems
+    assert set(kernels.PREFILL_LAUNCHES) <= systems, systems
     assert len([s for s in systems if s.startswith("Triton rows")]) == len(
         kernels.prefill_sweep_configs(quick=True)
     )
@@ -576,21 +576,48 @@ def test_resources_specialize_each_launch_as_the_jit_does(monkeypatch):
     assert source.constants[position("num_seqs"),] == 1  # one prompt: num_seqs is a constant
 
 
-def test_kernel_resources_read_the_jits_build(capsys):
+def test_kernel_resources_read_the_jits_build(tmp_path, capsys):
     """Registers and local bytes of the kernel the JIT builds for an H100, read without a GPU: at 9/3 x 64
-    in the default launch, 62 registers with Triton 3.6.0 and 3.7.1 (216 for a build without the
-    JIT's specialization). One row per kernel, with the shapes that launch it."""
+    in the launch before the prefetch, 62 registers with Triton 3.6.0 and 3.7.1 (216 for a build
+    without the JIT's specialization). One row per kernel, with the launches and shapes that run it;
+    ``--out`` writes the rows with the commit and date the chapter's table quotes."""
     nvidia = pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
     for tool in ("ptxas", "cuobjdump"):  # Triton's NVIDIA backend ships both: the build, the reading
         if not (Path(nvidia.__path__[0]) / "bin" / tool).exists():
             pytest.skip(f"no {tool} in {Path(nvidia.__path__[0]) / 'bin'}")
-    (row,) = kernels.resources([{"tile_n": 32, "num_warps": 4, "num_stages": 2}], [(32, 512, 9, 3, 64)])
+    (row,) = kernels.resources({"before": kernels.BEFORE_LAUNCH}, [(32, 512, 9, 3, 64)])
     assert 0 < row["registers"] < 128 and row["local_bytes"] == 0, row
     assert row["programs_per_sm"] >= 4 and row["shapes"] == ["32 x 512 (9/3 x 64)"]
-    assert kernels.main(["--resources", "--quick"]) == 0
+    out = tmp_path / "resources.json"
+    assert kernels.main(["--resources", "--quick", "--out", str(out)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].startswith("| shapes | rows | tile | warps | stages | registers | local bytes (spills) |")
-    assert len(table) == 2 + len(kernels.QUICK_SHAPES) * len(kernels.sweep_configs(quick=True)), table
+    results = json.loads(out.read_text())
+    assert results["target"] == "sm_90" and results["commit"] and results["date"], results
+    assert kernels.resources_results_table(results).splitlines() == table
+    assert table[0].startswith("| launches | shapes | rows | tile | warps | stages | prefetch | dots | registers |")
+    # a build per launch and shape, but the launch before with one split and with "auto" (one build)
+    assert len(table) == 2 + len(kernels.QUICK_SHAPES) * (len(kernels.DECODE_LAUNCHES) - 1), table
+
+
+def test_kernel_resources_show_the_default_decode_launch_prefetching_without_spills():
+    """The decode default, compiled for an H100 as the JIT builds it at the table's head dims 64 and
+    128: no spill, and every global load of the key loop issues before its first dot instruction (the
+    next tile is in flight while this one computes). The launch before it issued the next tile's loads
+    after the math, and spilled at 128."""
+    nvidia = pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+    if not (Path(nvidia.__path__[0]) / "bin" / "cuobjdump").exists():
+        pytest.skip(f"no cuobjdump in {Path(nvidia.__path__[0]) / 'bin'}")
+    shapes = [kernels.SHAPES[1], kernels.SHAPES[3]]  # 32 x 4,096 (9/3 x 64), 64 x 4,096 (32/8 x 128)
+    rows = kernels.resources({"default": None, "before": kernels.BEFORE_LAUNCH}, shapes)
+    default = [r for r in rows if r["launches"] == ["default"]]
+    before = [r for r in rows if r["launches"] == ["before"]]
+    assert len(default) == len(before) == 2, rows
+    for r in default:
+        assert r["prefetch"] and r["precision"] == "tf32x3" and r["local_bytes"] == 0, r
+        assert r["loads_before_math"] and r["global_loads_at"][1] < r["dot_math_at"][0], r
+    for r in before:
+        assert not r["loads_before_math"] and r["global_loads_at"][0] > r["dot_math_at"][0], r
+    assert [r["local_bytes"] > 0 for r in before] == [False, True], before  # 128 spilled
 
 
 def test_a_gpu_rows_registers_are_the_compiled_kernels_it_ran(monkeypatch):
@@ -611,7 +638,7 @@ def test_a_gpu_rows_registers_are_the_compiled_kernels_it_ran(monkeypatch):
     monkeypatch.setitem(module.KERNELS, False, (Kernel(), Kernel()))
     case = kernels.meta_case((2, 40, 9, 3, 64), prefill=False)
     with kernels.recorded_launches() as launches:
-        module.triton_paged_attention(*case)
+        module.triton_paged_attention(*case, num_splits=1)  # "auto" would ask a GPU for its size
     assert kernels.ran_resources(launches) == {"registers": 255, "local_bytes": 296}
     assert kernels.ran_resources([]) == {}  # SDPA's row, the C++ kernel's, the interpreter's
     row = {"shape": "2 x 40 (9/3 x 64)", "max_error": 1e-7, "ms": 1.0, "GBps": 1.0, "of_copy": 0.5}

@@ -117,5 +117,5 @@ def test_engine_options_lists_what_each_stage_takes():
     assert (
         list(l3) == list(ALL_OPTIONS) and l3["max_num_seqs"] == 32 and l3["admission_policy"] == "on_demand"
     )
-    assert l4 == {"kernel": "auto", "num_splits": 1, "cuda_graphs": None} | l3
+    assert l4 == {"kernel": "auto", "num_splits": "auto", "cuda_graphs": None} | l3
     assert {"num_pages", "page_size", "max_num_seqs"} <= set(engine_options(engine_class("L6")))

@@ -16,6 +16,7 @@ that), and the tests marked ``cuda`` run it against dense attention where there 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -85,6 +86,10 @@ def test_the_fast_path_seam_docstring_example():
     assert fast.kernel.func is split_kv_attention and fast.kernel.keywords == {"num_splits": 2}
     assert fast.run(lambda token_ids, meta: "forward", None, None, None) == "forward"  # no graphs: forward
     assert l4_fast.load_kernel("torch", cpu) is paged_attention  # one split: the reference itself
+    auto = l4_fast.FastPath(cpu, "torch", "auto", False, 32, 2048, 16)  # the engines' default: one split
+    assert auto.name == "torch" and auto.kernel is paged_attention  # on a CPU, and for the reference
+    auto = l4_fast.FastPath(cpu, "triton", "auto", False, 32, 2048, 16)
+    assert auto.name == "triton" and auto.kernel.keywords == {"num_splits": 1}
     graphs = l4_fast.FastPath(cpu, "torch", 1, True, 32, 2048, 16)
     assert graphs.name == "torch, decode graphs" and graphs.padding_blocks == 1
     assert graphs.graphs.sizes == [1, 2, 4, 8, 16, 32] and graphs.graphs.block_tables.shape == (32, 128)
@@ -102,16 +107,22 @@ def test_more_splits_than_blocks():
     assert (split_kv_attention(*args, num_splits=4) - dense_reference(*args)).abs().max().item() < 2e-5
 
 
-@pytest.mark.parametrize("launch", ["interpreter's", "16 x 32"])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("launch", ["interpreter's", "GPU decode default", "16 x 32, no prefetch"])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", TRITON_CASES)
 def test_triton_kernel_matches_dense(block_size, n_heads, n_kv, context_lens, q_lens, num_splits, launch):
     """The interpreted kernel, on CPU tensors: on any machine, one with a GPU included. In the launch the
-    interpreter gets by default (one key tile holds a whole history here) and in the compiled kernel's
-    (16 rows x 32 positions: the online softmax rescales across key tiles)."""
+    interpreter gets by default (one key tile holds a whole history here), in the compiled kernel's
+    decode default (16 rows x 16 positions, the next tile prefetched: the online softmax rescales across
+    key tiles) and in its launch before the prefetch (16 x 32). With 16 splits most splits of the short
+    histories get no key: they write m = -inf and exit, and the merge must skip them."""
     l4, _ = triton_kernels()
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens)
-    config = l4.LaunchConfig() if launch == "16 x 32" else None
+    config = {
+        "interpreter's": None,
+        "GPU decode default": l4.LaunchConfig(),
+        "16 x 32, no prefetch": l4.LaunchConfig(tile_n=32, num_stages=2, prefetch=False, precision="ieee"),
+    }[launch]
     got = l4.triton_paged_attention(*args, num_splits=num_splits, config=config)
     assert got.device.type == "cpu"
     assert (got - dense_reference(*args)).abs().max().item() < 2e-5
@@ -180,10 +191,33 @@ def test_triton_rejects_bad_split_count():
         triton_paged_attention(*make_case(16, 4, 2, [5], [1]), num_splits=3)
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "block_size, n_heads, n_kv, context_lens, q_lens",
+    [(7, 9, 3, [1, 40, 10], [1, 1, 4]), (16, 8, 2, [1, 70, 23, 33], [1, 1, 1, 1])],
+    ids=["GQA 3, block 7, a chunk", "GQA 4, block 16, decode"],
+)
+def test_every_kernel_variant_matches_dense(
+    block_size, n_heads, n_kv, context_lens, q_lens, head_dim, num_splits, prefetch, precision
+):
+    """Each option of a launch, at the model's head dims (SmolLM2's 64, an 8B model's 128), over ragged
+    histories of several 16-position key tiles: the prefetching loop and the one that loads each tile
+    where it computes it, both dot precisions (the interpreter computes in fp32 whatever the precision:
+    a GPU's run, ``python -m kvcourse.tools.gpu_check``, checks 3xTF32 itself), one split and four."""
+    l4, _ = triton_kernels()
+    args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim)
+    config = l4.LaunchConfig(prefetch=prefetch, precision=precision, num_stages=1 if prefetch else 2)
+    got = l4.triton_paged_attention(*args, num_splits=num_splits, config=config)
+    assert (got - dense_reference(*args)).abs().max().item() < 2e-5
+
+
 @pytest.mark.parametrize(
     "config, num_splits",
-    [((16, 16, 4, 2), 2), ((32, 64, 8, 3), 1), ((16, 32, 4, 2), "auto")],
-    ids=["tile 16, 2 splits", "32 rows, tile 64", "default, auto splits"],
+    [((16, 16, 4, 2), 2), ((32, 64, 8, 3, False, "ieee"), 1), ((16, 32, 4, 2), "auto")],
+    ids=["tile 16, 2 splits", "32 rows, tile 64", "tile 32, auto splits"],
 )
 def test_every_launch_shape_matches_dense(config, num_splits):
     """The launch shapes the kernel bench sweeps compute the same attention: tiles smaller and larger
@@ -196,25 +230,33 @@ def test_every_launch_shape_matches_dense(config, num_splits):
 
 
 def test_choose_launch_examples():
-    """The docstring's examples: the compiled kernel's 16 x 32 whatever the batch; in the interpreter,
-    rows for the most tokens one sequence can bring and positions for the longest history."""
+    """The docstring's examples: compiled, a decode batch gets 16 x 16 with the prefetch and 3xTF32 dots,
+    a batch with prompt tokens 16 x 32 with 8 warps and Triton's pipeline; in the interpreter, rows for
+    the most tokens one sequence can bring and positions for the longest history, no prefetch."""
     l4, _ = triton_kernels()
-    for shapes in [(8, 8, 3, 304), (300, 1, 3, 320), (40, 2, 3, 48)]:
-        assert l4.choose_launch(*shapes, interpreted=False) == l4.LaunchConfig(16, 32)
-    assert l4.choose_launch(8, 8, 3, 304, interpreted=True) == l4.LaunchConfig(16, 512)  # decode
-    assert l4.choose_launch(300, 1, 3, 320, interpreted=True) == l4.LaunchConfig(512, 512)  # 170 tokens
-    assert l4.choose_launch(40, 2, 3, 48, interpreted=True) == l4.LaunchConfig(128, 64)
-    assert l4.choose_launch(4, 4, 32, 48, interpreted=False) == l4.LaunchConfig(32, 32)  # 32 heads a token
+    decode = l4.LaunchConfig(16, 16, 4, 1, prefetch=True, precision="tf32x3")
+    prompts = l4.LaunchConfig(16, 32, 8, 2, prefetch=False, precision="tf32x3")
+    assert l4.choose_launch(8, 8, 3, 304, interpreted=False) == decode == l4.LaunchConfig()
+    for shapes in [(300, 1, 3, 320), (40, 2, 3, 48)]:
+        assert l4.choose_launch(*shapes, interpreted=False) == prompts
+    interpreted = functools.partial(l4.LaunchConfig, prefetch=False)
+    assert l4.choose_launch(8, 8, 3, 304, interpreted=True) == interpreted(16, 512)  # decode
+    assert l4.choose_launch(300, 1, 3, 320, interpreted=True) == interpreted(512, 512)  # 170 tokens
+    assert l4.choose_launch(40, 2, 3, 48, interpreted=True) == interpreted(128, 64)
+    assert l4.choose_launch(4, 4, 32, 48, interpreted=False) == l4.LaunchConfig(32)  # 32 heads a token
 
 
 def test_choose_splits_examples():
-    """The docstring's examples, on an H100's 132 multiprocessors."""
+    """The docstring's examples, on an H100's 132 multiprocessors: about one wave of resident programs,
+    at least 4 tiles a split, at most ``MAX_SPLITS``."""
     l4, _ = triton_kernels()
-    assert l4.choose_splits(256 * 3, 4096, 32, 132) == 1  # the grid fills the GPU already
+    assert l4.choose_splits(256 * 3, 4096, 16, 132) == 1  # the grid fills the wave already
     assert l4.choose_splits(400 * 3, 2048, 32, 132) == 1  # a 2,000-token prompt's query tiles fill it too
-    assert l4.choose_splits(32 * 3, 4096, 32, 132) == 4
-    assert l4.choose_splits(32 * 3, 256, 32, 132) == 2  # 8 tiles: 2 splits of 4
-    assert l4.choose_splits(32 * 3, 64, 32, 132) == 1  # 2 tiles: splitting them buys nothing
+    assert l4.choose_splits(32 * 3, 4096, 16, 132) == 4  # 528 / 96 = 5.5 fit
+    assert l4.choose_splits(32 * 3, 128, 16, 132) == 2  # 8 tiles: 2 splits of 4
+    assert l4.choose_splits(32 * 3, 32, 16, 132) == 1  # 2 tiles: splitting them buys nothing
+    assert l4.choose_splits(8 * 8, 32768, 16, 132, resident=2) == 4  # 8 x 32,768 at 32/8 heads of 128
+    assert l4.choose_splits(1, 32768, 16, 132) == l4.MAX_SPLITS == 16  # one sequence: capped
 
 
 def test_bad_launch_shapes_and_pools_are_refused():
@@ -298,7 +340,7 @@ def test_the_kernels_build_and_run_where_triton_was_imported_to_interpret():
         "from L4_paged_kernel.fast import triton_paged_attention as l4\n"
         "from tests.test_l4_kernels import build_for_nvidia\n"
         "args = make_case(7, 9, 3, [1, 14, 10], [1, 1, 4])\n"
-        "print(all(build_for_nvidia(l4, 90, 16, 32)))\n"
+        "print(all(build_for_nvidia(l4, 90, 16, 16)))\n"
         "print((l4.triton_paged_attention(*args, num_splits=2) - dense_reference(*args)).abs().max().item())\n"
     )
     env = os.environ | {
@@ -311,23 +353,25 @@ def test_the_kernels_build_and_run_where_triton_was_imported_to_interpret():
     assert built == "True" and float(error) < 2e-5
 
 
-@pytest.mark.parametrize("block_m, tile_n", [(16, 32), (16, 64), (64, 64)])
+@pytest.mark.parametrize("prefetch, precision", [(True, "tf32x3"), (False, "ieee")])
+@pytest.mark.parametrize("block_m, tile_n", [(16, 16), (16, 32), (64, 64)])
 @pytest.mark.parametrize("capability", [80, 90])  # A100, H100
-def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability, block_m, tile_n):
+def test_the_compiled_triton_kernel_builds_for_nvidia_gpus(capability, block_m, tile_n, prefetch, precision):
     """Triton's compiler takes the GPU twin of the kernel down to a GPU binary here, with no GPU: the
-    source, its search for a tile's sequence, its IEEE dots and its reductions all compile, in the
-    default launch, a larger key tile and a prefill's larger query tile. Running it needs a GPU (the
-    cuda tests)."""
+    source, its search for a tile's sequence, its prefetching loop and the plain one, its 3xTF32 and
+    IEEE dots and its reductions all compile, in the decode default, a larger key tile and a
+    prefill's larger query tile. Running it needs a GPU (the cuda tests)."""
     l4, _ = triton_kernels()
     pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
-    for kernel, binary in zip(
-        l4.KERNELS[False], build_for_nvidia(l4, capability, block_m, tile_n), strict=True
-    ):
+    built = build_for_nvidia(l4, capability, block_m, tile_n, prefetch, precision)
+    for kernel, binary in zip(l4.KERNELS[False], built, strict=True):
         assert binary.asm["cubin"], f"{kernel.fn.__name__}: no GPU binary"
         assert f"sm_{capability}" in binary.asm["ptx"]
 
 
-def build_for_nvidia(module, capability: int, block_m: int, tile_n: int) -> list:
+def build_for_nvidia(
+    module, capability: int, block_m: int, tile_n: int, prefetch: bool = True, precision: str = "tf32x3"
+) -> list:
     """The compiled attention and merge kernels of ``module``, built for ``sm_<capability>`` with SmolLM2's
     heads (9/3 x 64) and 4 splits: Triton's compiled binaries, made without a GPU."""
     import triton
@@ -339,7 +383,8 @@ def build_for_nvidia(module, capability: int, block_m: int, tile_n: int) -> list
     scalars = ["num_seqs", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt",
                "stride_ms", "stride_mt", "stride_as", "stride_at", "stride_ah", "stride_ot", "stride_oh"]  # fmt: skip
     constexprs = {"G": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 4, "BLOCK_Q": block_m // 3,
-                  "BLOCK_M": block_m, "TILE_N": tile_n, "BLOCK_D": 64}  # fmt: skip
+                  "BLOCK_M": block_m, "TILE_N": tile_n, "BLOCK_D": 64, "PREFETCH": prefetch,
+                  "PRECISION": precision}  # fmt: skip
     types = {name: "*fp32" for name in pointers} | {name: "*i32" for name in ints} | {"scale": "fp32"}
     types |= {name: "i32" for name in scalars} | dict.fromkeys(constexprs, "constexpr")
     merge_constexprs = {"NUM_SPLITS": 4, "HEAD_DIM": 64, "BLOCK_D": 64}
@@ -357,7 +402,12 @@ def gpu():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [(16, 32, 4, 2), (16, 16, 2, 1), (32, 64, 8, 3), (128, 64, 8, 2)], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [(16, 16, 4, 1, True, "tf32x3"), (16, 16, 4, 1, True, "ieee"), (16, 32, 4, 2, False, "ieee"),
+     (16, 16, 2, 1, False, "tf32x3"), (32, 64, 8, 3, False, "ieee"), (128, 64, 8, 2, False, "tf32x3")],
+    ids=str,
+)  # fmt: skip
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("num_splits", [1, 4, "auto"])
 @pytest.mark.parametrize("block_size, n_heads, n_kv, context_lens, q_lens", list(cases()) + QUERY_TILE_CASES)
@@ -365,7 +415,8 @@ def test_triton_kernel_on_a_gpu_matches_dense(
     block_size, n_heads, n_kv, context_lens, q_lens, num_splits, head_dim, config
 ):
     """The compiled kernel of L4 and of L5 on CUDA tensors against dense attention on the same GPU, in the
-    default launch shape and three the kernel bench sweeps, on decode batches and on query tiles."""
+    decode default (prefetch, 3xTF32) and with IEEE dots, the launch before the prefetch and three the
+    kernel bench sweeps, on decode batches and on query tiles."""
     if n_heads // n_kv > config[0]:
         pytest.skip(f"{config[0]} rows cannot hold one token's {n_heads // n_kv} query heads")
     args = make_case(block_size, n_heads, n_kv, context_lens, q_lens, head_dim=head_dim, device=gpu())

@@ -25,15 +25,32 @@ position, ``position // BLOCK_SIZE``) and reads every position's K/V row where i
 tile per step instead of one block keeps more memory requests in flight on a GPU; the block size stops
 mattering to the kernel's shapes (a block of 7 and one of 16 read through the same 32-position tile).
 
-``LaunchConfig`` holds a launch's sizes: query rows per program (``tl.dot`` needs 16 at least, so a
-decode token's G heads are padded to 16 rows), positions per key tile, warps, and pipeline stages;
-``choose_launch`` picks them from shapes when none is given. ``choose_splits`` picks the split count
-for ``num_splits="auto"``: enough programs to fill a GPU's multiprocessors when there are few query
-tiles and long histories. The GPU defaults were chosen without a GPU to time them, from register
-counts that ``python -m bench.kernels --resources`` reported before it compiled each launch as the JIT
-does (too high at head dim 64, and blind to the spill of the default at 128); its corrected counts are
-in the L4 chapter, section 6. On a GPU, ``python -m bench.kernels --sweep`` times the alternatives,
-decode and prefill, and its table, not this docstring, says which is fastest.
+``LaunchConfig`` holds a launch's sizes and options: query rows per program (``tl.dot`` needs 16 at
+least, so a decode token's G heads are padded to 16 rows), positions per key tile, warps, pipeline
+stages, whether the loop prefetches, and the dots' precision; ``choose_launch`` picks them from shapes
+when none is given. Three choices make a decode step read K/V faster on a GPU (none changes a result
+beyond float rounding):
+
+- **Prefetch** (``PREFETCH``). The plain loop loads a tile's block ids, then its K/V, then computes:
+  each waits for the one before, and the next tile's loads issue only after this tile's math, so
+  every tile pays the memory's full latency. The prefetching loop keeps the next tile's K/V in
+  registers as loop-carried values and the block ids one tile further ahead: while tile i computes,
+  tile i + 1 is on its way and the ids of tile i + 2 too. In the sm_90 machine code every global load
+  of the loop comes before its first dot instruction (``python -m bench.kernels --resources``). The
+  cost is registers: 16-position tiles keep it without spills at head dims 64 and 128.
+- **Splits** (``num_splits="auto"``, the default). ``choose_splits`` cuts each history into enough
+  splits for about one wave of resident programs on the GPU: 32 decode sequences x 3 KV heads are
+  96 programs on an H100's 132 multiprocessors, each of which holds 4.
+- **3xTF32 dots** (``PRECISION="tf32x3"``). An fp32 IEEE dot runs on the ordinary units, with a
+  decode token's 3 or 4 real rows padded to 16 (most of its multiply-adds are padding) and its
+  operands staged through shared memory. ``tf32x3`` runs the same dot on tensor cores as three TF32
+  products (the high and low parts of each operand: hi x hi + hi x lo + lo x hi), about as accurate
+  as fp32 (plain TF32 keeps 10 bits of mantissa: too few for the 2e-5 bound).
+
+The GPU defaults were chosen without a GPU to time them, from what the build for an H100 says
+(registers, spills, the loop's order; ``bench.kernels --resources``). On a GPU,
+``python -m bench.kernels`` times the launch before these changes, each change alone and all
+together, and ``--sweep`` the alternatives: its table, not this docstring, says which is fastest.
 
 Compiled or interpreted, by the tensor. ``triton.jit`` turns a Python function into a kernel compiled
 for the GPU or, when the environment variable ``TRITON_INTERPRET`` is 1 at that moment, into one that
@@ -62,10 +79,10 @@ to a GPU binary, which needs no GPU). Running the compiled kernel needs a CUDA G
 ``python -m kvcourse.tools.gpu_check`` does it.
 
 Left out on purpose: autotuning at run time (the bench sweeps instead, and the chosen shapes are plain
-code), fp16/bf16 inputs and tensor-core dots (fp32 IEEE dots run on the ordinary units, which is why
-a GPU's query tiles stay at 16 rows: larger ones spill), a separate decode kernel (decode tokens are
-tiles of one token in the same launch, padded to 16 rows, as vLLM's one-kernel path does), and
-persistent programs.
+code), fp16/bf16 inputs, a separate decode kernel without the 16-row padding (decode tokens are tiles
+of one token in the same launch, padded to 16 rows, as vLLM's one-kernel path does), a ring of shared
+buffers for the prefetch (Triton allocates shared memory itself: registers are what the source can
+name), and persistent programs.
 """
 
 from __future__ import annotations
@@ -127,9 +144,11 @@ def _paged_attention_kernel(
     stride_as, stride_at, stride_ah,
     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_Q new tokens of one sequence x the G query heads of one KV head (BLOCK_M rows),
-    over one split of the sequence's history (all of it with one split)."""
+    over one split of the sequence's history (all of it with one split). ``PREFETCH``: load each key
+    tile one step ahead (module docstring); ``PRECISION``: ``tl.dot``'s, "ieee" or "tf32x3"."""
     q_tile = tl.program_id(0)  # a tile of BLOCK_Q new tokens of one sequence, numbered over the batch
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,6 +178,12 @@ def _paged_attention_kernel(
     tok = tile * BLOCK_Q + rows // G  # the row's new token, counted from the sequence's first
     head = kv_head * G + rows % G
     row_mask = (rows < BLOCK_Q * G) & (tok < q_len)  # padding rows, and rows past the sequence's end
+    last_pos = ctx - q_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1  # the tile's newest token
+    t_stop = tl.minimum(t_end, last_pos + 1)  # later tiles: all masked
+    ml_off = split * stride_ms + (q0 + tok) * stride_mt + head  # this split's partial m and l
+    if t_start >= t_stop:  # a split with no visible key (a short history): m = -inf tells the merge
+        tl.store(m_ptr + ml_off, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_mask)
+        return
     q_pos = ctx - q_len + tok  # absolute position of each row's token: it sees keys 0..q_pos
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -167,31 +192,50 @@ def _paged_attention_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
-    last_pos = ctx - q_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1  # the tile's newest token
     offs_t = tl.arange(0, TILE_N)
-    for t0 in range(t_start, tl.minimum(t_end, last_pos + 1), TILE_N):  # later tiles: all masked
+    table = block_tables_ptr + seq * stride_bt  # this sequence's row of the block table
+    head_d = kv_head * stride_kh + offs_d[None, :]  # (1, BLOCK_D) this KV head's floats of a position
+    if PREFETCH:  # before the loop: the first tile's K/V, and the block ids of the second
+        pos_next = t_start + offs_t
+        block = tl.load(table + pos_next // BLOCK_SIZE, mask=pos_next < t_stop, other=0)
+        off_next = (block * stride_kb + (pos_next % BLOCK_SIZE) * stride_ks)[:, None] + head_d
+        mask_next = (pos_next < t_stop)[:, None] & d_mask[None, :]
+        k_next = tl.load(k_ptr + off_next, mask=mask_next, other=0.0)  # (TILE_N, BLOCK_D)
+        v_next = tl.load(v_ptr + off_next, mask=mask_next, other=0.0)
+        pos_after = pos_next + TILE_N
+        block_next = tl.load(table + pos_after // BLOCK_SIZE, mask=pos_after < t_stop, other=0)
+    for t0 in range(t_start, t_stop, TILE_N):
         pos = t0 + offs_t  # (TILE_N,) positions of this key tile
         pos_mask = pos < t_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0)
-        kv_row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # (TILE_N,) in place in the pool
-        kv_off = kv_row[:, None] + kv_head * stride_kh + offs_d[None, :]
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, BLOCK_D)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, TILE_N)
+        if PREFETCH:  # this tile arrived during the last step; ask for the next one before computing
+            k = k_next
+            v = v_next
+            pos_next = pos + TILE_N
+            off_next = (block_next * stride_kb + (pos_next % BLOCK_SIZE) * stride_ks)[:, None] + head_d
+            mask_next = (pos_next < t_stop)[:, None] & d_mask[None, :]
+            k_next = tl.load(k_ptr + off_next, mask=mask_next, other=0.0)
+            v_next = tl.load(v_ptr + off_next, mask=mask_next, other=0.0)
+            pos_after = pos + 2 * TILE_N  # and the block ids of the tile after that
+            block_next = tl.load(table + pos_after // BLOCK_SIZE, mask=pos_after < t_stop, other=0)
+        else:  # ids, then K/V, then the math: each waits for the one before
+            block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+            kv_off = (block * stride_kb + (pos % BLOCK_SIZE) * stride_ks)[:, None] + head_d
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # (TILE_N, BLOCK_D)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, TILE_N)
         s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(s, 1, _maximum))  # (BLOCK_M,)
         base = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - base[:, None])  # (BLOCK_M, TILE_N)
         alpha = tl.exp(m - base)
         l = alpha * l + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")  # (BLOCK_M, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)  # (BLOCK_M, BLOCK_D)
         m = m_new
     out_mask = row_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + row_off, acc / l[:, None], mask=out_mask)
     else:
-        ml_off = split * stride_ms + (q0 + tok) * stride_mt + head
         tl.store(m_ptr + ml_off, m, mask=row_mask)
         tl.store(l_ptr + ml_off, l, mask=row_mask)
         a_off = split * stride_as + (q0 + tok)[:, None] * stride_at + head[:, None] * stride_ah
@@ -203,20 +247,22 @@ def _merge_splits_kernel(
     stride_ms, stride_mt, stride_as, stride_at, stride_ah, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """One program per (token, head): out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i."""
+    """One program per (token, head): out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i, over the
+    splits that saw a key (m_i > -inf): an empty split wrote its m only."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     m = tl.load(m_ptr + offs_s * stride_ms + t * stride_mt + h)  # (NUM_SPLITS,)
-    l = tl.load(l_ptr + offs_s * stride_ms + t * stride_mt + h)
+    seen = m > float("-inf")
+    l = tl.load(l_ptr + offs_s * stride_ms + t * stride_mt + h, mask=seen, other=0.0)
     acc = tl.load(
         acc_ptr + offs_s[:, None] * stride_as + t * stride_at + h * stride_ah + offs_d[None, :],
-        mask=d_mask[None, :],
+        mask=seen[:, None] & d_mask[None, :],
         other=0.0,
     )  # (NUM_SPLITS, BLOCK_D)
-    w = tl.exp(m - tl.reduce(m, 0, _maximum))  # splits that saw no key have m = -inf -> weight 0
+    w = tl.exp(m - tl.reduce(m, 0, _maximum))  # an empty split: m = -inf -> weight 0
     out = tl.reduce(w[:, None] * acc, 0, _add) / tl.reduce(w * l, 0, _add)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out, mask=d_mask)
 
@@ -236,14 +282,20 @@ class LaunchConfig:
     KV head (16 rows with G = 3: 5 tokens, one row of padding). ``tile_n``: history positions per step
     of the loop. Both are powers of two, 16 or more (``tl.dot``'s smallest size), and ``block_m`` holds
     one token's G rows at least. ``num_warps``: 32-thread warps per program. ``num_stages``: how many
-    steps ahead Triton's software pipeline issues the loop's loads. The interpreter ignores the last
-    two. Example: ``LaunchConfig(block_m=64, tile_n=64, num_warps=8)``.
+    steps ahead Triton's software pipeline issues the loop's loads. ``prefetch``: the loop loads key
+    tile i + 1 (and the block ids of tile i + 2) before it computes tile i, holding the next tile in
+    registers. ``precision``: the dots' ``input_precision``, ``"ieee"`` (fp32 on the ordinary units) or
+    ``"tf32x3"`` (three TF32 tensor-core products per dot, about as accurate as fp32). The interpreter
+    ignores the last four (it computes in fp32, one program at a time). Example:
+    ``LaunchConfig(block_m=64, tile_n=64, num_warps=8)``.
     """
 
     block_m: int = 16
-    tile_n: int = 32
+    tile_n: int = 16
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
+    prefetch: bool = True
+    precision: str = "tf32x3"
 
     def __post_init__(self):
         for name in ("block_m", "tile_n"):
@@ -254,6 +306,11 @@ class LaunchConfig:
             raise ValueError(f"num_warps must be a power of two >= 1, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+PRECISIONS = ("ieee", "tf32x3")
 
 
 def _power_of_two(n: int, low: int, high: int) -> int:
@@ -266,44 +323,63 @@ def choose_launch(n_tok: int, n_seqs: int, group: int, max_positions: int, inter
     batch of ``n_tok`` new tokens in ``n_seqs`` sequences, ``group`` query heads per KV head, histories
     of at most ``max_positions``.
 
-    Compiled (a GPU): ``LaunchConfig()``, 16 rows x 32 positions (rows raised to one token's heads
-    where ``group`` > 16). Many small tiles fill the multiprocessors; ``bench.kernels`` times others.
+    Compiled (a GPU), a decode batch (one new token a sequence): ``LaunchConfig()``, 16 rows x 16
+    positions, 4 warps, the next tile prefetched, 3xTF32 dots: no spill at head dim 64 or 128 (128 and
+    162 registers a thread with IEEE dots, ``python -m bench.kernels --resources``). A batch with
+    prompt tokens: 16 rows x 32 positions, 8 warps, Triton's 2-stage pipeline instead of the prefetch
+    (60 registers at 128, where 4 warps spilled). Rows are raised to one token's heads where ``group``
+    > 16. ``bench.kernels --sweep`` times others.
     Interpreted (a CPU): the fewest, largest tiles, since the interpreter pays per operation, not per
     element: rows for every token one sequence can bring (``n_tok - n_seqs + 1``: a decode batch 1, a
-    lone prompt all of its tokens), positions for the longest history, each at most 512.
+    lone prompt all of its tokens), positions for the longest history, each at most 512; no prefetch
+    (one program at a time: nothing to overlap).
 
-    Examples, G = 3: compiled, anything -> 16 x 32; interpreted, a decode batch of 8 over 300
-    positions -> 16 x 512; one 300-token prompt over 320 positions -> 512 rows (170 tokens) x 512; 2
-    prompts of 20 tokens over 48 positions -> 128 x 64.
+    Examples, G = 3: compiled, a decode batch -> 16 x 16, a prompt -> 16 x 32 with 8 warps;
+    interpreted, a decode batch of 8 over 300 positions -> 16 x 512; one 300-token prompt over 320
+    positions -> 512 rows (170 tokens) x 512; 2 prompts of 20 tokens over 48 positions -> 128 x 64.
     """
-    rows = triton.next_power_of_2(group)  # one token's heads
+    rows = max(16, triton.next_power_of_2(group))  # one token's heads, 16 at least
     if not interpreted:
-        return LaunchConfig(block_m=max(16, rows))
+        if n_tok == n_seqs:  # decode
+            return LaunchConfig(block_m=rows)
+        return LaunchConfig(block_m=rows, tile_n=32, num_warps=8, num_stages=2, prefetch=False)
     most_tokens = n_tok - n_seqs + 1  # one sequence's share when every other brings a single token
     return LaunchConfig(
         block_m=max(rows, _power_of_two(group * most_tokens, 16, 512)),
         tile_n=_power_of_two(max_positions, 16, 512),
+        prefetch=False,
     )
 
 
-def choose_splits(n_programs: int, max_positions: int, tile_n: int, processors: int) -> int:
-    """The split count of ``num_splits="auto"``: 1 when the grid's (query tile, KV head) programs already
-    fill the GPU's ``processors`` (streaming multiprocessors), else the power of two that brings the grid
-    nearest four programs per processor from below, while every split keeps at least 4 tiles of the
-    longest history (``max_positions``).
+def choose_splits(
+    n_programs: int, max_positions: int, tile_n: int, processors: int, resident: int = 4
+) -> int:
+    """The split count of ``num_splits="auto"``: about one full wave of programs. A GPU with
+    ``processors`` streaming multiprocessors holds ``resident`` programs on each at once (what the
+    compiled kernel's registers allow: 4 at head dim 64, 2-3 at 128 in the decode launch,
+    ``python -m bench.kernels --resources``), so the grid's ``n_programs`` (query tile, KV head)
+    programs are multiplied by the largest power of two that keeps them within ``processors x
+    resident``, at most ``MAX_SPLITS``, and leaves every split at least 4 tiles of the longest history
+    (``max_positions``). One split when the grid fills the wave already.
 
-    Examples, an H100 (132 processors): 256 decode tokens x 3 KV heads -> 1; a 2,000-token prompt in
-    tiles of 5 tokens, 400 x 3 -> 1; 32 decode tokens x 3 over 4,096 positions, 32-position tiles -> 4
-    (6 wanted, 32 allowed); 32 x 3 over 256 positions -> 2 (8 tiles allow 2).
+    The count follows from shapes alone, so a decode graph, whose block table is always
+    ``max_model_len`` wide, records one count per batch-size bucket; a split that gets no key of a
+    shorter history writes m = -inf and exits, and the merge skips it.
+
+    Examples, an H100 (132 processors), 4 resident: 256 decode tokens x 3 KV heads -> 1 (768 >= 528);
+    a 2,000-token prompt in tiles of 5 tokens, 400 x 3 -> 1; 32 decode tokens x 3 over 4,096 positions,
+    16-position tiles -> 4 (5.5 fit); 32 x 3 over 128 positions -> 2 (8 tiles allow 2); 8 tokens x 8
+    KV heads over 32,768 positions, 2 resident -> 4.
     """
-    if n_programs >= processors:
-        return 1
-    want = -(-4 * processors // n_programs)  # ceil
-    allowed = max(1, max_positions // (4 * tile_n))
+    wave = processors * resident
+    allowed = min(MAX_SPLITS, wave // n_programs, max_positions // (4 * tile_n))
     splits = 1
-    while splits * 2 <= min(want, allowed):
+    while splits * 2 <= allowed:
         splits *= 2
     return splits
+
+
+MAX_SPLITS = 16  # more splits: more partial states to write and merge, for at most a wave's worth of programs
 
 
 def triton_paged_attention(
@@ -313,7 +389,7 @@ def triton_paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     cu_q_lens: torch.Tensor,
-    num_splits: int | str = 1,
+    num_splits: int | str = "auto",
     scale: float | None = None,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
@@ -321,8 +397,8 @@ def triton_paged_attention(
     be on one device: a GPU's run the compiled kernels, the CPU's the interpreted ones.
 
     ``num_splits`` must be a power of two (it is a ``tl.arange`` length in the reduce kernel), or
-    ``"auto"``: ``choose_splits`` on a GPU, 1 on the CPU (the interpreter runs one program at a time, so
-    splitting only adds the merge). ``config`` shapes the launch (``choose_launch`` when None). Both are
+    ``"auto"`` (the default): ``choose_splits`` on a GPU, 1 on the CPU (the interpreter runs one program
+    at a time, so splitting only adds the merge). ``config`` shapes the launch (``choose_launch`` when None). Both are
     chosen from shapes alone (the table's width bounds the longest history): nothing here reads a
     tensor back to the host. The kernel addresses a layer's pool with 32-bit offsets, so a pool must
     hold fewer than 2**31 floats per layer.
@@ -348,10 +424,13 @@ def triton_paged_attention(
     if config.block_m < g:
         raise ValueError(f"block_m must hold one token's {g} query heads, got {config.block_m}")
     block_q = config.block_m // g  # whole tokens per query tile
-    if num_splits == "auto":
-        processors = 1 if on_cpu else torch.cuda.get_device_properties(q.device).multi_processor_count
+    if num_splits == "auto" and on_cpu:
+        num_splits = 1
+    elif num_splits == "auto":
+        processors = torch.cuda.get_device_properties(q.device).multi_processor_count
         busy = max(n_seqs, -(-n_tok // block_q)) * n_kv  # programs that have rows, at least
-        num_splits = choose_splits(busy, max_positions, config.tile_n, processors)
+        resident = 4 if d <= 64 else 2  # programs a multiprocessor holds (choose_splits)
+        num_splits = choose_splits(busy, max_positions, config.tile_n, processors, resident)
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens, cu_q_lens = context_lens.to(torch.int32), cu_q_lens.to(torch.int32)
@@ -372,6 +451,7 @@ def triton_paged_attention(
         acc.stride(0), acc.stride(1), acc.stride(2),
         G=g, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
         BLOCK_Q=block_q, BLOCK_M=config.block_m, TILE_N=config.tile_n, BLOCK_D=block_d,
+        PREFETCH=config.prefetch, PRECISION=config.precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # no fused multiply-add: every fp32 operation rounds as written
     )  # fmt: skip

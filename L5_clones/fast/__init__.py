@@ -15,6 +15,8 @@ graphs add to the pool and its ``name`` what ``stats().kernel`` says.
                        tiles in its grid: compiled for a GPU's tensors, run in Triton's interpreter
                        for a CPU's (slowly: small runs)
     kernel="auto"      the fastest this device has (``choose_kernel``): the engines' default
+    num_splits="auto"  the engines' default: on a GPU the Triton kernel's ``choose_splits`` (about one
+                       wave of programs, chosen per call from shapes), elsewhere one split
     cuda_graphs=True   each decode step replays a CUDA graph recorded once per batch-size bucket
                        (``kvcourse.decode_graphs``), padded to its bucket; prompt steps keep the
                        readable path. On a GPU it needs the Triton kernel; on a CPU it runs the same
@@ -42,9 +44,10 @@ from .split_kv import split_kv_attention
 KERNELS = ("auto", "torch", "cpp", "triton")
 
 
-def choose_kernel(device: torch.device, num_splits: int = 1) -> str:
+def choose_kernel(device: torch.device, num_splits: int | str = 1) -> str:
     """What ``kernel="auto"`` runs: the Triton kernel on a GPU (the PyTorch reference where Triton is not
-    installed); on a CPU the C++ kernel where it builds and no split is asked for, else the reference.
+    installed); on a CPU the C++ kernel where it builds and no split is asked for (1 or ``"auto"``),
+    else the reference.
 
     Example: ``choose_kernel(torch.device("cpu"))`` -> ``"cpp"`` after ``make setup`` built it.
     """
@@ -54,13 +57,13 @@ def choose_kernel(device: torch.device, num_splits: int = 1) -> str:
         except ImportError:
             return "torch"
         return "triton"
-    return "cpp" if num_splits == 1 and build_problem(CPP_SOURCE) is None else "torch"
+    return "cpp" if num_splits in (1, "auto") and build_problem(CPP_SOURCE) is None else "torch"
 
 
-def load_kernel(name: str, device: torch.device, num_splits: int = 1):
+def load_kernel(name: str, device: torch.device, num_splits: int | str = 1):
     """The kernel called ``name`` for tensors on ``device``, taking the reference's arguments (q, k_pool,
-    v_pool, block_tables, context_lens, cu_q_lens), with ``num_splits`` bound in. The C++ and Triton
-    kernels are loaded only when asked for.
+    v_pool, block_tables, context_lens, cu_q_lens), with ``num_splits`` bound in (``"auto"``: the
+    Triton kernel's only, chosen per call). The C++ and Triton kernels are loaded only when asked for.
 
     Example: ``load_kernel("torch", cpu)`` -> ``paged_attention``; ``load_kernel("torch", cpu, 2)`` ->
     ``split_kv_attention`` with ``num_splits=2``.
@@ -103,15 +106,17 @@ class FastPath:
         self,
         device: torch.device,
         kernel: str,
-        num_splits: int,
+        num_splits: int | str,
         cuda_graphs: bool | None,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
     ):
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if num_splits != "auto" and (not isinstance(num_splits, int) or num_splits < 1):
+            raise ValueError(f"num_splits must be >= 1, got {num_splits!r} (or 'auto')")
         name = choose_kernel(device, num_splits) if kernel == "auto" else kernel
+        if num_splits == "auto" and (name != "triton" or device.type == "cpu"):  # one split there
+            num_splits = 1
         self.kernel = load_kernel(name, device, num_splits)
         if cuda_graphs is None:  # the default: on where a step would be launch-bound without them
             cuda_graphs = device.type == "cuda" and name == "triton"
@@ -120,7 +125,7 @@ class FastPath:
                 f"cuda_graphs=True needs kernel='triton' on a GPU (a graph cannot record the {name} "
                 "kernel's reads back to the host)"
             )
-        splits = f", {num_splits} splits" if num_splits > 1 else ""
+        splits = f", {num_splits} splits" if num_splits != 1 else ""
         self.name = name + splits + (", decode graphs" if cuda_graphs else "")  # what stats().kernel says
         self.padding_blocks = int(cuda_graphs)  # the graphs' padding block: past the allocator's last id
         self.graphs = None

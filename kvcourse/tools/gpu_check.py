@@ -8,9 +8,10 @@ the machine has (a locked-down cluster node included), and downloads nothing. In
 
 1. the L4/L5 kernel cases (``kvcourse.harness.kernel_cases``: block sizes 1, 7, 16; GQA 1:1, 3:1, 4:1; head
    dims 16, 64, 128; 1 and 4 KV splits; and the query-tile cases, prompts of 1 to 2,048 rows and
-   chunks after long histories) on CUDA tensors: each stage's compiled Triton kernel, the PyTorch
-   reference kernel and its split-KV extension (``fast/split_kv.py``) against dense attention on the
-   same GPU, in this process;
+   chunks after long histories) on CUDA tensors: each stage's compiled Triton kernel in its default
+   launch with each dot precision (IEEE and 3xTF32, counted apart in the step's line, so the run says
+   which one holds the 2e-5 bound), the PyTorch reference kernel and its split-KV extension
+   (``fast/split_kv.py``) against dense attention on the same GPU, in this process;
 2. every stage's smoke with ``--device cuda``, one process per stage, on checkpoints built here on the
    spot in a temporary folder (``kvcourse.harness.tiny``), a tiny Qwen3 and a tiny Llama, and on the course
    model where it is prepared, else on a random Llama of the course model's shape (SmolLM2-135M's).
@@ -41,6 +42,7 @@ agrees on a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -121,17 +123,21 @@ def build_models(folders: dict[str, Path]) -> None:
 
 def check_kernels() -> tuple[bool, str]:
     """Step 1: every kernel case on CUDA (the decode and mixed cases, then the query-tile ones), each
-    stage's Triton kernel, its PyTorch reference and the reference's split-KV extension against dense
-    attention. Returns (passed, one line)."""
+    stage's Triton kernel (IEEE and 3xTF32 dots), its PyTorch reference and the reference's split-KV
+    extension against dense attention. Returns (passed, one line, with the Triton kernel's failures by
+    precision)."""
     from kvcourse.harness.kernel_cases import QUERY_TILE_CASES, cases, dense_reference, make_case
 
     kernels = {}  # name -> kernel(*args, num_splits)
     for stage in ("L4", "L5"):
         fast = f"{STAGES[stage]}.fast"
-        triton = importlib.import_module(f"{fast}.triton_paged_attention").triton_paged_attention
+        module = importlib.import_module(f"{fast}.triton_paged_attention")
         reference = importlib.import_module(f"{STAGES[stage]}.paged_attention").paged_attention
         split_kv = importlib.import_module(f"{fast}.split_kv").split_kv_attention
-        kernels[f"{stage} triton"] = lambda *args, splits, k=triton: k(*args, num_splits=splits)
+        for precision in module.PRECISIONS:
+            kernels[f"{stage} triton {precision}"] = lambda *args, splits, m=module, p=precision: (
+                m.triton_paged_attention(*args, num_splits=splits, config=default_launch(m, args, p))
+            )
         kernels[f"{stage} torch"] = lambda *args, splits, k=reference, s=split_kv: (
             k(*args) if splits == 1 else s(*args, num_splits=splits)
         )
@@ -148,7 +154,19 @@ def check_kernels() -> tuple[bool, str]:
                     if not error < 2e-5:
                         failed.append(f"{name} {case[:3]} head_dim {head_dim}, {splits} splits: {error:.1e}")
     line = f"{total - len(failed)}/{total} cases match dense attention (largest difference {worst:.1e})"
-    return not failed, line + "".join(f"\n      FAILED {f}" for f in failed[:5])
+    triton = ", ".join(f"{sum(f'triton {p} ' in f for f in failed)} failed with {p} dots" for p in ("ieee", "tf32x3"))
+    return not failed, f"{line}; Triton: {triton}" + "".join(f"\n      FAILED {f}" for f in failed[:5])
+
+
+def default_launch(module, args: tuple, precision: str):
+    """The launch ``module.triton_paged_attention`` takes by default for the case ``args`` on a GPU
+    (``choose_launch``), with its dots in ``precision``."""
+    q, k_pool, _, block_tables = args[:4]
+    n_tok, n_heads = q.shape[:2]
+    block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
+    n_seqs, max_positions = block_tables.shape[0], block_tables.shape[1] * block_size
+    launch = module.choose_launch(n_tok, n_seqs, n_heads // n_kv, max_positions, interpreted=False)
+    return dataclasses.replace(launch, precision=precision)
 
 
 def run_step(step: Step, log: Path, timeout: float) -> tuple[bool, str]:

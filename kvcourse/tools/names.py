@@ -206,6 +206,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "fast/triton_paged_attention.py:LaunchConfig.tile_n": ("engine.py:Engine(kv_pages_per_block=)", "pages per KV block"),
     "fast/triton_paged_attention.py:LaunchConfig.num_warps": ("", "a GPU launch setting; Pallas TPU has none"),
     "fast/triton_paged_attention.py:LaunchConfig.num_stages": ("", "a GPU launch setting; Pallas pipelines the block copies itself"),
+    "fast/triton_paged_attention.py:LaunchConfig.prefetch": ("", "a GPU loop option; Pallas pipelines the block copies itself"),
+    "fast/triton_paged_attention.py:LaunchConfig.precision": ("", "every dot passes `precision=HIGHEST` (fp32 on any backend); no tensor-core option"),
     "fast/triton_paged_attention.py:choose_splits": ("", "no split-KV"),
     "fast/triton_paged_attention.py:choose_launch": ("engine.py:Engine(q_block=), engine.py:Engine(kv_pages_per_block=)", "block sizes are the caller's, bound into the kernel at build time"),
     "fast/triton_paged_attention.py:combine_function": ("", "JAX's reductions compile the same on every backend"),

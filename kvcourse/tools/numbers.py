@@ -103,6 +103,18 @@ SOURCES = {
         "bench.kernels:table",
         "tests/test_bench.py::test_quick_kernel_table_checks_and_times_every_kernel",
     ),
+    "kernel-resources": Source(
+        "python -m bench.kernels --resources --out bench/results/kernel-resources.json",
+        "bench/results/kernel-resources.json",
+        "bench.kernels:resources_results_table",
+        "tests/test_bench.py::test_kernel_resources_read_the_jits_build",
+    ),
+    "kernel-resources-prefill": Source(
+        "python -m bench.kernels --resources --prefill --out bench/results/kernel-resources-prefill.json",
+        "bench/results/kernel-resources-prefill.json",
+        "bench.kernels:resources_results_table",
+        "tests/test_bench.py::test_kernel_resources_read_the_jits_build",
+    ),
     "kernels-prefill-cuda": Source(
         "python -m bench.kernels --device cuda --prefill",
         "bench/results/kernels-prefill-cuda.json",
