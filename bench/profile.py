@@ -387,6 +387,11 @@ def kernel_table(kernels: dict) -> str:
     return "\n".join(lines)
 
 
+def kernel_results_table(results: dict) -> str:
+    """``kernel_table`` of a results file written with ``--torch-profiler`` or on a GPU (its ``kernels``)."""
+    return kernel_table(results["kernels"])
+
+
 def table(profiles: dict) -> str:
     """Markdown: per stage, each part's seconds over the run and ms per decode step."""
     names = list(profiles)

@@ -115,6 +115,19 @@ SOURCES = {
         "bench.kernels:resources_results_table",
         "tests/test_bench.py::test_kernel_resources_read_the_jits_build",
     ),
+    "decode-ops-before": Source(
+        "python -m bench.profile --device cpu --stages L4:cpp --torch-profiler "
+        "--out bench/results/decode-ops-before.json",
+        "bench/results/decode-ops-before.json",
+        "bench.profile:kernel_results_table",
+        "tests/test_bench.py::test_quick_profile_under_torch_profiler_on_the_cpu",
+    ),
+    "decode-ops": Source(
+        "python -m bench.profile --device cpu --stages L4:cpp --torch-profiler --out bench/results/decode-ops.json",
+        "bench/results/decode-ops.json",
+        "bench.profile:kernel_results_table",
+        "tests/test_bench.py::test_quick_profile_under_torch_profiler_on_the_cpu",
+    ),
     "kernels-prefill-cuda": Source(
         "python -m bench.kernels --device cuda --prefill",
         "bench/results/kernels-prefill-cuda.json",
