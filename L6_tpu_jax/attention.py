@@ -220,6 +220,28 @@ def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
     return attend
 
 
+def paged_attend_scanned(info: PageBatchInfo, pages_per_layer: int, kernel=ragged_paged_attention):
+    """``paged_attend`` for layers run as one ``lax.scan``: the cache is one pool of every layer's pages.
+
+    ``kv_pages`` is (L * P, page_size, 2 * H_kv, D), P = ``pages_per_layer``: layer l's page p is page
+    ``l * P + p``, and ``layer`` is the scan's traced index, so the layer's pages are found by
+    arithmetic. ``info`` names pages 0 .. P - 1; each layer shifts its destinations and page table by
+    ``l * P``, so the kernels read one ordinary pool. The pool is the scan's carry, written in place.
+
+    Example, P = 128: layer 2's view of page 5 is page 261 of the pool; INVALID stays INVALID.
+    """
+
+    def attend(kv_pages, layer, q, k, v):
+        first = layer * pages_per_layer  # this layer's page 0 in the pool
+        dests = jnp.where(info.new_token_dests >= 0, info.new_token_dests + first * kv_pages.shape[1], INVALID)
+        pages = jnp.where(info.page_indices >= 0, info.page_indices + first, INVALID)  # (S, pages_per_seq)
+        kv_pages = update_kv(kv_pages, dests, k, v)  # one scatter for all new tokens
+        out = kernel(q, kv_pages, info.seq_lens, pages, info.cu_q_lens, info.num_seqs)
+        return out, kv_pages
+
+    return attend
+
+
 def reference_kernel(q_block: int = 16, kv_pages_per_block: int = 16):
     """``ragged_paged_attention`` with these block sizes, ready for ``paged_attend``."""
     return functools.partial(ragged_paged_attention, q_block=q_block, kv_pages_per_block=kv_pages_per_block)
