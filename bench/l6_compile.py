@@ -125,8 +125,9 @@ def run_child(args, variant: str, autotune: str, phase: str, cache_dir: str) -> 
         return json.loads(Path(out.name).read_text(encoding="utf-8"))
 
 
-def table(rows: dict) -> str:
+def table(results: dict) -> str:
     """Markdown: per row, the first generate() cold and from the cache, the warm run, each program."""
+    rows = results["rows"]
     lines = ["| row | first generate() s | from the cache s | warm s | program | StableHLO ops | dots | XLA compile s |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, r in rows.items():
@@ -178,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = {"scan_layers": VARIANTS[variant], "autotune_level": level}
                 rows[name]["cold"] = run_child(args, variant, level, "cold", cache_dir)
                 rows[name]["cache"] = run_child(args, variant, level, "cache", cache_dir)
-    print(table(rows))
     command = "python -m bench.l6_compile " + " ".join(argv if argv is not None else sys.argv[1:])
     kind = next(iter(rows.values()))["cold"]["device_kind"]
     machine = kind if args.device == "cuda" else f"{cpu_name()}, {os.cpu_count()} cores"
     results = {"command": command.strip(), **provenance(), "machine": machine, "jax": jax.__version__,
                "device": args.device, "quick": args.quick, "load_average_before": load_before,
                "load_average_after": os.getloadavg()[0], "rows": rows}  # fmt: skip
+    print(table(results))
     path = args.out or (None if args.quick else f"bench/results/l6-compile-{args.device}.json")
     if path:
         Path(path).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")

@@ -3,6 +3,8 @@ the same tokens as HF, the pools still donated, and a second prompt length in a 
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +87,24 @@ def test_hlo_size_counts_operations_and_dots():
 
     text = "func.func @main() {\n  %0 = stablehlo.dot_general %a, %b\n  %1 = stablehlo.add %0, %0\n}"
     assert hlo_size(text) == {"ops": 2, "dots": 1, "chars": len(text)}
+
+
+def test_quick_l6_compile_measures_unrolled_and_scanned_in_fresh_processes(tmp_path):
+    """``bench.l6_compile --quick``: both rows, each program's size and compile seconds, nothing traced
+    again for other prompt lengths, and the scan's programs hold one layer's dots, not every layer's."""
+    from bench.l6_compile import main, table
+
+    out = tmp_path / "l6-compile.json"
+    assert main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    results = json.loads(out.read_text(encoding="utf-8"))
+    rows = results["rows"]
+    assert list(rows) == ["unrolled", "scanned"]
+    for row in rows.values():
+        cold = row["cold"]
+        assert cold["compiles_after_other_lengths"] == cold["compiles_after_first"] == {"prefill": 1, "decode": 1}
+        assert set(cold["programs"]) == set(row["cache"]["programs"])
+        assert all(p["XLA compile_s"] > 0 and p["ops"] > 0 for p in cold["programs"].values())
+    unrolled, scanned = (rows[r]["cold"]["programs"] for r in ("unrolled", "scanned"))
+    for name in unrolled:  # the tiny model's 2 layers: 9 dots each plus the head, against 9 plus the head
+        assert (unrolled[name]["dots"], scanned[name]["dots"]) == (19, 10), name
+    assert "| unrolled |" in table(results)
