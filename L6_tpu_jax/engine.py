@@ -50,7 +50,7 @@ from kvcourse.model_store import resolve_model_dir
 from kvcourse.stats import EngineStats
 
 from . import decode_state as ds
-from .attention import paged_attend, paged_attend_scanned, reference_decode_kernel, reference_kernel
+from .attention import paged_attend, reference_decode_kernel, reference_kernel
 from .device_stats import Totals, count_step, record_peaks
 from .kv_cache import init_kv_pages
 from .page_table import INVALID, allocate_for_seq, cdiv, pages_for
@@ -172,14 +172,15 @@ class Engine:
         state = count_step(replace(state, sequences=seqs, page_table=pages), info)
         n_out = min(tokens.shape[0], self.max_num_seqs)  # a batch holds at most that many sequences
         logits_at = jnp.maximum(info.cu_q_lens[1 : n_out + 1] - 1, 0)  # (n_out,) each sequence's last row
-        attend, kv = paged_attend(info, kernel), kv_pages
-        if self.scan_layers:  # the stacked pool, viewed flat: layer l's page p is page l * P + p
-            attend = paged_attend_scanned(info, self.num_pages, kernel)
-            kv = kv_pages[0].reshape(-1, *kv_pages[0].shape[2:])  # (L * P, page_size, 2 * H_kv, D)
-        logits, kv = forward(
-            self.cfg, params, jnp.maximum(tokens, 0), jnp.maximum(pos_ids, 0), attend, kv, logits_at
+        logits, kv_pages = forward(
+            self.cfg,
+            params,
+            jnp.maximum(tokens, 0),
+            jnp.maximum(pos_ids, 0),
+            paged_attend(info, kernel),
+            kv_pages,
+            logits_at,
         )  # (n_out, vocab)
-        kv_pages = (kv.reshape(kv_pages[0].shape),) if self.scan_layers else kv
         picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (n_out,) greedy, in batch order
         sampled = jnp.pad(picked, (0, self.max_num_seqs - n_out))  # (S,) padding rows are ignored
         return ds.update_tokens(state, info, sampled), kv_pages, info

@@ -25,10 +25,9 @@ and the caller's old arrays are deleted (using one again raises; chapter, sectio
 
 **Scanned layers** (``Engine(scan_layers=True)``, ``kvcourse/jax_model.py``): a scan hands each layer
 its index as a traced number, which cannot pick an entry of a Python tuple. Then the tuple holds one
-array, every layer's pages stacked, (L, P, page_size, 2 * H_kv, D), and the engine passes the model
-its flat view (L * P, ...), a reshape, no copy, which the scan carries and each layer writes in place
-at its own offset (``attention.paged_attend_scanned``). Carried as (L, P, ...) and sliced per layer,
-it would be copied at every layer (the second bullet of the chapter's section 5).
+array, every layer's pages stacked, (L, P, page_size, 2 * H_kv, D), which the scan carries whole:
+each layer views it flat, (L * P, ...), a reshape, no copy, and writes its pages in place at its own
+offset (``attention.paged_attend``).
 
 Left out on purpose: quantized KV.
 """

@@ -108,3 +108,17 @@ def test_quick_l6_compile_measures_unrolled_and_scanned_in_fresh_processes(tmp_p
     for name in unrolled:  # the tiny model's 2 layers: 9 dots each plus the head, against 9 plus the head
         assert (unrolled[name]["dots"], scanned[name]["dots"]) == (19, 10), name
     assert "| unrolled |" in table(results)
+
+
+def test_the_scanned_decode_program_never_copies_the_pool(tiny_llama_dir):
+    """The stacked pool is the scan's carry, viewed flat inside each layer (a reshape): XLA's optimized
+    decode program holds no copy of a pool-sized array (a copy would cost a pass over every page, every
+    layer of every step)."""
+    engine = Engine(tiny_llama_dir, max_num_seqs=4, num_pages=40, scan_layers=True)
+    (pool,) = engine.kv_pages  # (L, P, page_size, 2 * H_kv, D)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (engine.params, engine.state, engine.kv_pages))
+    hlo = engine._decode.lower(*shapes, 4).compile().as_text()
+    flat = (pool.shape[0] * pool.shape[1], *pool.shape[2:])
+    pool_sized = [f"f32[{','.join(map(str, s))}]" for s in (pool.shape, flat)]
+    copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and any(s in line for s in pool_sized)]
+    assert not copies, f"{len(copies)} pool-sized copies in the decode program, e.g. {copies[0][:200]}"
