@@ -24,11 +24,12 @@ The layers run one of two ways, chosen by the shape of ``Params.layers``:
   the index as a traced int32 scalar. Levanter does this by default (``LlamaConfig.scan_layers =
   True`` in ``src/levanter/models/llama.py``, commit 9263f81e, September 2025).
 
-Same products in the same order, so the same bits (``tests/test_l6_model.py`` compares the logits).
-What each costs: the unrolled program is 30x larger and takes that much longer to compile (the
-first run's main cost); in the scan each iteration slices its layer's weights out of the stack,
-and XLA's CPU backend copies that slice before its matrix products, one more pass over the 538 MB
-of weights per forward (L6 chapter, sections 5 and 13). A scanned cache has a trap of its own:
+Same products in the same order, so the same bits (``tests/test_l6_scan.py`` compares the logits).
+What each costs (``python -m bench.l6_compile``; L6 chapter, sections 5 and 13): the unrolled program
+holds 271 dot products against the scan's 10, and XLA takes longer to compile it (on a GPU also to
+autotune each product); in the scan each iteration slices its layer's weights out of the stack, and
+XLA's CPU backend copies that slice before its matrix products, one more pass over the 538 MB of
+weights per forward. A scanned cache has a trap of its own:
 scanning over the cache as an input and stacking each layer's result as an output builds a new
 cache every call, so the cache is the scan's carry instead (L6: one pool of every layer's pages).
 
