@@ -208,14 +208,28 @@ def decode_only_paged_attention(
 def paged_attend(info: PageBatchInfo, kernel=ragged_paged_attention):
     """The model's ``attend`` callback for one forward call: store this layer's new K/V, then attend.
 
-    Returns ``attend(kv_pages, layer, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``;
-    kv_pages is the tuple of every layer's pool, and only entry ``layer`` changes.
+    Returns ``attend(kv_pages, layer, q, k, v) -> (out, kv_pages)`` for ``kvcourse.jax_model.forward``.
+    Layers unrolled (``layer`` a Python int): kv_pages is the tuple of every layer's pool, and only
+    entry ``layer`` changes. Layers scanned (``layer`` the scan's traced index, which cannot pick a
+    tuple entry): kv_pages is a tuple of one pool of every layer's pages, (L, P, page_size, 2 * H_kv,
+    D), viewed flat, (L * P, ...), where layer l's page p is page ``l * P + p``; the batch's destinations
+    and page table are shifted by ``l * P``, so the write and the kernels are the same.
+
+    Example, P = 128, scanned: layer 2's view of page 5 is page 261 of the flat pool; INVALID stays INVALID.
     """
 
     def attend(kv_pages, layer, q, k, v):
-        pool = update_kv(kv_pages[layer], info.new_token_dests, k, v)  # one scatter for all new tokens
-        out = kernel(q, pool, info.seq_lens, info.page_indices, info.cu_q_lens, info.num_seqs)
-        return out, kv_pages[:layer] + (pool,) + kv_pages[layer + 1 :]
+        if isinstance(layer, int):
+            pool = update_kv(kv_pages[layer], info.new_token_dests, k, v)  # one scatter for all new tokens
+            out = kernel(q, pool, info.seq_lens, info.page_indices, info.cu_q_lens, info.num_seqs)
+            return out, kv_pages[:layer] + (pool,) + kv_pages[layer + 1 :]
+        (stacked,) = kv_pages  # (L, P, page_size, 2 * H_kv, D)
+        first = layer * stacked.shape[1]  # this layer's page 0 in the flat pool
+        dests = jnp.where(info.new_token_dests >= 0, info.new_token_dests + first * stacked.shape[2], INVALID)
+        pages = jnp.where(info.page_indices >= 0, info.page_indices + first, INVALID)  # (S, pages_per_seq)
+        pool = update_kv(stacked.reshape(-1, *stacked.shape[2:]), dests, k, v)  # (L * P, ...): a view
+        out = kernel(q, pool, info.seq_lens, pages, info.cu_q_lens, info.num_seqs)
+        return out, (pool.reshape(stacked.shape),)
 
     return attend
 

@@ -12,7 +12,12 @@
                                       (cleanup="incremental"); as wide as the running sequences,
                                       rounded up to a power of two (one compile per width)
 
-The weights, the state and the pages live on ``device``. ``cleanup`` says when a finished sequence's
+The weights, the state and the pages live on ``device``. ``scan_layers`` runs the model's layers as one
+``lax.scan`` over stacked weights (one layer compiled, not thirty: ``kvcourse/jax_model.py``); by
+default on a GPU or TPU, where compiling is the first run's main cost, and not on a CPU, where the
+scan copies each layer's weights every forward (chapter, section 13). ``autotune_level``, on a GPU
+only, is XLA's ``xla_gpu_autotune_level`` for this engine's programs (0: no GEMM autotuning; None:
+XLA's default). ``cleanup`` says when a finished sequence's
 pages go back: ``"incremental"`` in the decode loop, ``"end"`` after each host call, ``"none"`` at the
 next ``generate`` (Levanter's behaviour as its February 2026 notes describe it). The host admits a
 prompt only if the pool can hold it to its full max_new_tokens beside what running sequences may still grow
@@ -33,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvcourse.devices import describe_jax_device, jax_device, jax_kv_bytes_for_fraction
-from kvcourse.jax_model import forward, load_params
+from kvcourse.jax_model import forward, load_params, stack_layers
 from kvcourse.limits import (
     blocks_for_bytes,
     bytes_note,
@@ -87,6 +92,8 @@ class Engine:
         q_block: int = 16,
         kv_pages_per_block: int = 16,
         decode_kv_pages_per_block: int = 4,
+        scan_layers: bool | None = None,
+        autotune_level: int | None = None,
     ):
         for name, value, choices in (
             ("cleanup", cleanup, CLEANUPS),
@@ -104,6 +111,9 @@ class Engine:
         self.model_dir = resolve_model_dir(model_dir)
         with jax.default_device(self.device):  # made where they will live, not on JAX's default device
             self.cfg, params = load_params(self.model_dir)
+            self.scan_layers = self.platform != "cpu" if scan_layers is None else scan_layers
+            if self.scan_layers:
+                params = stack_layers(params)  # each weight (L, ...)
         cfg = self.cfg
         self.max_model_len = resolve_max_model_len(max_model_len, cfg)
         self.page_size, self.max_num_seqs, self.max_rounds = page_size, max_num_seqs, max_rounds
@@ -135,15 +145,19 @@ class Engine:
                 max_num_seqs, self.pages_per_seq, self.num_pages, page_size, self.max_model_len, stop
             )
             kv_pages = init_kv_pages(
-                cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim
+                cfg.num_layers, self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, self.scan_layers
             )
         # Committed to the device: every jit'd call runs there, and copies its NumPy inputs there.
         self.params, self.state, self.kv_pages = jax.device_put((params, state, kv_pages), self.device)
         self.traces: Counter[str] = Counter()  # how often each jit'd function was traced (= compiled)
         # Donated pools (argument 2): XLA writes the new pools into the old buffers, so a call holds one
         # pool, not two; the old arrays are deleted, hence self.kv_pages = the call's output at once.
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,), static_argnums=(3,))
+        gpu_options = {"xla_gpu_autotune_level": autotune_level} if autotune_level is not None else None
+        options = gpu_options if self.platform == "gpu" else None  # a GPU flag: other backends ignore it
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(2,), compiler_options=options)
+        self._decode = jax.jit(
+            self._decode_fn, donate_argnums=(2,), static_argnums=(3,), compiler_options=options
+        )
         self._free = jax.jit(ds.free_finished)
         self._reset_logical = jax.jit(ds.reset_logical)
         self._zero = jax.jit(lambda pools: jax.tree.map(jnp.zeros_like, pools))
@@ -257,13 +271,15 @@ class Engine:
     def describe(self) -> str:
         """Where and how this engine runs, in one line.
 
-        Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers``.
+        Example: ``L6 on cpu:0 (cpu), JAX 0.10.2: reference attention, 30 layers`` (``, scanned`` when
+        ``scan_layers``).
         """
         kernel = "reference attention"
         if self.attention == "pallas":
             kernel = "Pallas TPU kernel" + (", TPU interpret mode" if self.platform != "tpu" else "")
         where = describe_jax_device(self.device)
-        return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {self.cfg.num_layers} layers"
+        layers = f"{self.cfg.num_layers} layers" + (", scanned" if self.scan_layers else "")
+        return f"L6 on {where}, JAX {jax.__version__}: {kernel}, {layers}"
 
     def occupancy(self) -> dict[str, int]:
         """Active slots, pages in use, free pages and the largest refcount right now."""

@@ -23,6 +23,12 @@ them, and hold two copies at its peak. ``Engine.__init__`` (and ``MeshEngine``) 
 decode calls with ``donate_argnums=(2,)``, the pools' tuple: the outputs reuse the inputs' buffers,
 and the caller's old arrays are deleted (using one again raises; chapter, section 5).
 
+**Scanned layers** (``Engine(scan_layers=True)``, ``kvcourse/jax_model.py``): a scan hands each layer
+its index as a traced number, which cannot pick an entry of a Python tuple. Then the tuple holds one
+array, every layer's pages stacked, (L, P, page_size, 2 * H_kv, D), which the scan carries whole:
+each layer views it flat, (L * P, ...), a reshape, no copy, and writes its pages in place at its own
+offset (``attention.paged_attend``).
+
 Left out on purpose: quantized KV.
 """
 
@@ -32,9 +38,14 @@ import jax
 import jax.numpy as jnp
 
 
-def init_kv_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
-    """All-zero pools, one per layer: a tuple of L arrays (P, page_size, 2 * H_kv, D) fp32."""
+def init_kv_pages(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, stacked: bool = False
+):
+    """All-zero pools, one per layer: a tuple of L arrays (P, page_size, 2 * H_kv, D) fp32; ``stacked``:
+    a tuple of one array (L, P, page_size, 2 * H_kv, D), for scanned layers."""
     shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
+    if stacked:
+        return (jnp.zeros((num_layers, *shape), jnp.float32),)
     return tuple(jnp.zeros(shape, jnp.float32) for _ in range(num_layers))
 
 
@@ -62,8 +73,12 @@ def update_kv(kv_pages: jax.Array, dests: jax.Array, k: jax.Array, v: jax.Array)
 def copy_page(kv_pages: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
     """Copy page ``src`` to page ``dst`` in every layer's pool (a clone's private last page); INVALID dst = no-op.
 
-    kv_pages: a tuple of L pools (P, page_size, 2 * H_kv, D).
+    kv_pages: a tuple of L pools (P, page_size, 2 * H_kv, D), or of one stacked (L, P, ...) pool.
     """
+    if kv_pages[0].ndim == 5:  # stacked: the same page of every layer at once
+        (pool,) = kv_pages
+        to = jnp.where(dst >= 0, dst, pool.shape[1])  # INVALID -> out of range -> dropped
+        return (pool.at[:, to].set(pool[:, jnp.maximum(src, 0)], mode="drop"),)
     n_pages = kv_pages[0].shape[0]
     to = jnp.where(dst >= 0, dst, n_pages)  # INVALID -> out of range -> dropped
     return tuple(pool.at[to].set(pool[jnp.maximum(src, 0)], mode="drop") for pool in kv_pages)

@@ -8,6 +8,7 @@
     serving      a request stream served in real time at a fixed KV memory (the vLLM paper's test)
     profile      where a step's time goes; ``decode_cost``, ``reference_kernel``, ``matvec``,
                  ``sharing`` and ``beam_memory``: the chapters' single-purpose tables
+    l6_compile   what L6's first run compiles, its layers unrolled against scanned
 
 Each bench module imports torch before ``kvcourse``, so ``kvcourse``'s default of
 ``OMP_WAIT_POLICY=PASSIVE`` comes after torch's OpenMP has read its setting and changes nothing here:

@@ -10,19 +10,28 @@ and ``attend`` returns the attention output *and* the updated cache::
 
     attend(kv, layer, q, k, v) -> (out, kv)   # q: (T, H, D), k/v: (T, H_kv, D) after RoPE; out: (T, H, D)
 
-``kv`` is whatever the caller keeps (L6: a tuple of page pools, one per layer), or ``None`` for no cache.
+``kv`` is whatever the caller keeps (L6: a tuple of page pools, one per layer, or one pool holding every
+layer's pages when the layers are scanned), or ``None`` for no cache.
 ``attend`` writes layer ``layer``'s new K/V, reads its history in place, and returns the cache with only
 that layer's part changed.
 
-The layers are a Python loop over a tuple of per-layer weights, unrolled when ``jit`` traces it.
-Levanter by default stacks every layer's weights along a leading axis and scans over them
-(``LlamaConfig.scan_layers = True`` in ``src/levanter/models/llama.py``, commit 9263f81e, September
-2025; XLA compiles one layer, not thirty). On XLA's CPU backend the scan made every batch-1 forward
-slower than the unrolled loop (this model was a scan from commit 003fa81 until bd43f26, and again in
-81e8497, taken out in 430207e; chapter, sections 5 and 13): each iteration slices its layer's weights
-out of the stack, and the CPU matmul library gets a fresh copy of them (all 538 MB per token). A
-scanned cache has the same trap: scanning over the cache as an input and stacking each layer's result
-as an output builds a new cache every call.
+The layers run one of two ways, chosen by the shape of ``Params.layers``:
+
+- a tuple of per-layer weights (``load_params``): a Python loop, unrolled when ``jit`` traces it, so
+  the program holds thirty copies of the layer and ``attend`` gets the layer's index as a Python int;
+- one ``LayerParams`` whose every field is stacked along a leading layer axis (``stack_layers``): one
+  ``jax.lax.scan`` over the stack, so the program holds one layer, run L times, and ``attend`` gets
+  the index as a traced int32 scalar. Levanter does this by default (``LlamaConfig.scan_layers =
+  True`` in ``src/levanter/models/llama.py``, commit 9263f81e, September 2025).
+
+Same products in the same order, so the same bits (``tests/test_l6_scan.py`` compares the logits).
+What each costs (``python -m bench.l6_compile``; L6 chapter, sections 5 and 13): the unrolled program
+holds 271 dot products against the scan's 10, and XLA takes longer to compile it (on a GPU also to
+autotune each product); in the scan each iteration slices its layer's weights out of the stack, and
+XLA's CPU backend copies that slice before its matrix products, one more pass over the 538 MB of
+weights per forward. A scanned cache has a trap of its own:
+scanning over the cache as an input and stacking each layer's result as an output builds a new
+cache every call, so the cache is the scan's carry instead (L6: one pool of every layer's pages).
 
 Every matrix product passes ``precision=HIGHEST``. The default precision, in jax 0.10.2's words
 (``jax.lax.Precision``), "On TPU: performs float32 computations in bfloat16" and on a GPU "uses
@@ -35,7 +44,7 @@ Left out on purpose: sharding across devices, dtypes other than fp32, and traini
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +55,7 @@ from kvcourse.config import ModelConfig
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
-Attend = Callable[[Any, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+Attend = Callable[[Any, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]  # layer: int or traced
 
 
 @jax.tree_util.register_dataclass
@@ -75,7 +84,7 @@ class LayerParams:
 @dataclass(frozen=True)
 class Params:
     embed: jax.Array  # (vocab, hidden)
-    layers: tuple[LayerParams, ...]  # one per layer
+    layers: tuple[LayerParams, ...] | LayerParams  # one per layer, or stacked: each field (L, ...)
     final_norm: jax.Array  # (hidden,)
     lm_head: jax.Array  # (hidden, vocab); the embedding transposed when tied
     rope_cos: jax.Array  # (max_positions, D) cos of every position's angles, from the torch model
@@ -115,6 +124,16 @@ def load_params(model_dir: str | Path, cfg: ModelConfig | None = None) -> tuple[
         rope_sin=jnp.asarray(sin.numpy()),
     )
     return cfg, params
+
+
+def stack_layers(params: Params) -> Params:
+    """The same weights with the layers stacked: one ``LayerParams`` whose fields are (L, ...), for the scan.
+
+    Example: 30 layers' ``q_proj`` (576, 576) each -> one ``q_proj`` (30, 576, 576).
+    """
+    if isinstance(params.layers, LayerParams):
+        return params
+    return replace(params, layers=jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -159,14 +178,15 @@ def forward(
     """Run every layer over T flat tokens; return (logits, updated kv_cache).
 
     token_ids, positions: (T,) int32. ``kv_cache`` (or None) goes whole to ``attend`` with each layer's
-    index and comes back updated. ``logits_at`` picks the rows that need logits (default: all T).
+    index (a Python int when ``params.layers`` is a tuple, a traced int32 scalar when it is stacked)
+    and comes back updated. ``logits_at`` picks the rows that need logits (default: all T).
     Returns ((N, vocab), kv_cache).
     """
     eps, n_tok = cfg.rms_norm_eps, token_ids.shape[0]
     n_heads, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = params.rope_cos[positions], params.rope_sin[positions]  # (T, D) each
-    x = params.embed[token_ids]  # (T, hidden)
-    for i, lw in enumerate(params.layers):  # unrolled while tracing: each layer reads its own weights
+
+    def one_layer(x, kv_cache, lw: LayerParams, i):
         h = rms_norm(x, lw.input_norm, eps)  # (T, hidden)
         q = linear(h, lw.q_proj, lw.q_bias).reshape(n_tok, n_heads, d)  # (T, H, D)
         k = linear(h, lw.k_proj, lw.k_bias).reshape(n_tok, n_kv, d)  # (T, H_kv, D)
@@ -178,7 +198,20 @@ def forward(
         o, kv_cache = attend(kv_cache, i, q, k, v)  # (T, H, D): the only stage-specific line
         x = x + linear(o.reshape(n_tok, n_heads * d), lw.o_proj, lw.o_bias)  # (T, hidden)
         h = rms_norm(x, lw.post_norm, eps)
-        x = x + swiglu_mlp(h, lw.gate_proj, lw.up_proj, lw.down_proj)
+        return x + swiglu_mlp(h, lw.gate_proj, lw.up_proj, lw.down_proj), kv_cache
+
+    x = params.embed[token_ids]  # (T, hidden)
+    if isinstance(params.layers, LayerParams):  # stacked: one layer compiled, run L times
+
+        def scanned(carry, layer):
+            lw, i = layer  # this layer's weights, sliced out of the stack by scan, and its index
+            return one_layer(*carry, lw, i), None
+
+        index = jnp.arange(cfg.num_layers, dtype=jnp.int32)  # (L,)
+        (x, kv_cache), _ = jax.lax.scan(scanned, (x, kv_cache), (params.layers, index))
+    else:
+        for i, lw in enumerate(params.layers):  # unrolled while tracing: each layer reads its own weights
+            x, kv_cache = one_layer(x, kv_cache, lw, i)
     if logits_at is not None:
         x = x[logits_at]  # (N, hidden)
     return linear(rms_norm(x, params.final_norm, eps), params.lm_head), kv_cache  # (N, vocab)

@@ -19,7 +19,9 @@ in one process or in several (``../l6_multihost.py``): ``lessons/diffs/L6_mesh.d
 The multi-host rules hold by construction: every host makes the same jit calls in the same order with
 the same shapes, host-only code reads local copies, and reset is never skipped.
 
-Left out on purpose: sharding heads over a ``model`` axis, and what ``../engine.py`` leaves out.
+Left out on purpose: sharding heads over a ``model`` axis, ``Engine``'s ``scan_layers`` and
+``autotune_level`` (the layers stay a loop here, and the pools a tuple sharded by pages), and what
+``../engine.py`` leaves out.
 """
 
 from __future__ import annotations

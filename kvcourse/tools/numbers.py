@@ -183,6 +183,12 @@ SOURCES = {
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=4,
     ),
+    "l6-compile": Source(
+        "python -m bench.l6_compile --device cpu",
+        "bench/results/l6-compile-cpu.json",
+        "bench.l6_compile:table",
+        "tests/test_l6_scan.py::test_quick_l6_compile_measures_unrolled_and_scanned_in_fresh_processes",
+    ),
     "l5-sharing-samples": Source(
         "python -m bench.sharing",
         "bench/results/sharing.json",
