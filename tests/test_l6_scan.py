@@ -122,3 +122,12 @@ def test_the_scanned_decode_program_never_copies_the_pool(tiny_llama_dir):
     pool_sized = [f"f32[{','.join(map(str, s))}]" for s in (pool.shape, flat)]
     copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and any(s in line for s in pool_sized)]
     assert not copies, f"{len(copies)} pool-sized copies in the decode program, e.g. {copies[0][:200]}"
+
+
+def test_scanned_engine_with_the_pallas_kernel_equals_hf(tiny_llama_dir):
+    """The Pallas kernel (TPU interpret mode here) reads the scanned engine's flat pool through the
+    shifted page table, as the reference does."""
+    prompts = [[5, 17, 300, 42, 7], list(range(200, 221))]
+    expected = [r.tokens for r in hf_greedy(tiny_llama_dir, prompts, [6, 6])]
+    engine = Engine(tiny_llama_dir, max_num_seqs=2, scan_layers=True, attention="pallas")
+    assert engine.generate(prompts, 6) == expected
