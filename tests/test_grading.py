@@ -31,6 +31,7 @@ import submissions
 
 from kvcourse.grading import exercises
 from kvcourse.grading import gradebook as grade_module
+from kvcourse.grading import isolated
 from kvcourse.grading.cases import CallLimit, Case, run_cases, tensor_problem
 from kvcourse.grading.exercises import LINK_RE, relinked
 from kvcourse.grading.sandbox import Sandbox, bwrap_works
@@ -444,8 +445,9 @@ def test_tensor_problem_names_the_rows():
 
 def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path):
     """What make grade runs (no kernel here): the learner's exercise cells and added cells where the
-    learner put them; the key's setup and check cells whatever the learner did to them; a hidden-case
-    cell after each check cell; demo cells left out."""
+    learner put them; the key's setup and check cells whatever the learner did to them; no cell of the
+    grader's (the hidden cases run in a process of their own); demo cells left out. The isolated run
+    takes the definitions of the learner's cells only."""
     key = exercises.read(ROOT / "notebooks" / "L2_token_flat.ipynb")
     nb = exercises.put_back(key, {1: "return []\n"})
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -458,7 +460,7 @@ def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path)
     nb.cells.insert(nb.cells.index(stub2), helper)
     nb.cells[nb.cells.index(stub2)] = answer2  # L2.2's stub cell deleted, its answer in a new cell
     exs = grade_module.exercises_of(key)
-    cells = grade_module.build_run(nb, key, exs, None, "L2_token_flat", 5, tmp_path, 10)
+    cells = grade_module.build_run(nb, key, exs, None)
     roles = [(c.role, c.exercise_id) for c in cells]
     sources = [c.source for c in cells]
     key_code = [c for c in key.cells if c.cell_type == "code" and "demo" not in c.metadata.get("tags", [])]
@@ -467,9 +469,10 @@ def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path)
     assert sources.count(helper.source) == 1 and sources.count(answer2.source) == 1
     assert sources.index(helper.source) < sources.index(answer2.source)
     assert not any('"Exercise L2.2' in s for s in sources)  # the deleted stub does not come back
-    assert roles.count(("check", "L2.1")) == 1 and roles.count(("hidden", "L2.3")) == 1
-    assert [r for r in roles if r[0] in ("check", "hidden")] == [
-        (kind, f"L2.{k}") for k in range(1, len(exs) + 1) for kind in ("check", "hidden")
-    ]
-    assert "seed=5" in sources[roles.index(("hidden", "L2.1"))]
+    assert {r[0] for r in roles} == {"course", "learner", "check"}
+    assert [r for r in roles if r[0] == "check"] == [("check", f"L2.{k}") for k in range(1, len(exs) + 1)]
     assert roles[sources.index(answer2.source)] == ("learner", "L2.2")
+    first_check = next(c for c in key.cells if exercises.CHECK_MARKER in c.source)
+    assert grade_module.check_args(first_check.source) == "alloc_blocks"
+    cell = "import os\nos.remove('x')\nchecks.check_free = print\nLIMIT = 3\ndef f():\n    return LIMIT"
+    assert isolated.definitions(cell) == "import os\nLIMIT = 3\n\ndef f():\n    return LIMIT"

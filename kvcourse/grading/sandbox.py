@@ -87,8 +87,9 @@ class Sandbox:
         history that holds it."""
         return [self.repo / "key", self.repo / ".git"] + ([self.key] if self.key else [])
 
-    def wrap(self, argv: list[str], workdir: Path) -> tuple[list[str], Callable[[], None]]:
-        """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits."""
+    def wrap(self, argv: list[str], workdir: Path | None) -> tuple[list[str], Callable[[], None]]:
+        """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits;
+        ``workdir`` is the one folder it may write (None: none, its private /tmp aside)."""
         return (self._bwrap(workdir) + argv if self.use_bwrap else argv), self._limits
 
     def needed(self) -> list[Path]:
@@ -102,7 +103,7 @@ class Sandbox:
         }
         return sorted(p for p in found if p.is_relative_to("/tmp") and p.exists())
 
-    def _bwrap(self, workdir: Path) -> list[str]:
+    def _bwrap(self, workdir: Path | None) -> list[str]:
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
         for path in self.needed():  # brought back, still read-only, into the empty /tmp
             args += ["--ro-bind", str(path), str(path)]
@@ -112,7 +113,8 @@ class Sandbox:
                 args += ["--tmpfs", str(path)]
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
-        args += ["--bind", str(workdir), str(workdir)]  # after /tmp's tmpfs: the work folder stays
+        if workdir is not None:
+            args += ["--bind", str(workdir), str(workdir)]  # after /tmp's tmpfs: the work folder stays
         args += ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(self.repo)]
         return args + ["--"]
 
