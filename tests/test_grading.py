@@ -29,12 +29,11 @@ import nbformat
 import pytest
 import submissions
 
-from kvcourse.grading import exercises
+from kvcourse.grading import exercises, isolated
 from kvcourse.grading import gradebook as grade_module
-from kvcourse.grading import isolated
 from kvcourse.grading.cases import CallLimit, Case, run_cases, tensor_problem
 from kvcourse.grading.exercises import LINK_RE, relinked
-from kvcourse.grading.sandbox import Sandbox, bwrap_works
+from kvcourse.grading.sandbox import SYSTEM, Sandbox, bwrap_works
 from kvcourse.grading.workspace import make_workspace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,12 +189,17 @@ def test_a_class_gets_an_honest_row_each(tmp_path):
     escape = ROOT / "ESCAPED_BY_A_SUBMISSION"
     boxed = bwrap_works() is None
     submissions.write_class(tmp_path, escape=(escape, port) if boxed else None)
-    result = grade("--dir", str(tmp_path), "--timeout", "30", "--seed", "7")
+    unsafe = [] if boxed else ["--no-sandbox"]  # refused otherwise, and every row says so
+    result = grade("--dir", str(tmp_path), "--timeout", "30", "--seed", "7", *unsafe)
     assert result.returncode == 0, report(result)
     rows = {
         row["notebook"].removesuffix(".ipynb"): row
         for row in csv.DictReader((tmp_path / "gradebook.csv").open())
     }
+    for row in rows.values():
+        if not boxed:
+            assert grade_module.UNSAFE_NOTE in row["note"], row
+        row["note"] = "; ".join(n for n in row["note"].split("; ") if n not in ("", grade_module.UNSAFE_NOTE))
     expected = dict(submissions.EXPECTED, **({"escaping": submissions.ESCAPING} if boxed else {}))
     assert rows.keys() == expected.keys(), report(result)
     for name, (marks, note) in expected.items():
@@ -221,7 +225,9 @@ def test_a_typo_in_ex_is_one_line():
 @pytest.mark.skipif(bwrap_works() is not None, reason=f"optional dependency missing: {bwrap_works()}")
 def test_the_sandbox_holds_a_process_in(tmp_path):
     """What ``make grade`` runs a submission in: the repository read-only, the answer key covered, no
-    network (not even the host's loopback), a private /tmp, and one writable work folder."""
+    network (not even the host's loopback), a private /tmp, one writable work folder, and nothing else
+    of the machine but the read-only runtime: no home folder, no sibling of the folders it needs (the
+    full course a venv or cache lives in), no process of the grader in its /proc."""
     listener = socket.create_server(("127.0.0.1", 0))
     outside = Path(tempfile.mkdtemp(prefix="kvcourse-outside-"))  # the host's /tmp, which the box hides
     probe = f"""
@@ -243,6 +249,10 @@ def read(path):
     except OSError as e:
         return type(e).__name__
 print("key", os.listdir({str(ROOT / "key")!r}), os.path.exists({str(ROOT / "key" / "L2_token_flat" / "answers.py")!r}))
+print("root", sorted(os.listdir("/")))
+print("procs", len([d for d in os.listdir("/proc") if d.isdigit()]))
+print("home", os.path.exists({str(Path.home())!r}))
+print("siblings", sorted({{str(p.parent) + "/" + n for p in map(pathlib.Path, {[str(p) for p in Sandbox.here(ROOT, 1, 1).needed()]!r}) for n in os.listdir(p.parent)}}))
 """
     box = Sandbox.here(ROOT, memory_bytes=4 << 30, cpu_seconds=60)
     argv, limits = box.wrap([sys.executable, "-c", probe], tmp_path)
@@ -254,6 +264,14 @@ print("key", os.listdir({str(ROOT / "key")!r}), os.path.exists({str(ROOT / "key"
     assert lines[1] != "net ok" and lines[2] != "outside ok", lines
     assert lines[4] == "tmp False", lines
     assert lines[5] == "key [] False", lines  # covered: key/ is an empty folder in the box
+    needed = box.needed()
+    runtime = {Path(p).name for p in SYSTEM} | {"dev", "proc", "tmp"} | {p.parts[1] for p in needed}
+    assert set(eval(lines[6].removeprefix("root "))) <= runtime, lines[6]
+    assert int(lines[7].removeprefix("procs ")) <= 2, lines[7]  # bwrap's init and the probe
+    if not any(p.is_relative_to(Path.home()) for p in needed):
+        assert lines[8] == "home False", lines[8]
+    visible = {Path(p) for p in eval(lines[9].removeprefix("siblings "))}
+    assert all(any(v == p or p.is_relative_to(v) or v.is_relative_to(p) for p in [*needed, tmp_path]) for v in visible), (visible, needed)
     assert not (ROOT / "SANDBOX_PROBE").exists()
 
 
@@ -275,6 +293,22 @@ def test_without_bubblewrap_the_grader_says_so_and_how_to_install_it(monkeypatch
     assert "apt-get install bubblewrap" in box.warning()
     argv, _ = box.wrap(["python", "-c", "pass"], ROOT)
     assert argv == ["python", "-c", "pass"]
+
+
+def test_without_bubblewrap_a_class_is_refused_unless_asked_for(monkeypatch, tmp_path, capsys):
+    """Without a sandbox a submission could read the key: ``DIR=`` (and ``KEY=``) are refused, naming
+    the flag; with ``--no-sandbox`` the class is graded and every row's note says how."""
+    monkeypatch.setattr(grade_module, "bwrap_works", lambda: "bubblewrap (bwrap) is not installed")
+    monkeypatch.setattr(
+        grade_module.Sandbox, "here", classmethod(lambda cls, repo, m, c, key=None: cls(repo, m, c, False, key))
+    )
+    assert grade_module.main(["--dir", str(tmp_path)]) == 2
+    said = capsys.readouterr().err
+    assert "refusing to grade untrusted notebooks without a sandbox" in said and "--no-sandbox" in said
+    (tmp_path / "empty.ipynb").write_text("not a notebook")
+    assert grade_module.main(["--dir", str(tmp_path), "--no-sandbox"]) == 0
+    rows = list(csv.DictReader((tmp_path / "gradebook.csv").open()))
+    assert len(rows) == 1 and grade_module.UNSAFE_NOTE in rows[0]["note"], rows
 
 
 def test_workspace_copies_once_with_links_that_resolve(tmp_path):

@@ -6,6 +6,8 @@
     make grade DIR=submissions/                           a class: writes submissions/gradebook.csv
     make grade ... TIMEOUT=120 SEED=1234                  seconds per cell; the hidden cases' seed
     make grade KEY=../autograder DIR=submissions/         in a student release: the answer key's bundle
+    make grade DIR=submissions/ UNSAFE=1                  without bubblewrap (refused otherwise; every
+                                                          row's note says so)
 
 For a notebook the report reads like a teacher's: one line per exercise, each failing case once in
 plain text, the notes, then ``graded <path>: K/N exercises pass``; the exit status is 0 only when
@@ -76,7 +78,7 @@ import nbformat
 from kvcourse.grading import hidden
 from kvcourse.grading.exercises import CHECK_MARKER, NOTEBOOKS, ROOT, read, render, stage_of
 from kvcourse.grading.integrity import Finding, scan
-from kvcourse.grading.sandbox import Sandbox
+from kvcourse.grading.sandbox import INSTALL_HINT, Sandbox, bwrap_works
 from kvcourse.harness.stages import STAGES
 
 WORKSPACE = ROOT / "workspace"
@@ -84,6 +86,7 @@ SANITIZE = NOTEBOOKS / "sanitize.cfg"
 CELL_TIMEOUT = 60  # seconds one cell may run (TIMEOUT=); the slowest reference cell takes 20 s here
 NOTEBOOK_TIMEOUT = 1800  # seconds one notebook may take in all, cells and kernel start included
 MEMORY_BYTES = 8 << 30  # address space of each process of a submission
+UNSAFE_NOTE = "graded WITHOUT a sandbox (--no-sandbox): the notebook ran with the grader's permissions"
 STUB_TITLE_RE = re.compile(r'raise NotImplementedError\("Exercise (L\d+\.\d+)(?::\s*(.*?))?"\)')
 
 
@@ -518,13 +521,14 @@ def new_seed() -> int:
     return random.SystemRandom().randrange(1, 100_000)
 
 
-def gradebook(folder: Path, cell_timeout: int, seed: int, box: Sandbox) -> Path:
+def gradebook(folder: Path, cell_timeout: int, seed: int, box: Sandbox, unsafe: str | None = None) -> Path:
     """Grade every notebook in ``folder``, each in its own sandboxed kernel, all on the same hidden
-    cases; write gradebook.csv."""
+    cases; write gradebook.csv. ``unsafe``: the note every row gets when no sandbox was used."""
     grades = []
     for nb in sorted(folder.glob("*.ipynb")):
         t0 = time.perf_counter()
         g = grade(nb, cell_timeout=cell_timeout, seed=seed, box=box, shown=str(nb))
+        g.notes += [unsafe] if unsafe else []
         print(report(g), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         print()
         grades.append(g)
@@ -570,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="seconds one cell may run")
     parser.add_argument("--seed", type=int, help="the hidden cases' seed (default: a new one each run)")
     parser.add_argument("--key", help="a student release's autograder bundle (make release)")
+    parser.add_argument(
+        "--no-sandbox", action="store_true",
+        help="grade a class or with KEY= even without bubblewrap (every row's note says so)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -591,11 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     box = Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT, key=bundle)
     if box.warning():
         print(box.warning(), file=sys.stderr)
+    if not box.use_bwrap and (args.dir or bundle is not None) and not args.no_sandbox:
+        return fail(
+            f"{bwrap_works()}: refusing to grade untrusted notebooks without a sandbox (their code would "
+            f"run with your permissions: it could read the answer key). Install it: {INSTALL_HINT}; or "
+            "grade anyway with --no-sandbox (make grade ... UNSAFE=1), which every row's note says"
+        )
+    unsafe = UNSAFE_NOTE if not box.use_bwrap and args.no_sandbox else None
     if args.dir:
         folder = Path(args.dir)
         if not folder.is_dir():
             return fail(f"{folder} is not a folder")
-        gradebook(folder, args.timeout, new_seed() if args.seed is None else args.seed, box)
+        gradebook(folder, args.timeout, new_seed() if args.seed is None else args.seed, box, unsafe)
         return 0
     paths = [Path(p) for p in args.notebook] or sorted(WORKSPACE.glob("L[0-9]*_*.ipynb"))
     if not paths:
@@ -616,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ValueError as e:  # EX= names an exercise of another notebook
             return fail(str(e))
+        g.notes += [unsafe] if unsafe else []
         print(report(g), flush=True)
         status |= g.refused is not None or g.passed < len(g.verdicts)
     return 1 if status else 0
