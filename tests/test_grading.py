@@ -214,6 +214,38 @@ def test_a_class_gets_an_honest_row_each(tmp_path):
     listener.close()
 
 
+@pytest.mark.slow
+def test_each_attack_gets_nothing_and_a_note_naming_it(tmp_path):
+    """The attacks of issue 45 (tests/submissions.py ``write_attacks``): another stage's identical copy
+    as the oracle, forged records, a catch-the-bug test that compares bytecode, reading the key, the
+    grader patched through an alias. Each cheat passes the cases its notebook shows; each gets 0, and
+    its note (or its failing line) names what it did. With bubblewrap the other checkout's key is out
+    of sight; without it the class is graded with --no-sandbox."""
+    boxed = bwrap_works() is None
+    (tmp_path / "class").mkdir()
+    submissions.write_attacks(tmp_path / "class", tmp_path / "other-checkout" / "key" / "answers.py")
+    unsafe = [] if boxed else ["--no-sandbox"]
+    result = grade("--dir", str(tmp_path / "class"), "--timeout", "30", "--seed", "7", *unsafe)
+    assert result.returncode == 0, report(result)
+    rows = {
+        row["notebook"].removesuffix(".ipynb"): row
+        for row in csv.DictReader((tmp_path / "class" / "gradebook.csv").open())
+    }
+    assert rows.keys() == submissions.ATTACKS.keys(), report(result)
+    reports, lines = {}, []
+    for line in result.stdout.splitlines():  # each notebook's report ends with its "graded <path>" line
+        lines.append(line)
+        if line.startswith("graded "):
+            reports[Path(line.split()[1].rstrip(":")).stem], lines = "\n".join(lines), []
+    for name, (marks, note) in submissions.ATTACKS.items():
+        row = rows[name]
+        assert [row[f"L2.{k}"] for k in range(1, submissions.N + 1)] == marks, (name, row, report(result))
+        block = reports[name]
+        assert note in row["note"] or note in block, (name, row["note"], block)
+        assert submissions.ATTACK_SAYS.get(name, "") in block + row["note"], (name, block)
+    assert not Path("/tmp/forged.json").exists()
+
+
 def test_a_typo_in_ex_is_one_line():
     """``make grade EX=L1.9``: one ``error:`` line naming the exercises, exit 2, no traceback."""
     result = grade("--exercise", "L1.9", str(ROOT / "key" / "notebooks" / "L1_contiguous.ipynb"))

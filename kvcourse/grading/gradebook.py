@@ -441,23 +441,31 @@ def grade(
         )
     by_cell = {r["cell"]: r for r in records}
     check_at = {c.exercise_id: i for i, c in enumerate(cells) if c.role == "check"}
-    shown_pass = [e for e in graded if visible_verdict(by_cell.get(check_at[e.exercise_id]))[0]]
+    notes = [] if only else [n for n in [check_cells_edited(nb, key)] if n]
+    learner = [(c.exercise_id, c.source) for c in cells if c.role == "learner"]
+    findings = scan(learner, {e.exercise_id: checks.HIDDEN[e.exercise_id].answers for e in graded})
+    # the hidden cases run for the exercises that can still be credited: their cases shown pass, the
+    # source neither changes the grader nor takes the stage's own answer
+    barred = {f.exercise_id for f in findings if f.kind == "alias"}
+    barred |= {e.exercise_id for e in graded} if any(f.kind == "tamper" for f in findings) else set()
+    to_run = [
+        e
+        for e in graded
+        if visible_verdict(by_cell.get(check_at[e.exercise_id]))[0] and e.exercise_id not in barred
+    ]
     found: dict[str, dict] | str = {}
-    if hidden_cases and shown_pass:  # an exercise whose cases shown fail fails whatever its hidden ones
+    if hidden_cases and to_run:
         # the hidden cases end on their own, well before nbval's cell limit would have interrupted them
-        found = run_isolated(cells, shown_pass, package, seed, max(1, cell_timeout // 2), box)
+        found = run_isolated(cells, to_run, package, seed, max(1, cell_timeout // 2), box)
     if isinstance(found, str):
         notes_run, found = [found], {}
     else:
         notes_run = []
-    notes = [] if only else [n for n in [check_cells_edited(nb, key)] if n]
-    learner = [(c.exercise_id, c.source) for c in cells if c.role == "learner"]
-    findings = scan(learner, {e.exercise_id: checks.HIDDEN[e.exercise_id].answers for e in graded})
     for result in found.values():  # what the learner's code tried while its hidden cases ran
         for what in result["tampered"]:
             if what.endswith(("another stage's code", "outside its stage")):
                 continue  # reaching for the stage's code elsewhere: that exercise is not credited
-            findings.append(Finding(result["exercise"], "tamper", f"{what}, while its hidden cases ran"))
+            findings.append(Finding(None, "tamper", f"{what}, while the hidden cases of {result['exercise']} ran"))
     tampered = [f for f in findings if f.kind == "tamper"]
     if tampered:
         where = f" in the cell of {tampered[0].exercise_id}" if tampered[0].exercise_id else ""
