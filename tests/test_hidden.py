@@ -199,3 +199,41 @@ def test_l3_6_has_a_case_for_each_error_its_text_names():
     )
     record = {"observations": observations, "aliased": caught}
     assert len(hidden.judge("L3_block_tensor", "L3.6", 0, record)) == 3
+
+
+def test_the_watch_knows_the_stage_code_by_what_it_is(tmp_path):
+    """L2.1 answered by L3's ``alloc_blocks`` (another stage's identical copy) or by L2's own source
+    ``exec``'d under another file name is caught; a copy with a local renamed is the learner's."""
+    import inspect
+    import re
+    import textwrap
+
+    from L2_token_flat.allocator import BlockAllocator
+    from L3_block_tensor.allocator import BlockAllocator as Later
+
+    source = textwrap.dedent(inspect.getsource(BlockAllocator.alloc_blocks))
+    namespace = dict(vars(inspect.getmodule(BlockAllocator)))
+    exec(compile(source, "<a copy>", "exec"), namespace)  # noqa: S102
+    renamed = dict(vars(inspect.getmodule(BlockAllocator)))
+    exec(compile(re.sub(r"\bblocks\b", "handed", source), "<a copy>", "exec"), renamed)  # noqa: S102
+    target = "L2_token_flat.allocator:BlockAllocator.alloc_blocks"
+    for fn, caught in ((Later.alloc_blocks, True), (namespace["alloc_blocks"], True), (renamed["alloc_blocks"], False)):
+        record = harvested("L2_token_flat", "L2.1", fn, 0, tmp_path)
+        assert (record["aliased"] == [target]) is caught, (fn, record["aliased"])
+
+
+def test_refactored_versions_run_alike_and_read_differently():
+    """A catch-the-bug exercise's hidden versions: the same behaviour as the stage's code, other code
+    (bytecode, names), another listing for each salt."""
+    import dis
+
+    from kvcourse.grading import mutations
+
+    target = "L2_token_flat.allocator:BlockAllocator"
+    plain, one, two = (mutations.version(target, None, salt) for salt in (None, 1, 2))
+    for cls in (plain, one, two):
+        a = cls(5, 2)
+        assert a.alloc_blocks(2) == [0, 1] and (a.free([0]) or list(a.free_blocks)) == [2, 3, 4, 0]
+    listing = [[(i.opname, i.argrepr) for i in dis.get_instructions(c.alloc_blocks)] for c in (plain, one, two)]
+    assert listing[0] != listing[1] != listing[2]
+    assert hidden.fingerprint(plain.alloc_blocks.__code__) != hidden.fingerprint(one.alloc_blocks.__code__)

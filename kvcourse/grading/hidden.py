@@ -100,13 +100,15 @@ def resolve(target: str):
 
 def fingerprint(code, _code_type=types.CodeType, _tuple=tuple, _type=type, _repr=repr) -> tuple:
     """What a code object is, wherever it was compiled: its bytecode, names, local names and
-    constants (nested code objects by their own fingerprint), not its file, line numbers or
-    qualified name. Two copies of a function, in two files, in an ``exec``'d string, or in a later
+    constants (nested code objects by their own fingerprint), not its file, line numbers, qualified
+    name or docstring (a method copied out of its class is dedented, and its docstring with it). Two copies of a function, in two files, in an ``exec``'d string, or in a later
     stage's byte-identical file, have the same fingerprint; renaming a local variable changes it.
     Builtins it uses are bound when it is defined (a learner's code may rebind ``builtins``)."""
     consts = _tuple(
         fingerprint(c) if _type(c) is _code_type else (_type(c).__name__, _repr(c)) for c in code.co_consts
     )
+    if consts and consts[0][0] in ("str", "NoneType"):  # a function's docstring, or None without one
+        consts = (("doc", ""), *consts[1:])
     return (code.co_code, code.co_names, code.co_varnames, code.co_argcount, code.co_kwonlyargcount, consts)
 
 

@@ -86,7 +86,8 @@ class Refactor(ast.NodeTransformer):
     """The same code written differently: every local variable of every function renamed (``blocks``
     -> ``blocks_v7``) and an unused local assigned first thing, so the bytecode, the ``dis`` listing
     and the source all differ from the stage's while every call does what it did. Parameters keep
-    their names (callers pass them by keyword)."""
+    their names (callers pass them by keyword), and so does a local that a nested function's parameter
+    shadows."""
 
     def __init__(self, salt: int):
         self.suffix = f"_v{salt}"
@@ -98,7 +99,15 @@ class Refactor(ast.NodeTransformer):
         stored = {
             n.id for s in node.body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
         } | {h.name for s in node.body for h in ast.walk(s) if isinstance(h, ast.ExceptHandler) and h.name}
-        local = stored - params - declared
+        nested = {  # a nested function's or lambda's parameter shadows a local of the same name
+            a.arg
+            for s in node.body
+            for f in ast.walk(s)
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            for a in [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
+            if a is not None
+        }
+        local = stored - params - declared - nested
         for s in node.body:
             for n in ast.walk(s):
                 if isinstance(n, ast.Name) and n.id in local:
