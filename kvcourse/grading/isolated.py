@@ -286,9 +286,13 @@ PRELOADED = ("torch", "numpy", "matplotlib.pyplot")  # what every notebook's fir
 def run(request: dict) -> list[dict]:
     """Each exercise's findings, one child process per exercise (see the module docstring). The
     libraries every notebook imports are imported once, here, before the first fork (JAX is not: XLA
-    must see the notebook's first cell's flags, and its threads do not survive a fork)."""
+    must see the notebook's first cell's flags, and its threads do not survive a fork), and torch
+    keeps to one thread."""
     for name in PRELOADED:
         importlib.import_module(name)
+    # OpenMP's worker threads do not survive a fork (a child's first parallel op would wait for them
+    # forever): torch runs on this thread only, here and in every child
+    sys.modules["torch"].set_num_threads(1)
     namespace, start = {"__name__": "__main__"}, shared_cells(request["cells"])
     null = os.open(os.devnull, os.O_RDWR)
     saved = os.dup(1), os.dup(2)
