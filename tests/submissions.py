@@ -155,7 +155,8 @@ def write_attacks(folder: Path, fake_key: Path) -> list[Path]:
     right = right.replace("def alloc_blocks(", "def right_alloc_blocks(")
     texts = expected_texts(exercise)
     fake_key.parent.mkdir(parents=True, exist_ok=True)
-    fake_key.write_text(right.replace("def right_alloc_blocks(", "def alloc_blocks("), encoding="utf-8")
+    fake = "from L2_token_flat.allocator import OutOfBlocksError\n\n\n" + right
+    fake_key.write_text(fake.replace("def right_alloc_blocks(", "def alloc_blocks("), encoding="utf-8")
     other_stage = with_cell(
         exercise,
         1,
