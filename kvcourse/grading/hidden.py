@@ -4,9 +4,11 @@ A check cell prints its fixed cases, and the exercise notebook stores what it mu
 that text is not solving the exercise. So the grader also draws cases the notebook never shows, from
 a seed it picks per run, and judges them outside the learner's process:
 
-1. in the learner's kernel (sandboxed), right after an exercise's check cell, ``harvest`` draws the
-   cases from the seed, calls the learner's function on each, and writes only what came back (an
-   *observation*: JSON, no pickles) to a file;
+1. in a fresh sandboxed process that runs no cell of the notebook (``kvcourse/grading/isolated.py``:
+   the learner's definitions only, one child process per exercise), ``observe_all`` calls the
+   learner's function on each case drawn from the seed and keeps only what came back (an
+   *observation*: plain values, no pickles), which reach the grader on a pipe of their own
+   (``harvest`` does the same in the caller's process, for tests);
 2. in the grader's own process, which never ran the learner's code, ``expected`` draws the same cases
    and observes the stage's independent answer (``key/LN_*/answers.py``: a second implementation
    written apart from the stage's, never the stage function the exercise re-implements), and
@@ -25,9 +27,10 @@ A ``Hidden`` holds:
 - ``describe(case) -> str``: the case in words, for the report;
 - ``answers``: the stage's own implementation of the exercise, as ``"module:Qualified.name"``. While
   the learner's function runs on hidden cases, a profile hook watches for their code running
-  (``watching``), so an answer that calls, aliases or copies the stage's code
-  (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught however it got hold of it, and the grader
-  flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
+  (``watching``), known by its ``fingerprint`` (what the code is, not the file it lives in), so an
+  answer that calls, aliases or copies the stage's code (``alloc_blocks = BlockAllocator.alloc_blocks``,
+  a later stage's byte-identical copy, the source ``exec``'d) is caught however it got hold of it,
+  and the grader flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
   ``SPECS``) is caught when one of its values is used;
 - ``atol``: the tolerance for floats (online softmax against a dense one), else exact;
 - ``explain(want, got)``: what the report says of a difference, when ``compare``'s "got X, expected Y"
