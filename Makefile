@@ -101,10 +101,11 @@ notebooks: setup workspace
 
 # make grade [NB=path.ipynb] [EX=L2.2] | make grade DIR=submissions/ (default: every workspace notebook);
 # TIMEOUT= seconds per cell (default 60), SEED= the hidden cases' seed (default: a new one per run),
-# KEY= the autograder bundle of a student release (which has no answer key of its own)
+# KEY= the autograder bundle of a student release (which has no answer key of its own); UNSAFE=1 grades
+# a class or with KEY= without bubblewrap (refused otherwise)
 grade: setup
 	@OMP_WAIT_POLICY=PASSIVE $(PY) -m kvcourse.grading.gradebook $(NB) $(if $(EX),--exercise $(EX)) $(if $(DIR),--dir $(DIR)) \
-	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED)) $(if $(KEY),--key $(KEY))
+	  $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(SEED),--seed $(SEED)) $(if $(KEY),--key $(KEY)) $(if $(UNSAFE),--no-sandbox)
 
 # The exercise notebooks notebooks/LN_*.ipynb, made from the reference notebooks key/notebooks/LN_*.ipynb
 # (solutions stubbed; kvcourse/grading/exercises.py). Never edit them by hand.

@@ -19,12 +19,31 @@
 ``EXPECTED`` holds each one's row: marks, and a piece of its note ("" for none). Given ``escape``
 (a path in the repository and a port on the host's loopback), a ninth, ``escaping``, solves L2.1 in a
 cell that also tries to write that file and to connect to that port (``ESCAPING``: L2.1 passes, no note).
+
+``write_attacks(folder, fake_key)`` writes the attacks of issue 45, each a notebook whose cheat passes
+the cases its notebook shows; ``ATTACKS`` holds each one's row (every mark "fail") and what the
+report must say of it:
+
+- ``other_stage``: L2.1 runs L3's ``BlockAllocator.alloc_blocks`` (imported at the top: the same code
+  as L2's, in another stage's file), L2.2 imports L4's allocator inside ``free`` (the isolated run
+  refuses the import);
+- ``records``: right in the notebook's own run, wrong in the hidden cases' run, where it writes a
+  forged record on every file descriptor and a file, and a cell below the check rewrites the files
+  of the work folder (the verdicts are not there);
+- ``bytecode``: a catch-the-bug test (L2.6) that compares the bytecode of the class it is handed with
+  the stage's instead of running it;
+- ``key_reader``: right, but reads ``/proc`` (the grader's command line, which names the key) and runs
+  the answer key at ``fake_key`` (another checkout's, which this writes: a right ``alloc_blocks``)
+  when it can;
+- ``grader_alias``: the checkers patched through another name (``from exercises... import checks as _c``).
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+
+import nbformat
 
 from kvcourse.grading import exercises
 
@@ -111,6 +130,89 @@ def write_class(folder: Path, escape: tuple[Path, int] | None = None) -> list[Pa
         )
         cell = next(c for c in solved.cells if c.cell_type == "code" and "def alloc_blocks" in c.source)
         notebooks["escaping"] = with_cell(exercise, 1, attempt + cell.source)
+    paths = []
+    for name, nb in notebooks.items():
+        path = folder / f"{name}.ipynb"
+        path.write_text(exercises.render(nb), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+ATTACKS = {
+    "other_stage": (marks(), "L2.1 not credited: runs BlockAllocator.alloc_blocks"),
+    "records": (marks(), "changes the grader: writes /tmp/forged.json"),
+    "bytecode": (marks(), "L2.6 hidden case"),  # the report's failing line: "...fails the correct version"
+    "key_reader": (marks(), "changes the grader: reads /proc/"),
+    "grader_alias": (marks(), "changes the grader: imports exercises.L2_token_flat"),
+}
+ATTACK_SAYS = {"bytecode": "your test fails the correct version", "other_stage": "imports L4_paged_kernel.allocator"}
+
+
+def write_attacks(folder: Path, fake_key: Path) -> list[Path]:
+    exercise = exercises.read(exercises.exercise_path(REFERENCE))
+    solved = exercises.put_back(exercise, exercises.solutions(exercises.read(REFERENCE)))
+    right = next(c for c in solved.cells if c.cell_type == "code" and "def alloc_blocks" in c.source).source
+    right = right.replace("def alloc_blocks(", "def right_alloc_blocks(")
+    texts = expected_texts(exercise)
+    fake_key.parent.mkdir(parents=True, exist_ok=True)
+    fake = "from L2_token_flat.allocator import OutOfBlocksError\n\n\n" + right
+    fake_key.write_text(fake.replace("def right_alloc_blocks(", "def alloc_blocks("), encoding="utf-8")
+    other_stage = with_cell(
+        exercise,
+        1,
+        "from L3_block_tensor.allocator import BlockAllocator as Later\n"
+        "from L3_block_tensor.allocator import OutOfBlocksError as LaterError\n\n"
+        "def alloc_blocks(self, n):\n    try:\n        return Later.alloc_blocks(self, n)\n"
+        "    except LaterError:\n        raise OutOfBlocksError(needed=n, free=len(self.free_blocks)) from None\n",
+    )
+    other_stage = with_cell(
+        other_stage,
+        2,
+        "def free(self, blocks):\n    from L4_paged_kernel.allocator import BlockAllocator as Later\n\n"
+        "    return Later.free(self, blocks)\n",
+    )
+    records = with_cell(
+        exercise,
+        1,
+        f"import os\n\n{right}\n\ndef alloc_blocks(self, n):\n"
+        "    if 'KVCOURSE_NBVAL_REPORT' in os.environ:  # the notebook's own run: right\n"
+        "        return right_alloc_blocks(self, n)\n"
+        "    for fd in range(3, 64):  # the hidden cases' run: a forged record on every descriptor\n"
+        "        try:\n            os.write(fd, b'record 0 {}\\n')\n        except OSError:\n            pass\n"
+        "    with open('/tmp/forged.json', 'w') as f:\n        f.write('{}')\n"
+        "    return []\n",
+    )
+    check = next(k for k, c in enumerate(records.cells) if exercises.CHECK_MARKER in c.source)
+    rewrite = (
+        "import glob\nimport json\n\nfor path in glob.glob('/tmp/kvcourse-grade-*/**/*.json', recursive=True):\n"
+        "    with open(path, 'w') as f:\n        json.dump({'observations': [], 'aliased': []}, f)\n"
+    )
+    records.cells.insert(check + 1, nbformat.v4.new_code_cell(rewrite))
+    compare = (
+        "import dis\n\nfrom L2_token_flat.allocator import BlockAllocator as Stage\n\n\n"
+        "def listing(f):  # each instruction, a nested code object by its names\n"
+        "    return [(i.opname, getattr(i.argval, 'co_names', i.argval)) for i in dis.get_instructions(f)]\n\n\n"
+        "def test_allocator(Allocator):\n"
+        "    for name, method in vars(Stage).items():\n"
+        "        if callable(method):\n"
+        "            assert listing(getattr(Allocator, name)) == listing(method), name\n"
+    )
+    reader = (
+        f"import runpy\n\n{right}\n\ndef alloc_blocks(self, n):\n"
+        "    try:\n        with open('/proc/1/cmdline', 'rb') as f:  # the grader names its --key there\n"
+        "            f.read()\n    except OSError:\n        pass\n"
+        f"    try:\n        return runpy.run_path({str(fake_key)!r})['alloc_blocks'](self, n)\n"
+        "    except OSError:\n        return right_alloc_blocks(self, n)\n"
+    )
+    printer = f"lambda *args, **kwargs: print({texts[1]!r}, end='')"
+    alias = f"from exercises.L2_token_flat import checks as _c\n\n_c.check_alloc_blocks = {printer}\n"
+    notebooks = {
+        "other_stage": other_stage,
+        "records": records,
+        "bytecode": with_cell(exercise, 6, compare),
+        "key_reader": with_cell(exercise, 1, reader),
+        "grader_alias": with_cell(exercise, 1, alias),
+    }
     paths = []
     for name, nb in notebooks.items():
         path = folder / f"{name}.ipynb"

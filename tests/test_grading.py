@@ -29,11 +29,11 @@ import nbformat
 import pytest
 import submissions
 
-from kvcourse.grading import exercises
+from kvcourse.grading import exercises, isolated
 from kvcourse.grading import gradebook as grade_module
 from kvcourse.grading.cases import CallLimit, Case, run_cases, tensor_problem
 from kvcourse.grading.exercises import LINK_RE, relinked
-from kvcourse.grading.sandbox import Sandbox, bwrap_works
+from kvcourse.grading.sandbox import SYSTEM, Sandbox, bwrap_works
 from kvcourse.grading.workspace import make_workspace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,12 +189,17 @@ def test_a_class_gets_an_honest_row_each(tmp_path):
     escape = ROOT / "ESCAPED_BY_A_SUBMISSION"
     boxed = bwrap_works() is None
     submissions.write_class(tmp_path, escape=(escape, port) if boxed else None)
-    result = grade("--dir", str(tmp_path), "--timeout", "30", "--seed", "7")
+    unsafe = [] if boxed else ["--no-sandbox"]  # refused otherwise, and every row says so
+    result = grade("--dir", str(tmp_path), "--timeout", "30", "--seed", "7", *unsafe)
     assert result.returncode == 0, report(result)
     rows = {
         row["notebook"].removesuffix(".ipynb"): row
         for row in csv.DictReader((tmp_path / "gradebook.csv").open())
     }
+    for row in rows.values():
+        if not boxed:
+            assert grade_module.UNSAFE_NOTE in row["note"], row
+        row["note"] = "; ".join(n for n in row["note"].split("; ") if n not in ("", grade_module.UNSAFE_NOTE))
     expected = dict(submissions.EXPECTED, **({"escaping": submissions.ESCAPING} if boxed else {}))
     assert rows.keys() == expected.keys(), report(result)
     for name, (marks, note) in expected.items():
@@ -209,6 +214,38 @@ def test_a_class_gets_an_honest_row_each(tmp_path):
     listener.close()
 
 
+@pytest.mark.slow
+def test_each_attack_gets_nothing_and_a_note_naming_it(tmp_path):
+    """The attacks of issue 45 (tests/submissions.py ``write_attacks``): another stage's identical copy
+    as the oracle, forged records, a catch-the-bug test that compares bytecode, reading the key, the
+    grader patched through an alias. Each cheat passes the cases its notebook shows; each gets 0, and
+    its note (or its failing line) names what it did. With bubblewrap the other checkout's key is out
+    of sight; without it the class is graded with --no-sandbox."""
+    boxed = bwrap_works() is None
+    (tmp_path / "class").mkdir()
+    submissions.write_attacks(tmp_path / "class", tmp_path / "other-checkout" / "key" / "answers.py")
+    unsafe = [] if boxed else ["--no-sandbox"]
+    result = grade("--dir", str(tmp_path / "class"), "--timeout", "30", "--seed", "7", *unsafe)
+    assert result.returncode == 0, report(result)
+    rows = {
+        row["notebook"].removesuffix(".ipynb"): row
+        for row in csv.DictReader((tmp_path / "class" / "gradebook.csv").open())
+    }
+    assert rows.keys() == submissions.ATTACKS.keys(), report(result)
+    reports, lines = {}, []
+    for line in result.stdout.splitlines():  # each notebook's report ends with its "graded <path>" line
+        lines.append(line)
+        if line.startswith("graded "):
+            reports[Path(line.split()[1].rstrip(":")).stem], lines = "\n".join(lines), []
+    for name, (marks, note) in submissions.ATTACKS.items():
+        row = rows[name]
+        assert [row[f"L2.{k}"] for k in range(1, submissions.N + 1)] == marks, (name, row, report(result))
+        block = reports[name]
+        assert note in row["note"] or note in block, (name, row["note"], block)
+        assert submissions.ATTACK_SAYS.get(name, "") in block + row["note"], (name, block)
+    assert not Path("/tmp/forged.json").exists()
+
+
 def test_a_typo_in_ex_is_one_line():
     """``make grade EX=L1.9``: one ``error:`` line naming the exercises, exit 2, no traceback."""
     result = grade("--exercise", "L1.9", str(ROOT / "key" / "notebooks" / "L1_contiguous.ipynb"))
@@ -220,7 +257,9 @@ def test_a_typo_in_ex_is_one_line():
 @pytest.mark.skipif(bwrap_works() is not None, reason=f"optional dependency missing: {bwrap_works()}")
 def test_the_sandbox_holds_a_process_in(tmp_path):
     """What ``make grade`` runs a submission in: the repository read-only, the answer key covered, no
-    network (not even the host's loopback), a private /tmp, and one writable work folder."""
+    network (not even the host's loopback), a private /tmp, one writable work folder, and nothing else
+    of the machine but the read-only runtime: no home folder, no sibling of the folders it needs (the
+    full course a venv or cache lives in), no process of the grader in its /proc."""
     listener = socket.create_server(("127.0.0.1", 0))
     outside = Path(tempfile.mkdtemp(prefix="kvcourse-outside-"))  # the host's /tmp, which the box hides
     probe = f"""
@@ -242,6 +281,10 @@ def read(path):
     except OSError as e:
         return type(e).__name__
 print("key", os.listdir({str(ROOT / "key")!r}), os.path.exists({str(ROOT / "key" / "L2_token_flat" / "answers.py")!r}))
+print("root", sorted(os.listdir("/")))
+print("procs", len([d for d in os.listdir("/proc") if d.isdigit()]))
+print("home", os.path.exists({str(Path.home())!r}))
+print("siblings", sorted({{str(p.parent) + "/" + n for p in map(pathlib.Path, {[str(p) for p in Sandbox.here(ROOT, 1, 1).needed()]!r}) for n in os.listdir(p.parent)}}))
 """
     box = Sandbox.here(ROOT, memory_bytes=4 << 30, cpu_seconds=60)
     argv, limits = box.wrap([sys.executable, "-c", probe], tmp_path)
@@ -253,6 +296,14 @@ print("key", os.listdir({str(ROOT / "key")!r}), os.path.exists({str(ROOT / "key"
     assert lines[1] != "net ok" and lines[2] != "outside ok", lines
     assert lines[4] == "tmp False", lines
     assert lines[5] == "key [] False", lines  # covered: key/ is an empty folder in the box
+    needed = box.needed()
+    runtime = {Path(p).name for p in SYSTEM} | {"dev", "proc", "tmp"} | {p.parts[1] for p in needed}
+    assert set(eval(lines[6].removeprefix("root "))) <= runtime, lines[6]
+    assert int(lines[7].removeprefix("procs ")) <= 2, lines[7]  # bwrap's init and the probe
+    if not any(p.is_relative_to(Path.home()) for p in needed):
+        assert lines[8] == "home False", lines[8]
+    visible = {Path(p) for p in eval(lines[9].removeprefix("siblings "))}
+    assert all(any(v == p or p.is_relative_to(v) or v.is_relative_to(p) for p in [*needed, tmp_path]) for v in visible), (visible, needed)
     assert not (ROOT / "SANDBOX_PROBE").exists()
 
 
@@ -274,6 +325,22 @@ def test_without_bubblewrap_the_grader_says_so_and_how_to_install_it(monkeypatch
     assert "apt-get install bubblewrap" in box.warning()
     argv, _ = box.wrap(["python", "-c", "pass"], ROOT)
     assert argv == ["python", "-c", "pass"]
+
+
+def test_without_bubblewrap_a_class_is_refused_unless_asked_for(monkeypatch, tmp_path, capsys):
+    """Without a sandbox a submission could read the key: ``DIR=`` (and ``KEY=``) are refused, naming
+    the flag; with ``--no-sandbox`` the class is graded and every row's note says how."""
+    monkeypatch.setattr(grade_module, "bwrap_works", lambda: "bubblewrap (bwrap) is not installed")
+    monkeypatch.setattr(
+        grade_module.Sandbox, "here", classmethod(lambda cls, repo, m, c, key=None: cls(repo, m, c, False, key))
+    )
+    assert grade_module.main(["--dir", str(tmp_path)]) == 2
+    said = capsys.readouterr().err
+    assert "refusing to grade untrusted notebooks without a sandbox" in said and "--no-sandbox" in said
+    (tmp_path / "empty.ipynb").write_text("not a notebook")
+    assert grade_module.main(["--dir", str(tmp_path), "--no-sandbox"]) == 0
+    rows = list(csv.DictReader((tmp_path / "gradebook.csv").open()))
+    assert len(rows) == 1 and grade_module.UNSAFE_NOTE in rows[0]["note"], rows
 
 
 def test_workspace_copies_once_with_links_that_resolve(tmp_path):
@@ -444,8 +511,9 @@ def test_tensor_problem_names_the_rows():
 
 def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path):
     """What make grade runs (no kernel here): the learner's exercise cells and added cells where the
-    learner put them; the key's setup and check cells whatever the learner did to them; a hidden-case
-    cell after each check cell; demo cells left out."""
+    learner put them; the key's setup and check cells whatever the learner did to them; no cell of the
+    grader's (the hidden cases run in a process of their own); demo cells left out. The isolated run
+    takes the definitions of the learner's cells only."""
     key = exercises.read(ROOT / "notebooks" / "L2_token_flat.ipynb")
     nb = exercises.put_back(key, {1: "return []\n"})
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -458,7 +526,7 @@ def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path)
     nb.cells.insert(nb.cells.index(stub2), helper)
     nb.cells[nb.cells.index(stub2)] = answer2  # L2.2's stub cell deleted, its answer in a new cell
     exs = grade_module.exercises_of(key)
-    cells = grade_module.build_run(nb, key, exs, None, "L2_token_flat", 5, tmp_path, 10)
+    cells = grade_module.build_run(nb, key, exs, None)
     roles = [(c.role, c.exercise_id) for c in cells]
     sources = [c.source for c in cells]
     key_code = [c for c in key.cells if c.cell_type == "code" and "demo" not in c.metadata.get("tags", [])]
@@ -467,9 +535,10 @@ def test_the_run_takes_the_learners_exercise_cells_and_the_keys_others(tmp_path)
     assert sources.count(helper.source) == 1 and sources.count(answer2.source) == 1
     assert sources.index(helper.source) < sources.index(answer2.source)
     assert not any('"Exercise L2.2' in s for s in sources)  # the deleted stub does not come back
-    assert roles.count(("check", "L2.1")) == 1 and roles.count(("hidden", "L2.3")) == 1
-    assert [r for r in roles if r[0] in ("check", "hidden")] == [
-        (kind, f"L2.{k}") for k in range(1, len(exs) + 1) for kind in ("check", "hidden")
-    ]
-    assert "seed=5" in sources[roles.index(("hidden", "L2.1"))]
+    assert {r[0] for r in roles} == {"course", "learner", "check"}
+    assert [r for r in roles if r[0] == "check"] == [("check", f"L2.{k}") for k in range(1, len(exs) + 1)]
     assert roles[sources.index(answer2.source)] == ("learner", "L2.2")
+    first_check = next(c for c in key.cells if exercises.CHECK_MARKER in c.source)
+    assert grade_module.check_args(first_check.source) == "alloc_blocks"
+    cell = "import os\nos.remove('x')\nchecks.check_free = print\nLIMIT = 3\ndef f():\n    return LIMIT"
+    assert isolated.definitions(cell) == "import os\nLIMIT = 3\n\ndef f():\n    return LIMIT"

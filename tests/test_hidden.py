@@ -20,12 +20,13 @@ learner's signature comes from ``STAGE_ADAPTERS`` there, where the two differ.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 
 import pytest
 
 from kvcourse.grading import exercises, hidden
-from kvcourse.grading.gradebook import known_exercises
+from kvcourse.grading.gradebook import exercises_of, known_exercises
 from kvcourse.harness.stages import STAGES
 
 SEEDS = range(5)
@@ -149,3 +150,90 @@ def test_a_case_that_never_ends_is_stopped(tmp_path):
     hidden.harvest("L2_token_flat", "L2.1", forever, seed=0, out=str(out), seconds=1)
     record = json.loads(out.read_text())
     assert record["observations"] == [{"error": "CaseTimeout: the hidden cases ran past their 1 s"}]
+
+
+def specified_errors() -> list[tuple[str, str, str]]:
+    """(package, exercise id, its check cell's checker) of every exercise whose text asks for a ValueError."""
+    found = []
+    for path in sorted(exercises.NOTEBOOKS.glob("L[0-9]*_*.ipynb")):
+        nb = exercises.read(path)
+        for ex in exercises_of(nb):
+            text = "\n".join(c.source for c in nb.cells[ex.first : ex.check + 1])
+            if "ValueError" in text:
+                checker = nb.cells[ex.check].source.split("checks.")[1].split("(")[0]
+                found.append((STAGES[ex.exercise_id.split(".")[0]], ex.exercise_id, checker))
+    return found
+
+
+@pytest.mark.parametrize(("package", "exercise_id", "checker"), specified_errors())
+def test_every_specified_error_is_a_case(package, exercise_id, checker):
+    """An exercise whose text asks for a ValueError has a case that expects one: among its hidden cases
+    (the independent answer raises it for some draw of a few seeds), or in its check cell's checker."""
+    hidden_errors = any(
+        "ValueError" in json.dumps(want) for seed in range(3) for want in hidden.expected(package, exercise_id, seed)[1]
+    )
+    shown = "ValueError" in inspect.getsource(getattr(hidden.checks_of(package), checker))
+    assert hidden_errors or shown, f"{exercise_id}: its text asks for ValueError, no case expects one"
+
+
+def test_l3_6_has_a_case_for_each_error_its_text_names():
+    """L3.6 asks for ValueError on need above everything held, block_size below 1, a negative need, a
+    negative count in computed: each is a hidden case for every seed, and an answer that checks only
+    the first fails."""
+    for seed in range(5):
+        cases = spec("L3_block_tensor", "L3.6").draw(hidden.rng_for(seed, "L3.6"))
+        assert any(c["block_size"] < 1 for c in cases) and any(c["need"] < 0 for c in cases), seed
+        assert any(min(c["computed"]) < 0 for c in cases), seed
+    answer = hidden.answers_of("L3_block_tensor").cheapest_preemption
+
+    def lenient(computed, need, block_size):
+        try:
+            return answer(computed, need, block_size)
+        except ValueError:
+            if block_size < 1 or need < 0 or min(computed) < 0:
+                return (0, 0)
+            raise
+
+    observations, caught = hidden.observe_all(
+        spec("L3_block_tensor", "L3.6"), lenient, (), hidden.expected("L3_block_tensor", "L3.6", 0)[0], 60
+    )
+    record = {"observations": observations, "aliased": caught}
+    assert len(hidden.judge("L3_block_tensor", "L3.6", 0, record)) == 3
+
+
+def test_the_watch_knows_the_stage_code_by_what_it_is(tmp_path):
+    """L2.1 answered by L3's ``alloc_blocks`` (another stage's identical copy) or by L2's own source
+    ``exec``'d under another file name is caught; a copy with a local renamed is the learner's."""
+    import inspect
+    import re
+    import textwrap
+
+    from L2_token_flat.allocator import BlockAllocator
+    from L3_block_tensor.allocator import BlockAllocator as Later
+
+    source = textwrap.dedent(inspect.getsource(BlockAllocator.alloc_blocks))
+    namespace = dict(vars(inspect.getmodule(BlockAllocator)))
+    exec(compile(source, "<a copy>", "exec"), namespace)  # noqa: S102
+    renamed = dict(vars(inspect.getmodule(BlockAllocator)))
+    exec(compile(re.sub(r"\bblocks\b", "handed", source), "<a copy>", "exec"), renamed)  # noqa: S102
+    target = "L2_token_flat.allocator:BlockAllocator.alloc_blocks"
+    for fn, caught in ((Later.alloc_blocks, True), (namespace["alloc_blocks"], True), (renamed["alloc_blocks"], False)):
+        record = harvested("L2_token_flat", "L2.1", fn, 0, tmp_path)
+        assert (record["aliased"] == [target]) is caught, (fn, record["aliased"])
+
+
+def test_refactored_versions_run_alike_and_read_differently():
+    """A catch-the-bug exercise's hidden versions: the same behaviour as the stage's code, other code
+    (bytecode, names), another listing for each salt."""
+    import dis
+
+    from kvcourse.grading import mutations
+
+    target = "L2_token_flat.allocator:BlockAllocator"
+    plain, one, two = (mutations.version(target, None, salt) for salt in (None, 1, 2))
+    for cls in (plain, one, two):
+        a = cls(5, 2)
+        assert a.alloc_blocks(2) == [0, 1] and (a.free([0]) or list(a.free_blocks)) == [2, 3, 4, 0]
+    listing = [[(i.opname, i.argrepr) for i in dis.get_instructions(c.alloc_blocks)] for c in (plain, one, two)]
+    assert listing[0] != listing[1] != listing[2]
+    assert hidden.fingerprint(plain.alloc_blocks.__code__) != hidden.fingerprint(one.alloc_blocks.__code__)

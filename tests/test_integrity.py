@@ -65,6 +65,14 @@ def test_reference_solutions_are_clean(reference):
             "tamper",
             "reaches kvcourse.grading",
         ),
+        (  # the grader through another name (issue 45): an import under an alias, an assignment
+            "from exercises.L3_block_tensor import checks as _c\n_c.how_wrong = lambda want, got: None",
+            "tamper",
+            "imports exercises.L3_block_tensor",
+        ),
+        ("c = checks\nc.how_wrong = print", "tamper", "binds c to the grader"),
+        ("x = 1\nd = c = checks\nd.check_free = print", "tamper", "binds d to the grader"),
+        ("def predict(c=checks):\n    return c.predict_steps()", "tamper", "passes checks around"),
         ("alloc_blocks = BlockAllocator.alloc_blocks", "alias", "reads BlockAllocator.alloc_blocks"),
         (
             "from L2_token_flat.sequence import allocate_slots",

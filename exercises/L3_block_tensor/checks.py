@@ -1034,10 +1034,12 @@ def exhaustive_most_victims(computed, need, block_size) -> dict:
 
 
 def draw_preemption_costs(rng) -> list[dict]:
-    """Eight cases: four small (up to 10 running requests) and four of 40 to 60 running requests with
+    """Eleven cases: four small (up to 10 running requests) and four of 40 to 60 running requests with
     up to 500 computed tokens each (too many for trying every set); block sizes 1 to 16; some
     requests with 0 tokens, some with exactly full blocks, ties made likely by repeated lengths; ``need``
-    from 0 to everything held, and one case that asks for more than everything (ValueError)."""
+    from 0 to everything held, and one case that asks for more than everything (ValueError); then the
+    three other errors the exercise specifies, each on a small case: a ``block_size`` below 1, a
+    negative ``need``, a negative count in ``computed`` (ValueError)."""
 
     def costs(n: int, top: int, block_size: int) -> list[int]:
         pool = [rng.randint(0, top) for _ in range(max(2, n // 3))] + [block_size * rng.randint(1, 4)]
@@ -1051,6 +1053,12 @@ def draw_preemption_costs(rng) -> list[dict]:
         held = sum(-(-c // block_size) for c in computed)
         need = rng.randint(0, held) if k != 3 else held + rng.randint(1, 3)
         cases.append({"computed": computed, "need": need, "block_size": block_size})
+    computed = costs(rng.randint(1, 10), 60, 4)
+    cases.append({"computed": computed, "need": rng.randint(0, 3), "block_size": rng.choice([0, -1, -4])})
+    cases.append({"computed": computed, "need": -rng.randint(1, 3), "block_size": rng.choice([1, 2, 4])})
+    spoilt = computed[:]
+    spoilt[rng.randrange(len(spoilt))] = -rng.randint(1, 9)
+    cases.append({"computed": spoilt, "need": rng.randint(0, 2), "block_size": rng.choice([1, 2, 4])})
     rng.shuffle(cases)
     return cases
 

@@ -857,10 +857,10 @@ def check_catch_allocate(test: Callable) -> None:
 
 def observe_catch(test: Callable, case: dict) -> str:
     """``"passes"`` or ``"fails"``: the learner's test on one version of ``allocate_for_seq`` (the bug
-    ``case["bug"]`` put in; None: the stage's), jit'd. The grader clears JAX's caches before each hidden
+    ``case["bug"]`` put in; None: the stage's; written differently with ``case["salt"]``), jit'd. The grader clears JAX's caches before each hidden
     case, and one jit of the whole function compiles several times faster than its ~40 ops run eagerly
     for the first time, so the seven cases fit their time on a busy 2-core machine."""
-    return outcome_of(test, jax.jit(version(ALLOCATE, case["bug"])))
+    return outcome_of(test, jax.jit(version(ALLOCATE, case["bug"], case.get("salt"))))
 
 
 def predict_steps() -> list[tuple[str, dict]]:

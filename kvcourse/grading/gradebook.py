@@ -6,6 +6,8 @@
     make grade DIR=submissions/                           a class: writes submissions/gradebook.csv
     make grade ... TIMEOUT=120 SEED=1234                  seconds per cell; the hidden cases' seed
     make grade KEY=../autograder DIR=submissions/         in a student release: the answer key's bundle
+    make grade DIR=submissions/ UNSAFE=1                  without bubblewrap (refused otherwise; every
+                                                          row's note says so)
 
 For a notebook the report reads like a teacher's: one line per exercise, each failing case once in
 plain text, the notes, then ``graded <path>: K/N exercises pass``; the exit status is 0 only when
@@ -24,18 +26,23 @@ How. What a notebook is graded against is its stage's generated exercise noteboo
 check cells hold the expected output. The grader builds the notebook it runs from the key: the
 learner's version of each exercise cell (the cells that hold a stub in the key) and of each cell the
 learner added, the key's version of every other cell (a check cell edited or deleted changes
-nothing; cells tagged ``demo``, plots and timings no exercise needs, are left out), and after each
-check cell one cell of its own that runs the learner's function on the exercise's **hidden cases**,
-drawn from a seed picked per run
-(``kvcourse/grading/hidden.py``). nbval runs it in a fresh kernel inside a **sandbox** (``kvcourse/grading/sandbox.py``:
-bubblewrap where installed, memory and CPU-time limits), with a time limit per cell; a dead kernel is
-noticed at once (``kvcourse/grading/nbval_report.py``).
+nothing; cells tagged ``demo``, plots and timings no exercise needs, are left out). nbval runs it in
+a fresh kernel inside a **sandbox** (``kvcourse/grading/sandbox.py``: bubblewrap, memory and
+CPU-time limits), with a time limit per cell; a dead kernel is noticed at once
+(``kvcourse/grading/nbval_report.py``). Then, for each exercise whose check cell printed what it
+must, the exercise's **hidden cases**, drawn from a seed picked per run (``kvcourse/grading/hidden.py``),
+run where no cell of the notebook runs: a fresh sandboxed process (``kvcourse/grading/isolated.py``)
+runs the cells above the check cell, the learner's as their definitions only, calls the learner's
+function on each case and hands the observations back on a pipe of its own; no cell the learner
+added below can touch them.
 
 An exercise passes when its check cell prints what the key holds (the cases the notebook shows) and
 every hidden case gives what the stage's independent answer gives; this grader process, which never
 runs the learner's code, makes that comparison. It is not credited, whatever it printed, when its
-answer runs the stage's own implementation (the hidden cases saw its code run, or the source imports it:
-``kvcourse/grading/integrity.py``); no exercise is credited when the learner's code changes the grader. The
+answer runs the stage's own implementation, or any identical copy of it (the hidden cases' watch
+knows the code by what it is, not where it lives; the source imports it: ``kvcourse/grading/integrity.py``),
+or reaches for another stage's code; no exercise is credited when the learner's code changes the
+grader, or tries to while its hidden cases run (the isolated run refuses and reports it). The
 gradebook's note column says why, and what happened when a kernel died or a cell ran out of time.
 
 The independent answers are the answer key's, ``key/LN_*/answers.py``. A student release (``make
@@ -70,8 +77,8 @@ import nbformat
 
 from kvcourse.grading import hidden
 from kvcourse.grading.exercises import CHECK_MARKER, NOTEBOOKS, ROOT, read, render, stage_of
-from kvcourse.grading.integrity import scan
-from kvcourse.grading.sandbox import Sandbox
+from kvcourse.grading.integrity import Finding, scan
+from kvcourse.grading.sandbox import INSTALL_HINT, Sandbox, bwrap_works
 from kvcourse.harness.stages import STAGES
 
 WORKSPACE = ROOT / "workspace"
@@ -79,6 +86,7 @@ SANITIZE = NOTEBOOKS / "sanitize.cfg"
 CELL_TIMEOUT = 60  # seconds one cell may run (TIMEOUT=); the slowest reference cell takes 20 s here
 NOTEBOOK_TIMEOUT = 1800  # seconds one notebook may take in all, cells and kernel start included
 MEMORY_BYTES = 8 << 30  # address space of each process of a submission
+UNSAFE_NOTE = "graded WITHOUT a sandbox (--no-sandbox): the notebook ran with the grader's permissions"
 STUB_TITLE_RE = re.compile(r'raise NotImplementedError\("Exercise (L\d+\.\d+)(?::\s*(.*?))?"\)')
 
 
@@ -120,7 +128,7 @@ class RunCell:
     """One code cell of the notebook the grader runs, and what it is there for."""
 
     source: str
-    role: str  # "course", "learner", "check" or "hidden"
+    role: str  # "course", "learner" or "check"
     exercise_id: str | None  # the exercise whose span holds it (None: setup, or after the last one)
 
 
@@ -221,34 +229,18 @@ def check_cells_edited(nb, key) -> str | None:
     return f"check cell {', '.join(map(str, changed))} edited or missing (the exercise notebook's were run)"
 
 
-def harvest_source(package: str, ex: Exercise, check_source: str, seed: int, out: Path, seconds: int) -> str:
-    """The cell that runs the learner's function on the hidden cases: the check cell's call, with
-    ``checks.check_free(free)`` becoming ``harvest(..., free)``."""
+def check_args(check_source: str) -> str:
+    """The arguments of a check cell's call, as source: ``checks.check_free(free)`` -> ``"free"``."""
     call = next(
         node.value
         for node in ast.parse(check_source).body
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
     )
-    args = ", ".join(ast.unparse(a) for a in call.args)
-    return (
-        f"# the grader's cell: the hidden cases of {ex.exercise_id}\n"
-        f"import kvcourse.grading.hidden\n"
-        f"kvcourse.grading.hidden.harvest({package!r}, {ex.exercise_id!r}, {args}, seed={seed}, out={str(out)!r}, seconds={seconds})"
-    )
+    return ", ".join(ast.unparse(a) for a in call.args)
 
 
-def build_run(
-    nb,
-    key,
-    exercises: list[Exercise],
-    only: str | None,
-    package: str,
-    seed: int | None,
-    results: Path,
-    seconds: int,
-) -> list[RunCell]:
-    """The cells the grader runs (see the module docstring) and which of them are the learner's; no
-    hidden cases when ``seed`` is None (a copy without the answer key).
+def build_run(nb, key, exercises: list[Exercise], only: str | None) -> list[RunCell]:
+    """The cells the grader runs (see the module docstring) and which of them are the learner's.
 
     Each of the learner's cells sits where the learner put it: after the key cell it follows.
     """
@@ -279,10 +271,6 @@ def build_run(
             exercise_id = ex.exercise_id if ex else None
             if is_check(cell):
                 cells.append(RunCell(cell.source, "check", exercise_id))
-                if seed is not None:
-                    out = results / f"{ex.exercise_id}.json"
-                    source = harvest_source(package, ex, cell.source, seed, out, seconds)
-                    cells.append(RunCell(source, "hidden", exercise_id))
             elif STUB_TITLE_RE.search(cell.source):
                 if cell.get("id") in mine:  # deleted: the learner's answer may sit in a cell of their own
                     cells.append(RunCell(mine[cell.get("id")], "learner", exercise_id))
@@ -333,6 +321,46 @@ def run_nbval(
     return json.loads(report.read_text(encoding="utf-8")), stopped
 
 
+def run_isolated(
+    cells: list[RunCell], graded: list[Exercise], package: str, seed: int, seconds: int, box: Sandbox
+) -> dict[str, dict] | str:
+    """Each graded exercise's hidden-case findings, from a fresh sandboxed process that runs no cell
+    of the notebook (``kvcourse/grading/isolated.py``), or why none came back."""
+    checks_at = {c.exercise_id: i for i, c in enumerate(cells) if c.role == "check"}
+    request = {
+        "package": package,
+        "seed": seed,
+        "seconds": seconds,
+        "cells": [{"role": c.role, "source": c.source, "exercise": c.exercise_id} for c in cells],
+        "exercises": [
+            {"id": e.exercise_id, "check": checks_at[e.exercise_id], "args": check_args(cells[checks_at[e.exercise_id]].source)}
+            for e in graded
+        ],
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg")
+    argv, limits = box.wrap([sys.executable, "-m", "kvcourse.grading.isolated"], None)
+    try:
+        done = subprocess.run(
+            argv, cwd=ROOT, env=env, input=json.dumps(request).encode(), capture_output=True,
+            preexec_fn=limits, start_new_session=True, timeout=NOTEBOOK_TIMEOUT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"the hidden cases ran past {NOTEBOOK_TIMEOUT} s in all"
+    found = {}
+    for line in done.stdout.decode(errors="replace").splitlines():
+        try:
+            result = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(result, dict) and result.get("exercise") in checks_at:
+            found[result["exercise"]] = result
+    if not found:
+        said = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return f"the hidden cases could not be run ({said[0][:200]})"
+    return found
+
+
 def visible_verdict(record: dict | None) -> tuple[bool, str, list[str]]:
     """(passed, summary, failing lines) of a check cell, from its record."""
     if record is None:
@@ -361,8 +389,6 @@ def what_happened(cells: list[RunCell], records: dict[int, dict], cell_timeout: 
     for index, record in sorted(records.items()):
         cell = cells[index]
         where = f"the cell of {cell.exercise_id}" if cell.exercise_id else f"code cell {index + 1}"
-        if cell.role == "hidden":
-            where = f"the hidden cases of {cell.exercise_id}"
         if record["status"] == "died":
             notes.append(f"kernel died in {where}")
         elif record["status"] == "timeout":
@@ -398,10 +424,7 @@ def grade(
     checks = hidden.checks_of(package)
     with tempfile.TemporaryDirectory(prefix="kvcourse-grade-") as tmp:
         workdir = Path(tmp)
-        results = workdir / "hidden"
-        results.mkdir()
-        # the hidden cases end on their own, well before nbval's cell limit would interrupt them
-        cells = build_run(nb, key, exercises, only, package, seed, results, max(1, cell_timeout // 2))
+        cells = build_run(nb, key, exercises, only)
         run = nbformat.v4.new_notebook(
             cells=[nbformat.v4.new_code_cell(c.source) for c in cells], metadata=key.metadata
         )
@@ -412,30 +435,55 @@ def grade(
         target = workdir / path.name
         target.write_text(render(run), encoding="utf-8")
         records, stopped = run_nbval(target, workdir, cell_timeout, box)
-        harvested = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in results.glob("*.json")}
     if isinstance(records, str):
         return Grade(
             shown, [Verdict(e, False, "FAIL, not graded") for e in graded], refused=records, seed=seed
         )
     by_cell = {r["cell"]: r for r in records}
+    check_at = {c.exercise_id: i for i, c in enumerate(cells) if c.role == "check"}
     notes = [] if only else [n for n in [check_cells_edited(nb, key)] if n]
     learner = [(c.exercise_id, c.source) for c in cells if c.role == "learner"]
     findings = scan(learner, {e.exercise_id: checks.HIDDEN[e.exercise_id].answers for e in graded})
+    # the hidden cases run for the exercises that can still be credited: their cases shown pass, the
+    # source neither changes the grader nor takes the stage's own answer
+    barred = {f.exercise_id for f in findings if f.kind == "alias"}
+    barred |= {e.exercise_id for e in graded} if any(f.kind == "tamper" for f in findings) else set()
+    to_run = [
+        e
+        for e in graded
+        if visible_verdict(by_cell.get(check_at[e.exercise_id]))[0] and e.exercise_id not in barred
+    ]
+    found: dict[str, dict] | str = {}
+    if hidden_cases and to_run:
+        # the hidden cases end on their own, well before nbval's cell limit would have interrupted them
+        found = run_isolated(cells, to_run, package, seed, max(1, cell_timeout // 2), box)
+    if isinstance(found, str):
+        notes_run, found = [found], {}
+    else:
+        notes_run = []
+    for result in found.values():  # what the learner's code tried while its hidden cases ran
+        for what in result["tampered"]:
+            if what.endswith(("another stage's code", "outside its stage")):
+                continue  # reaching for the stage's code elsewhere: that exercise is not credited
+            findings.append(Finding(None, "tamper", f"{what}, while the hidden cases of {result['exercise']} ran"))
     tampered = [f for f in findings if f.kind == "tamper"]
     if tampered:
         where = f" in the cell of {tampered[0].exercise_id}" if tampered[0].exercise_id else ""
         notes.append(f"changes the grader: {tampered[0].what}{where}; nothing credited")
     verdicts = []
     for ex in graded:
-        check_at = next(
-            i for i, c in enumerate(cells) if c.role == "check" and c.exercise_id == ex.exercise_id
-        )
-        passed, summary, failures = visible_verdict(by_cell.get(check_at))
-        record = harvested.get(ex.exercise_id)
-        problems = hidden.judge(package, ex.exercise_id, seed, record) if hidden_cases else []
+        passed, summary, failures = visible_verdict(by_cell.get(check_at[ex.exercise_id]))
+        result = found.get(ex.exercise_id)
+        record = result if result and result["observations"] is not None else None
+        problems = hidden.judge(package, ex.exercise_id, seed, record) if hidden_cases and passed else []
+        if result and record is None:
+            problems = [f"hidden cases: no record came back (the process that ran them: {result['status']})"]
         aliased = [f.what for f in findings if f.kind == "alias" and f.exercise_id == ex.exercise_id]
         aliased += [
-            f"runs {t.partition(':')[2]}, the stage's own answer" for t in (record or {}).get("aliased", [])
+            f"runs {t.partition(':')[2]}, the stage's own answer" for t in (result or {}).get("aliased", [])
+        ]
+        aliased += [
+            w for w in (result or {}).get("tampered", []) if w.endswith(("another stage's code", "outside its stage"))
         ]
         if aliased:
             notes.append(f"{ex.exercise_id} not credited: {aliased[0]}")
@@ -454,7 +502,7 @@ def grade(
         verdicts.append(Verdict(ex, passed, summary, failures))
     if not hidden_cases:
         notes.append(f"hidden cases not graded: {NO_KEY}")
-    notes += what_happened(cells, by_cell, cell_timeout)
+    notes += notes_run + what_happened(cells, by_cell, cell_timeout)
     if stopped:
         notes.append(f"the notebook ran past {NOTEBOOK_TIMEOUT} s in all and was stopped")
     return Grade(shown, verdicts, notes=notes, seed=seed)
@@ -481,13 +529,14 @@ def new_seed() -> int:
     return random.SystemRandom().randrange(1, 100_000)
 
 
-def gradebook(folder: Path, cell_timeout: int, seed: int, box: Sandbox) -> Path:
+def gradebook(folder: Path, cell_timeout: int, seed: int, box: Sandbox, unsafe: str | None = None) -> Path:
     """Grade every notebook in ``folder``, each in its own sandboxed kernel, all on the same hidden
-    cases; write gradebook.csv."""
+    cases; write gradebook.csv. ``unsafe``: the note every row gets when no sandbox was used."""
     grades = []
     for nb in sorted(folder.glob("*.ipynb")):
         t0 = time.perf_counter()
         g = grade(nb, cell_timeout=cell_timeout, seed=seed, box=box, shown=str(nb))
+        g.notes += [unsafe] if unsafe else []
         print(report(g), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         print()
         grades.append(g)
@@ -533,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="seconds one cell may run")
     parser.add_argument("--seed", type=int, help="the hidden cases' seed (default: a new one each run)")
     parser.add_argument("--key", help="a student release's autograder bundle (make release)")
+    parser.add_argument(
+        "--no-sandbox", action="store_true",
+        help="grade a class or with KEY= even without bubblewrap (every row's note says so)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     def fail(message: str) -> int:
@@ -554,11 +607,18 @@ def main(argv: list[str] | None = None) -> int:
     box = Sandbox.here(ROOT, MEMORY_BYTES, 2 * NOTEBOOK_TIMEOUT, key=bundle)
     if box.warning():
         print(box.warning(), file=sys.stderr)
+    if not box.use_bwrap and (args.dir or bundle is not None) and not args.no_sandbox:
+        return fail(
+            f"{bwrap_works()}: refusing to grade untrusted notebooks without a sandbox (their code would "
+            f"run with your permissions: it could read the answer key). Install it: {INSTALL_HINT}; or "
+            "grade anyway with --no-sandbox (make grade ... UNSAFE=1), which every row's note says"
+        )
+    unsafe = UNSAFE_NOTE if not box.use_bwrap and args.no_sandbox else None
     if args.dir:
         folder = Path(args.dir)
         if not folder.is_dir():
             return fail(f"{folder} is not a folder")
-        gradebook(folder, args.timeout, new_seed() if args.seed is None else args.seed, box)
+        gradebook(folder, args.timeout, new_seed() if args.seed is None else args.seed, box, unsafe)
         return 0
     paths = [Path(p) for p in args.notebook] or sorted(WORKSPACE.glob("L[0-9]*_*.ipynb"))
     if not paths:
@@ -579,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ValueError as e:  # EX= names an exercise of another notebook
             return fail(str(e))
+        g.notes += [unsafe] if unsafe else []
         print(report(g), flush=True)
         status |= g.refused is not None or g.passed < len(g.verdicts)
     return 1 if status else 0

@@ -4,9 +4,11 @@ A check cell prints its fixed cases, and the exercise notebook stores what it mu
 that text is not solving the exercise. So the grader also draws cases the notebook never shows, from
 a seed it picks per run, and judges them outside the learner's process:
 
-1. in the learner's kernel (sandboxed), right after an exercise's check cell, ``harvest`` draws the
-   cases from the seed, calls the learner's function on each, and writes only what came back (an
-   *observation*: JSON, no pickles) to a file;
+1. in a fresh sandboxed process that runs no cell of the notebook (``kvcourse/grading/isolated.py``:
+   the learner's definitions only, one child process per exercise), ``observe_all`` calls the
+   learner's function on each case drawn from the seed and keeps only what came back (an
+   *observation*: plain values, no pickles), which reach the grader on a pipe of their own
+   (``harvest`` does the same in the caller's process, for tests);
 2. in the grader's own process, which never ran the learner's code, ``expected`` draws the same cases
    and observes the stage's independent answer (``key/LN_*/answers.py``: a second implementation
    written apart from the stage's, never the stage function the exercise re-implements), and
@@ -25,9 +27,10 @@ A ``Hidden`` holds:
 - ``describe(case) -> str``: the case in words, for the report;
 - ``answers``: the stage's own implementation of the exercise, as ``"module:Qualified.name"``. While
   the learner's function runs on hidden cases, a profile hook watches for their code running
-  (``watching``), so an answer that calls, aliases or copies the stage's code
-  (``alloc_blocks = BlockAllocator.alloc_blocks``) is caught however it got hold of it, and the grader
-  flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
+  (``watching``), known by its ``fingerprint`` (what the code is, not the file it lives in), so an
+  answer that calls, aliases or copies the stage's code (``alloc_blocks = BlockAllocator.alloc_blocks``,
+  a later stage's byte-identical copy, the source ``exec``'d) is caught however it got hold of it,
+  and the grader flags it instead of crediting it. ``observe`` itself must not run them. A dict constant (L6's
   ``SPECS``) is caught when one of its values is used;
 - ``atol``: the tolerance for floats (online softmax against a dense one), else exact;
 - ``explain(want, got)``: what the report says of a difference, when ``compare``'s "got X, expected Y"
@@ -52,6 +55,7 @@ import os
 import random
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,12 +101,25 @@ def resolve(target: str):
     return owner, name, getattr(owner, name)
 
 
-def code_identity(target: str) -> set[tuple[str, str]]:
-    """The (file, qualified name) pairs that the code of ``target`` runs under, e.g.
-    ``{("/repo/L2_token_flat/sequence.py", "allocate_slots")}`` for ``"L2_token_flat.sequence:allocate_slots"``."""
-    module_name, _, qualname = target.partition(":")
-    path = importlib.import_module(module_name).__file__
-    return {(path, qualname), (os.path.realpath(path), qualname)}
+def fingerprint(code, _code_type=types.CodeType, _tuple=tuple, _type=type, _repr=repr) -> tuple:
+    """What a code object is, wherever it was compiled: its bytecode, names, local names and
+    constants (nested code objects by their own fingerprint), not its file, line numbers, qualified
+    name or docstring (a method copied out of its class is dedented, and its docstring with it). Two copies of a function, in two files, in an ``exec``'d string, or in a later
+    stage's byte-identical file, have the same fingerprint; renaming a local variable changes it.
+    Builtins it uses are bound when it is defined (a learner's code may rebind ``builtins``)."""
+    consts = _tuple(
+        fingerprint(c) if _type(c) is _code_type else (_type(c).__name__, _repr(c)) for c in code.co_consts
+    )
+    if consts and consts[0][0] in ("str", "NoneType"):  # a function's docstring, or None without one
+        consts = (("doc", ""), *consts[1:])
+    return (code.co_code, code.co_names, code.co_varnames, code.co_argcount, code.co_kwonlyargcount, consts)
+
+
+def code_of(target: str):
+    """The code object of ``target``'s function (a property's getter), or None for a constant."""
+    *_, value = resolve(target)
+    value = getattr(value, "fget", value)
+    return getattr(getattr(value, "__func__", value), "__code__", None)
 
 
 class AliasedAnswer(Exception):
@@ -129,13 +146,15 @@ class Tripped:
 
 
 @contextlib.contextmanager
-def watching(targets: tuple[str, ...], caught: list[str]):
-    """Record in ``caught`` every target whose code runs while the block runs.
+def watching(targets: tuple[str, ...], caught: list[str], fd: int | None = None):
+    """Record in ``caught`` every target whose code runs while the block runs (and, given ``fd``,
+    write ``aliased "<target>"`` there at once: the isolated run's pipe, ``kvcourse/grading/isolated.py``).
 
-    A profile hook looks at each Python call's code object: its file and qualified name say whether
-    it is the stage's own implementation, whatever object it was reached through (the class
-    attribute, an alias taken earlier, a wrapper, a copy of the function). The learner's own code,
-    defined in the notebook, never matches, even when it has replaced the stage's attribute.
+    A profile hook looks at each Python call's code object: its fingerprint (``fingerprint``) says
+    whether it is the stage's own implementation, whatever object it was reached through (the class
+    attribute, an alias taken earlier, a wrapper, a copy of the function, a later stage's identical
+    copy, an ``exec``'d copy of its source). The learner's own code, written by the learner, never
+    matches, even when it has replaced the stage's attribute.
 
     A target that is a dict (a constant the exercise asks for) keeps its keys, and its values become
     ``Tripped`` until the block ends. JAX's caches are cleared first: ``jit`` runs a function it traced
@@ -148,16 +167,24 @@ def watching(targets: tuple[str, ...], caught: list[str]):
             constants.append((value, dict(value)))
             value.update({key: Tripped(target, caught) for key in value})
         else:
-            forbidden.update({key: target for key in code_identity(target)})
+            forbidden[fingerprint(code_of(target))] = target
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
 
-    def hook(frame, event, arg):
+    # everything the hook uses is bound here, as defaults (reading a function's defaults is an
+    # audited event, which the isolated run refuses to the learner's code): no global a learner
+    # could rebind, no closure cell a learner could change through sys.getprofile()
+    def hook(frame, event, arg, _seen={}, _forbidden=forbidden, _fd=fd, _id=id, _fp=fingerprint,  # noqa: B006
+             _append=caught.append, _write=os.write, _join="".join):  # fmt: skip
         if event == "call":
             code = frame.f_code
-            target = forbidden.get((code.co_filename, code.co_qualname))
-            if target is not None:
-                caught.append(target)
+            known = _seen.get(_id(code))
+            if known is None or known[0] is not code:  # a new code object (ids are reused)
+                known = _seen[_id(code)] = (code, _forbidden.get(_fp(code)))
+            if known[1] is not None:
+                _append(known[1])
+                if _fd is not None:
+                    _write(_fd, _join(["aliased ", known[1], "\n"]).encode())
 
     previous = sys.getprofile()
     sys.setprofile(hook)
@@ -197,17 +224,11 @@ def load_fresh(package: str):
     return fresh
 
 
-def harvest(
-    package: str, exercise_id: str, fn, *context, seed: int, out: str, seconds: float = SECONDS
-) -> None:
-    """Run the learner's ``fn`` on an exercise's hidden cases; write the observations to ``out``.
+def observe_all(hidden: Hidden, fn, context, cases: list, seconds: float, fd: int | None = None):
+    """Run ``fn`` on each case under the watch: (observations, the targets seen running).
 
-    Called by the cell the grader adds after each check cell, in the learner's kernel. The cases
-    share ``seconds``; the first one to run out of time is recorded as such and ends the run. Prints
-    one line (how many cases ran), never the observations.
-    """
-    hidden = load_fresh(package).HIDDEN[exercise_id]
-    cases = hidden.draw(rng_for(seed, exercise_id))
+    The cases share ``seconds``; the first one to run out of time is recorded as such and ends the
+    run. What the learner's code prints is dropped."""
     observations, caught = [], []
     deadline = time.monotonic() + seconds
     for case in cases:
@@ -216,13 +237,25 @@ def harvest(
                 contextlib.redirect_stdout(io.StringIO()),
                 time_limit(max(1, round(deadline - time.monotonic()))),
             ):
-                with watching(hidden.answers, caught):
+                with watching(hidden.answers, caught, fd):
                     got = hidden.observe(fn, case, *context)
             observations.append({"ok": to_json(got)})
         except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
             observations.append({"error": f"{type(e).__name__}: {first_line(str(e))}"})
             if isinstance(e, CaseTimeout):
                 break  # a loop that never ends would cost every other case the same
+    return observations, caught
+
+
+def harvest(
+    package: str, exercise_id: str, fn, *context, seed: int, out: str, seconds: float = SECONDS
+) -> None:
+    """Run ``fn`` on an exercise's hidden cases in this process; write the record ``judge`` reads to
+    ``out``. For tests and instructors' own checks: the grader runs a submission's answers in an
+    isolated process instead (``kvcourse/grading/isolated.py``)."""
+    hidden = load_fresh(package).HIDDEN[exercise_id]
+    cases = hidden.draw(rng_for(seed, exercise_id))
+    observations, caught = observe_all(hidden, fn, context, cases, seconds)
     record = {
         "exercise": exercise_id,
         "seed": seed,
@@ -243,9 +276,9 @@ def expected(package: str, exercise_id: str, seed: int) -> tuple[list[dict], lis
 
 def judge(package: str, exercise_id: str, seed: int, record: dict | None) -> list[str]:
     """Each failing hidden case once, in words (empty when all pass). ``record`` is what ``harvest``
-    wrote, or None when the cell never ran."""
+    wrote, or None when none came back."""
     if record is None:
-        return ["hidden cases: did not run (the notebook stopped before them)"]
+        return ["hidden cases: no record came back"]
     hidden = checks_of(package).HIDDEN[exercise_id]
     cases, wants = expected(package, exercise_id, seed)
     got = record.get("observations")

@@ -6,9 +6,10 @@ that hands the exercise to the stage's own code deserves no credit. ``scan`` rea
 cells (exercise cells and cells the learner added; the other cells are the course's and are run as
 the exercise notebook has them) and returns findings of two kinds:
 
-- **tampering**, anywhere in the learner's code: changing or using the grader (rebinding ``checks`` or
-  one of its names, reading one that is not a ``check_`` function, importing or reaching
-  ``kvcourse.grading``), the import machinery (``sys.modules``, ``importlib``,
+- **tampering**, anywhere in the learner's code: changing or using the grader through any name that
+  holds it (``checks``, a name an import of ``exercises`` or ``kvcourse.grading`` binds, a name
+  assigned from one: ``grader_names``): rebinding it or one of its names, reading one that is not a
+  ``check_`` function, passing it around, importing or reaching ``exercises`` or ``kvcourse.grading``, the import machinery (``sys.modules``, ``importlib``,
   ``__import__``, ``builtins``), tracing hooks, code objects, ``exec``/``eval``/``compile``, or the
   answer key (the ``key`` package, an ``answers`` module, a ``.ipynb`` file). The whole notebook is
   not credited;
@@ -32,6 +33,7 @@ import ast
 from dataclasses import dataclass
 
 GRADER_PACKAGE = "kvcourse.grading"  # the grader itself: its cases, hidden cases, gradebook and plugin
+GRADER_MODULES = "exercises"  # the stages' checkers and hidden cases (exercises/LN_*/checks.py)
 KEY_PACKAGE = "key"  # the answer key: each stage's independent answers (key/LN_*/answers.py)
 FORBIDDEN_MODULES = ("importlib", "builtins", "ctypes", "gc")
 FORBIDDEN_CALLS = ("exec", "eval", "compile", "__import__")
@@ -49,14 +51,18 @@ def scan(cells: list[tuple[str | None, str]], answers: dict[str, tuple[str, ...]
     """Findings in the learner's cells, each ``(exercise id or None, source)``; ``answers`` maps an
     exercise to its stage implementation targets (``"module:Qualified.name"``)."""
     findings = []
+    trees = []
     for exercise_id, source in cells:
         try:
-            tree = ast.parse(strip_magics(source))
+            trees.append((exercise_id, ast.parse(strip_magics(source))))
         except SyntaxError:
             continue  # it will fail when it runs; nothing to read here
+    names = grader_names([tree for _, tree in trees])
+    for exercise_id, tree in trees:
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
             where = f"line {getattr(node, 'lineno', '?')}"
-            tampered = tampering(node)
+            tampered = tampering(node, names) or passed_around(node, parents, names)
             if tampered:
                 findings.append(Finding(exercise_id, "tamper", f"{tampered} ({where})"))
             for ex, targets in answers.items():
@@ -90,8 +96,43 @@ def root_name(node) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def tampering(node) -> str | None:
-    """What in ``node`` reaches for the grader, the import machinery or the answer key, else None.
+def grader_names(trees: list) -> set[str]:
+    """The names that hold the grader in the learner's code: ``checks`` (the course's setup cell binds
+    it), every name an import of ``exercises`` or ``kvcourse.grading`` binds (``from exercises.L3_block_tensor
+    import checks as _c``), and every name assigned from one of those (``c = checks``), however far."""
+    names = {"checks"}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and any(
+                m.split(".")[0] == GRADER_MODULES or m.startswith(GRADER_PACKAGE) for m in module_names(node)
+            ):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    while True:
+        more = {
+            t.id
+            for tree in trees
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign | ast.AnnAssign | ast.NamedExpr) and root_name(node.value) in names
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Name)
+        } - names
+        if not more:
+            return names
+        names |= more
+
+
+def passed_around(node, parents: dict, names: set[str]) -> str | None:
+    """A name holding the grader used as a value (``f(checks)``, ``def f(c=checks)``), not called
+    through (``checks.check_free(free)``), else None."""
+    if isinstance(node, ast.Name) and node.id in names and isinstance(node.ctx, ast.Load):
+        if not isinstance(parents.get(node), ast.Attribute):
+            return f"passes {node.id} around"
+    return None
+
+
+def tampering(node, names: set[str] = frozenset({"checks"})) -> str | None:
+    """What in ``node`` reaches for the grader, the import machinery or the answer key, else None;
+    ``names`` hold the grader (``grader_names``).
 
     Calling a checker (``checks.check_free(free)`` in a scratch cell) is fine; replacing one, rebinding
     ``checks``, or reading anything else of it (``checks.version``: a catch-the-bug exercise's correct
@@ -101,7 +142,7 @@ def tampering(node) -> str | None:
         parts = name.split(".")
         if (
             name.startswith(GRADER_PACKAGE)
-            or parts[0] == KEY_PACKAGE
+            or parts[0] in (KEY_PACKAGE, GRADER_MODULES)
             or parts[-1] == "answers"
             or parts[0] in FORBIDDEN_MODULES
         ):
@@ -109,16 +150,18 @@ def tampering(node) -> str | None:
     if isinstance(node, ast.Name | ast.Attribute | ast.Subscript) and isinstance(
         node.ctx, ast.Store | ast.Del
     ):
-        if root_name(node) == "checks":
-            return f"{'rebinds' if isinstance(node, ast.Name) else 'replaces'} {ast.unparse(node)}"
+        if isinstance(node, ast.Name) and node.id in names:
+            return "rebinds checks" if node.id == "checks" else f"binds {node.id} to the grader"
+        if root_name(node) in names:
+            return f"replaces {ast.unparse(node)}"
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         if node.func.id in FORBIDDEN_CALLS:
             return f"calls {node.func.id}()"
-        if node.func.id in ("setattr", "delattr") and node.args and root_name(node.args[0]) == "checks":
-            return f"calls {node.func.id}() on checks"
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "checks":
+        if node.func.id in ("setattr", "delattr") and node.args and root_name(node.args[0]) in names:
+            return f"calls {node.func.id}() on {root_name(node.args[0])}"
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names:
         if not node.attr.startswith("check_"):  # the grader's helpers: a version to compare with, the
-            return f"reads checks.{node.attr}"  # run a prediction is graded against
+            return f"reads {node.value.id}.{node.attr}"  # run a prediction is graded against
     if isinstance(node, ast.Attribute) and node.attr == "grading":
         return f"reaches {ast.unparse(node)}"
     if isinstance(node, ast.Name) and node.id == "__builtins__":

@@ -22,9 +22,12 @@ and raises (``assert``) when it misbehaves. Grading runs the test on
 Every version, the correct one included, is made the same way: the named definition's source is read
 from the stage's file, the bug's text replaced (none for the correct one), and the result executed in
 a copy of the module's namespace, under a file name of its own (``<L2_token_flat.allocator, handed to
-your test>``). So the versions cannot be told apart by where they come from, and a test that runs the
+your test>``). So the versions cannot be told apart by where they come from. The hidden cases also
+write every version differently (``refactored``: locals renamed, an unused local added, with a salt
+drawn from the seed), so they cannot be told apart by their code either: a test that compares code
+(source, bytecode, ``dis``) with the stage's fails the correct version, and a test that runs the
 stage's own code as an oracle is seen by the hidden cases' watch (``hidden.watching``), which knows the
-stage's code by its real file. Exception classes and everything else the definition uses stay the
+stage's code by its fingerprint. Exception classes and everything else the definition uses stay the
 module's own (``OutOfBlocksError`` is the class the learner imports).
 
     bug = mutation("L2 allocator hands out the blocks it has, then raises")
@@ -79,11 +82,57 @@ def mutation(name: str) -> Mutation:
     return found[0]
 
 
+class Refactor(ast.NodeTransformer):
+    """The same code written differently: every local variable of every function renamed (``blocks``
+    -> ``blocks_v7``) and an unused local assigned first thing, so the bytecode, the ``dis`` listing
+    and the source all differ from the stage's while every call does what it did. Parameters keep
+    their names (callers pass them by keyword), and so does a local that a nested function's parameter
+    shadows."""
+
+    def __init__(self, salt: int):
+        self.suffix = f"_v{salt}"
+
+    def visit_FunctionDef(self, node):  # noqa: N802 - ast's naming
+        params = {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}
+        params |= {a.arg for a in (node.args.vararg, node.args.kwarg) if a is not None}
+        declared = {n for s in ast.walk(node) if isinstance(s, ast.Global | ast.Nonlocal) for n in s.names}
+        stored = {
+            n.id for s in node.body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        } | {h.name for s in node.body for h in ast.walk(s) if isinstance(h, ast.ExceptHandler) and h.name}
+        nested = {  # a nested function's or lambda's parameter shadows a local of the same name
+            a.arg
+            for s in node.body
+            for f in ast.walk(s)
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            for a in [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
+            if a is not None
+        }
+        local = stored - params - declared - nested
+        for s in node.body:
+            for n in ast.walk(s):
+                if isinstance(n, ast.Name) and n.id in local:
+                    n.id += self.suffix
+                elif isinstance(n, ast.ExceptHandler) and n.name in local:
+                    n.name += self.suffix
+        first = 1 if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) else 0
+        unused = ast.Assign([ast.Name(f"unused{self.suffix}", ast.Store())], ast.Constant(None), lineno=0)
+        node.body.insert(first, unused)
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # noqa: N815
+
+
+def refactored(source: str, salt: int) -> str:
+    """``source`` (one top-level definition) rewritten by ``Refactor``: the same behaviour, other code."""
+    return ast.unparse(ast.fix_missing_locations(Refactor(salt).visit(ast.parse(source)))) + "\n"
+
+
 @functools.cache
-def version(target: str, bug_name: str | None = None):
+def version(target: str, bug_name: str | None = None, salt: int | None = None):
     """The definition ``target`` (``"package.module:Name"``, top level) rebuilt from its source, with
-    the mutation ``bug_name`` put in (None: unchanged). Each call with the same arguments gives the
-    same object, so a class is built once per run.
+    the mutation ``bug_name`` put in (None: unchanged), and written differently (``refactored``) when
+    ``salt`` is given. Each call with the same arguments gives the same object, so a class is built once
+    per run.
 
     Example: ``version("L2_token_flat.allocator:BlockAllocator")(4, 2).alloc_blocks(1) -> [0]``.
     """
@@ -108,6 +157,8 @@ def version(target: str, bug_name: str | None = None):
     source = "\n" * (start - 1) + "\n".join(text.splitlines()[start - 1 : node.end_lineno]) + "\n"
     if bug_name is not None and bug.new not in source:
         raise ValueError(f"mutation {bug_name!r} changes {module_name} outside {name}")
+    if salt is not None:
+        source = refactored(source, salt)
     namespace = dict(vars(module))
     exec(compile(source, f"<{module_name}, handed to your test>", "exec"), namespace)  # noqa: S102
     return namespace[name]
@@ -166,18 +217,20 @@ def catch_cases(test: Callable, target: str, bugs: list[str], what: str) -> list
 
 def catch_hidden(target: str, bugs: list[str], watch: tuple[str, ...]) -> Hidden:
     """The hidden cases of a catch-the-bug exercise: the correct version and every one of ``bugs``, in
-    an order drawn from the seed. A case is ``{"bug": name}`` (None: the correct version); its
-    observation is ``"passes"`` or ``"fails"``, and the independent answer (a test that catches them
-    all) passes the first and fails the others. ``watch`` names the stage code the learner's test must
-    not run itself (its real methods: an oracle test would)."""
+    an order drawn from the seed, each written differently (``refactored``, with a salt drawn from the
+    seed), so that a test which compares code (source, bytecode, ``dis``) with the stage's instead of
+    running it fails the correct version. A case is ``{"bug": name, "salt": n}`` (bug None: the
+    correct version); its observation is ``"passes"`` or ``"fails"``, and the independent answer (a
+    test that catches them all) passes the first and fails the others. ``watch`` names the stage code
+    the learner's test must not run itself (its real methods: an oracle test would)."""
 
     def draw(rng: random.Random) -> list[dict]:
         cases = [{"bug": None}] + [{"bug": bug} for bug in bugs]
         rng.shuffle(cases)
-        return cases
+        return [dict(case, salt=rng.randrange(1, 10**6)) for case in cases]
 
     def observe(test, case):
-        return outcome_of(test, version(target, case["bug"]))
+        return outcome_of(test, version(target, case["bug"], case.get("salt")))
 
     def describe(case) -> str:
         return CORRECT if case["bug"] is None else f"bug '{case['bug']}'"

@@ -2,20 +2,23 @@
 
 ``make grade`` executes learners' notebooks, which are code. Each one runs under
 
-- **bubblewrap** (``bwrap``, Debian's ``bubblewrap`` package), when it is installed and works here:
-  the whole file system read-only (the repository included), a private ``/tmp`` and home, no network
-  (a network namespace of its own: loopback only, which the Jupyter kernel talks over), its own
-  process, IPC and host-name namespaces, killed with the grader. The grader's work folder is the one
-  writable place (what the run reads from the host's /tmp, a clone of the repository there say, is
-  brought back read-only). The answer key is out of sight: the course's ``key/`` (the reference
-  notebooks with their solutions, each stage's independent answers), a release's autograder bundle
-  (``key``) and the git history are covered by empty folders;
+- **bubblewrap** (``bwrap``, Debian's ``bubblewrap`` package): only the submission's work folder
+  (writable) and a read-only runtime are in the box: the system's programs, libraries and ``/etc``
+  (``SYSTEM``), the repository, the Python environment and the model cache (``needed``). No home
+  folder (a private, empty one), no other checkout, no other submission, a private ``/tmp``, its own
+  ``/proc`` (its own process namespace: the grader's processes and their command lines are not
+  there), no network (loopback only, which the Jupyter kernel talks over), its own IPC and host-name
+  namespaces, killed with the grader. The answer key is out of sight: the course's ``key/`` (the
+  reference notebooks with their solutions, each stage's independent answers), a release's
+  autograder bundle (``key``) and the git history are covered by empty folders;
 - **limits** set with ``setrlimit`` (what ``prlimit`` sets): address space (``memory_bytes``) and CPU
   seconds (``cpu_seconds``). A process over its CPU time is killed, which the grader reports as a
   dead kernel.
 
-Without bubblewrap the limits still apply, and ``warning()`` says once what is missing and how to
-install it. Example::
+Without bubblewrap a submission runs with the grader's permissions (it can read the key, and the
+grader's command line in ``/proc``): the grader refuses a class or a release's bundle then, unless
+told ``--no-sandbox`` (``UNSAFE=1``), which every row's note repeats; the limits still apply, and
+``warning()`` says what is missing and how to install it. Example::
 
     box = Sandbox.here(repo, memory_bytes=8 << 30, cpu_seconds=1800)
     argv, preexec = box.wrap([sys.executable, "-m", "pytest", ...], workdir)
@@ -40,6 +43,7 @@ from pathlib import Path
 
 from kvcourse.model_store import cache_root
 
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")  # the runtime
 INSTALL_HINT = "apt-get install bubblewrap (Debian/Ubuntu) or dnf install bubblewrap (Fedora)"
 
 
@@ -87,24 +91,28 @@ class Sandbox:
         history that holds it."""
         return [self.repo / "key", self.repo / ".git"] + ([self.key] if self.key else [])
 
-    def wrap(self, argv: list[str], workdir: Path) -> tuple[list[str], Callable[[], None]]:
-        """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits."""
+    def wrap(self, argv: list[str], workdir: Path | None) -> tuple[list[str], Callable[[], None]]:
+        """The command that runs ``argv`` in the box, and the ``preexec_fn`` that sets the limits;
+        ``workdir`` is the one folder it may write (None: none, its private /tmp aside)."""
         return (self._bwrap(workdir) + argv if self.use_bwrap else argv), self._limits
 
     def needed(self) -> list[Path]:
-        """What a run reads that may live under /tmp, which the box replaces by an empty one: the
-        repository (a clone in /tmp), the Python environment and the model cache."""
+        """What a run reads besides the system's runtime: the repository, the Python environment (its
+        real folders: a venv may link elsewhere) and the model cache. Nothing else of the machine is
+        in the box: no home folder, no other checkout (the full course a release was made from), no
+        folder of the class's other submissions."""
         paths = [self.repo, Path(sys.prefix), Path(sys.base_prefix), cache_root()]
-        # a link (a venv linked into a clone in /tmp) comes in with the folder that holds it; its target
-        # is what must be brought back, and bwrap cannot bind onto the link itself
-        found = {Path(os.path.realpath(p)) for p in paths} | {
-            p.absolute() for p in paths if not p.is_symlink()
-        }
-        return sorted(p for p in found if p.is_relative_to("/tmp") and p.exists())
+        found = {Path(os.path.realpath(p)) for p in paths} | {p.absolute() for p in paths if not p.is_symlink()}
+        return sorted(p for p in found if p.exists() and not any(p.is_relative_to(s) for s in SYSTEM))
 
-    def _bwrap(self, workdir: Path) -> list[str]:
-        args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-        for path in self.needed():  # brought back, still read-only, into the empty /tmp
+    def _bwrap(self, workdir: Path | None) -> list[str]:
+        args = ["bwrap", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for path in SYSTEM:  # the read-only runtime: programs, libraries, their configuration
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for path in self.needed():
             args += ["--ro-bind", str(path), str(path)]
         args += ["--dir", "/tmp/home", "--setenv", "HOME", "/tmp/home"]
         for path in self.covered():
@@ -112,7 +120,8 @@ class Sandbox:
                 args += ["--tmpfs", str(path)]
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
-        args += ["--bind", str(workdir), str(workdir)]  # after /tmp's tmpfs: the work folder stays
+        if workdir is not None:
+            args += ["--bind", str(workdir), str(workdir)]  # the submission's folder, the one it may write
         args += ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", str(self.repo)]
         return args + ["--"]
 
