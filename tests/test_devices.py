@@ -405,3 +405,18 @@ def test_the_byte_tokenizer_worked_example(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(write_byte_tokenizer(tmp_path), local_files_only=True)
     assert len(tokenizer("The KV cache")["input_ids"]) == 12
     assert tokenizer.decode([40000, 54, 74, 71]) == "The"  # ids past the bytes decode to nothing
+
+
+def test_the_beam_reference_recorder_makes_nothing_on_the_default_device():
+    """HF's beam search runs with its device as torch's default (CUDA on a GPU) while the recorder keeps
+    its log-probs on the CPU: a score it made without naming the CPU met them on a GPU. With the default
+    device set to meta, two steps of k = 2 beams record their rows and gaps on the CPU."""
+    from kvcourse.harness.reference import BeamRecorder
+
+    record = BeamRecorder(prompt_len=2, ranked=4)
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0]])  # (k, vocab): the prompt, twice
+    with torch.device("meta"):
+        record(torch.tensor([[5, 6], [5, 6]], device="cpu"), logits)
+        record(torch.tensor([[5, 6, 2], [5, 6, 3]], device="cpu"), logits)
+    assert record.beams == [[[]], [[2], [3]]]
+    assert record.prev[1].device == torch.device("cpu") and len(record.gaps) == 2

@@ -212,43 +212,52 @@ def hf_beams(
     return out
 
 
+class BeamRecorder:
+    """A logits processor for HF's beam search that changes nothing: at every step it sees HF's running
+    sequences (k, length) and their scores (k, vocab), before HF's selection adds the beams' scores, and
+    records the beams (``beams``: new tokens per row) and, per step, the smallest gap between
+    neighbouring candidate scores among the ``ranked`` best (``gaps``: the beam tie rule's measure).
+
+    Its own tensors live on the CPU whatever device HF runs on or torch's default is (the log-probs are
+    copied there; every tensor it makes names ``cpu``): on a GPU, HF runs with CUDA as the default device,
+    and a score made without its device met CPU log-probs (``make gpu-run``, 2026-11-28).
+    """
+
+    def __init__(self, prompt_len: int, ranked: int):
+        self.prompt_len, self.ranked = prompt_len, ranked
+        self.beams: list[list[list[int]]] = []
+        self.gaps: list[float] = []
+        self.prev = None  # (new tokens per row, scores (k,), log-probs (k, vocab)) of the step before
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        rows = [r[self.prompt_len :] for r in input_ids.tolist()]
+        logp = torch.log_softmax(scores.float(), dim=-1).cpu()  # (k, vocab); greedy passes logits
+        if self.prev is None:  # the prompt, k times over: only the first copy counts (HF: -1e9 on the others)
+            score = torch.tensor([0.0] + [-1e9] * (len(rows) - 1), device="cpu")  # (k,)
+        else:
+            prev_rows, prev_score, prev_logp = self.prev
+            index = {tuple(r): i for i, r in reversed(list(enumerate(prev_rows)))}  # first copy wins
+            parents = [index[tuple(r[:-1])] for r in rows]
+            score = prev_score[parents] + prev_logp[parents, [r[-1] for r in rows]]  # (k,) fp32, as HF adds
+        self.beams.append(rows[:1] if self.prev is None else rows)
+        top = torch.topk((logp + score[:, None]).flatten(), min(self.ranked + 1, logp.numel())).values
+        self.gaps.append(float((top[:-1] - top[1:]).min()))
+        self.prev = (rows, score, logp)
+        return scores
+
+
 def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], max_new: int, params: BeamParams, device):
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     eos = list(cfg.eos_token_ids)
     k = params.num_beams
     ranked = max(2, 1 + len(eos)) * k  # candidates HF's selection keeps per step (its beams_to_keep)
-    beams, gaps = [], []
-
-    class Record(LogitsProcessor):
-        """Sees, at every step, HF's running sequences (k, length) and their log-probabilities (k, vocab)
-        before its selection adds the beams' scores; changes nothing."""
-
-        def __init__(self):
-            self.prev = None  # (new tokens per row, scores (k,), log-probs (k, vocab)) of the step before
-
-        def __call__(self, input_ids, scores):
-            rows = [r[len(ids) :] for r in input_ids.tolist()]
-            logp = torch.log_softmax(scores.float(), dim=-1).cpu()  # (k, vocab); greedy passes logits
-            if (
-                self.prev is None
-            ):  # the prompt, k times over: only the first copy counts (HF: -1e9 on the others)
-                score = torch.tensor([0.0] + [-1e9] * (len(rows) - 1))  # (k,)
-            else:
-                prev_rows, prev_score, prev_logp = self.prev
-                index = {tuple(r): i for i, r in reversed(list(enumerate(prev_rows)))}  # first copy wins
-                parents = [index[tuple(r[:-1])] for r in rows]
-                score = (
-                    prev_score[parents] + prev_logp[parents, [r[-1] for r in rows]]
-                )  # (k,) fp32, as HF adds
-            beams.append(rows[:1] if self.prev is None else rows)
-            top = torch.topk((logp + score[:, None]).flatten(), min(ranked + 1, logp.numel())).values
-            gaps.append(float((top[:-1] - top[1:]).min()))
-            self.prev = (rows, score, logp)
-            return scores
+    record = BeamRecorder(len(ids), ranked)
 
     inp = torch.tensor([ids], device=device)  # (1, P)
     with torch.inference_mode():
@@ -263,7 +272,7 @@ def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], max_new: int, params:
             early_stopping=params.early_stopping,
             eos_token_id=eos or None,
             pad_token_id=eos[0] if eos else 0,
-            logits_processor=LogitsProcessorList([Record()]),
+            logits_processor=LogitsProcessorList([record]),
             return_dict_in_generate=True,
         )
     new = res.sequences[:, len(ids) :].tolist()  # (r, longest): shorter hypotheses padded
@@ -271,4 +280,4 @@ def _run_hf_beams(model, cfg: ModelConfig, ids: list[int], max_new: int, params:
         lengths = (res.beam_indices >= 0).sum(dim=1).tolist()
     else:
         lengths = [len(new[0])]
-    return BeamReference([s[:n] for s, n in zip(new, lengths, strict=True)], beams, gaps)
+    return BeamReference([s[:n] for s, n in zip(new, lengths, strict=True)], record.beams, record.gaps)
