@@ -138,7 +138,7 @@ gpu-check: setup
 	$(PY) -m kvcourse.tools.gpu_check
 
 # One call on a lent GPU machine (kvcourse/tools/gpu_run.py): gpu-check's steps side by side, then the kernel
-# tables, bench (b) and a decode-step profile alone, within 9 minutes, into bench/results, bench/plots and
+# tables, L6's compile, bench (b) and a decode-step profile alone, within 9 minutes, into bench/results, bench/plots and
 # bench/gpu-runs/<date>/. No setup: it runs on the machine's own python3, torch, Triton and JAX, with the
 # transformers wheels of make gpu-wheels (carry .cache/gpu-wheels). COMMIT= names the commit where the tree
 # has no .git. Without a CUDA device it prints its plan and exits 2.

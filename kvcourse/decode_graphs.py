@@ -1,9 +1,8 @@
 """CUDA graphs for decode steps: the fast path beside the engines' readable ``step()`` (L4 and L5, built
 with ``cuda_graphs=True``).
 
-On a GPU a decode step of a small model is hundreds of small kernels: per layer two norms, two
-projections (q, k and v stacked in one, then o), RoPE, the K/V write, the attention kernel, the MLP's two
-products (gate and up stacked, then down) and its activation.
+On a GPU a decode step of a small model is hundreds of small kernels: per layer two norms, four
+projections, RoPE, the K/V write, the attention kernel, the MLP's three products and its activation.
 Python launches each one, and for kernels that read a few hundred kilobytes the launches, not the
 kernels, can set the pace (on an H100, L4's decode step took about 24 ms eager and 6.8 ms with
 graphs: the L4 chapter, section 6, from ``make gpu-run``'s bench (b)). A CUDA graph records the launches of one step once; replaying it is

@@ -1,12 +1,7 @@
 """The parts of a Llama/Qwen3 decoder that have nothing to do with the KV cache.
 
 Embedding, RMSNorm, RoPE, the q/k/v/o projections, the SwiGLU MLP, the final norm and the (tied or
-untied) head live here, written once and shared by every stage. As real engines do (vLLM's
-``QKVParallelLinear`` and ``MergedColumnParallelLinear``, nano-vllm's ``qkv_proj`` and ``gate_up_proj``),
-``Transformer`` stacks the weights of q, k and v into one matrix, and gate's and up's into another
-(``stack_projections``): one product where there were three, and one where there were two, which on a
-GPU means fewer kernel launches per layer. Each output column is the same dot product as before; on
-the CPU the stacked products equal the separate ones bit for bit (``tests/test_model_parts.py``). What a stage changes, where K and V
+untied) head live here, written once and shared by every stage. What a stage changes, where K and V
 are stored and how attention reads them back, is passed in as the ``attend`` callback of
 ``Transformer.forward``::
 
@@ -79,11 +74,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)): the Llama feed-forward block. x: (T, hidden); ``gate_up``
-    (2 * inter, hidden) is gate's weight stacked on up's, so both products are one."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # (T, inter) each
-    return F.linear(F.silu(gate) * up, down)
+def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)): the Llama feed-forward block. x: (T, hidden)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 @dataclass
@@ -157,37 +150,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device |
     return Weights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=head)
 
 
-@dataclass
-class StackedProjections:
-    """One layer's stacked weights: q's, k's and v's rows in one matrix, gate's and up's in another."""
-
-    qkv: torch.Tensor  # ((H + 2 H_kv) * D, hidden): q's rows, then k's, then v's
-    qkv_bias: torch.Tensor | None  # ((H + 2 H_kv) * D,) when attention_bias
-    gate_up: torch.Tensor  # (2 * inter, hidden): gate's rows, then up's
-
-
-def stack_projections(lw: LayerWeights) -> StackedProjections:
-    """Stack ``lw``'s q/k/v and gate/up weights, and make ``lw``'s own fields views of the stacks, so
-    the layer's weights are held once. Example: SmolLM2's q (576 x 576), k and v (192 x 576 each) give
-    a 960 x 576 ``qkv``, and ``lw.k_proj`` is then its rows 576-767."""
-    qkv = torch.cat([lw.q_proj, lw.k_proj, lw.v_proj])  # (960, 576) for SmolLM2
-    lw.q_proj, lw.k_proj, lw.v_proj = qkv.split([len(lw.q_proj), len(lw.k_proj), len(lw.v_proj)])
-    bias = None
-    if lw.q_bias is not None:
-        bias = torch.cat([lw.q_bias, lw.k_bias, lw.v_bias])
-        lw.q_bias, lw.k_bias, lw.v_bias = bias.split([len(lw.q_bias), len(lw.k_bias), len(lw.v_bias)])
-    gate_up = torch.cat([lw.gate_proj, lw.up_proj])  # (3072, 576) for SmolLM2
-    lw.gate_proj, lw.up_proj = gate_up.chunk(2)
-    return StackedProjections(qkv, bias, gate_up)
-
-
 class Transformer:
     """A decoder-only forward over a flat batch of tokens, with the KV cache left to ``attend``."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights):
         self.cfg = cfg
         self.w = weights
-        self.stacked = [stack_projections(lw) for lw in weights.layers]  # one per layer
         self.device = weights.embed.device
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(self.device)  # (D/2,)
 
@@ -213,15 +181,13 @@ class Transformer:
         """
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         n_tok = token_ids.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (T, D) each
         x = F.embedding(token_ids, self.w.embed)  # (T, hidden)
-        for layer, (lw, st) in enumerate(zip(self.w.layers, self.stacked, strict=True)):
+        for layer, lw in enumerate(self.w.layers):
             h = rms_norm(x, lw.input_norm, eps)  # (T, hidden)
-            q, k, v = F.linear(h, st.qkv, st.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)  # one product
-            q = q.view(n_tok, cfg.num_heads, cfg.head_dim)  # (T, H, D)
-            k = k.view(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, H_kv, D)
-            v = v.view(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, H_kv, D)
+            q = F.linear(h, lw.q_proj, lw.q_bias).view(n_tok, cfg.num_heads, cfg.head_dim)  # (T, H, D)
+            k = F.linear(h, lw.k_proj, lw.k_bias).view(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, H_kv, D)
+            v = F.linear(h, lw.v_proj, lw.v_bias).view(n_tok, cfg.num_kv_heads, cfg.head_dim)  # (T, H_kv, D)
             if cfg.qk_norm:
                 q = rms_norm(q, lw.q_norm, eps)
                 k = rms_norm(k, lw.k_norm, eps)
@@ -229,7 +195,7 @@ class Transformer:
             o = attend(layer, q, k, v)  # (T, H, D): the only stage-specific line
             x = x + F.linear(o.reshape(n_tok, -1), lw.o_proj, lw.o_bias)  # (T, hidden)
             h = rms_norm(x, lw.post_norm, eps)
-            x = x + swiglu_mlp(h, st.gate_up, lw.down_proj)
+            x = x + swiglu_mlp(h, lw.gate_proj, lw.up_proj, lw.down_proj)
         if logits_at is not None:
             x = x[logits_at]  # (N, hidden)
         return F.linear(rms_norm(x, self.w.final_norm, eps), self.w.lm_head)  # (N, vocab)

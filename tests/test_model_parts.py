@@ -10,19 +10,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kvcourse.config import ModelConfig
-from kvcourse.devices import resolve_device
 from kvcourse.harness.reference import load_hf_model
-from kvcourse.model import (
-    LayerWeights,
-    Transformer,
-    apply_rope,
-    causal_attention,
-    rms_norm,
-    rope_cos_sin,
-    rope_inv_freq,
-    stack_projections,
-    swiglu_mlp,
-)
+from kvcourse.model import Transformer, apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 def test_rms_norm_equals_hf():
@@ -97,33 +86,6 @@ def test_weights_load_and_forward_matches_hf(fixture, request):
     assert mine.shape == theirs.shape
     assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
     assert (mine - theirs).abs().max().item() < 1e-4
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_stacked_projections_equal_the_separate_ones_bit_for_bit(device):
-    """At SmolLM2-135M's shapes (hidden 576, 9 query and 3 K/V heads of 64, MLP 1536), the q/k/v and
-    gate/up products stacked into one each, as ``Transformer`` runs them, give exactly the separate
-    products HF runs, at decode and prompt batch sizes; the layer's own fields become views of the
-    stacks (its weights are held once)."""
-    dev = resolve_device(device)
-    gen = torch.Generator(dev).manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=dev, generator=gen) / 24
-
-    hidden, inter = 576, 1536
-    apart = [rand(576, hidden), rand(192, hidden), rand(192, hidden), rand(inter, hidden), rand(inter, hidden)]
-    lw = LayerWeights(rand(hidden), *[t.clone() for t in apart[:3]], rand(hidden, 576), rand(hidden),
-                      *[t.clone() for t in apart[3:]], rand(hidden, inter))  # fmt: skip
-    stacked = stack_projections(lw)
-    assert lw.k_proj.data_ptr() == stacked.qkv[576].data_ptr()  # a view, not a copy
-    q, k, v, gate, up = apart
-    linear = torch.nn.functional.linear
-    for n_tok in (1, 3, 32, 300):
-        h = rand(n_tok, hidden) * 24
-        assert torch.equal(linear(h, stacked.qkv), torch.cat([linear(h, w) for w in (q, k, v)], -1)), n_tok
-        mlp = linear(torch.nn.functional.silu(linear(h, gate)) * linear(h, up), lw.down_proj)
-        assert torch.equal(swiglu_mlp(h, stacked.gate_up, lw.down_proj), mlp), n_tok
 
 
 def test_qwen3_config_has_qk_norm(tiny_qwen3_dir, tiny_llama_dir):

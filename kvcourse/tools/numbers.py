@@ -135,14 +135,14 @@ SOURCES = {
         "tests/test_bench.py::test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them",
     ),
     "bench-speeds-cuda": Source(
-        "python -m bench.run --device cuda --workloads b --stages L3,L4,L5,L6",
+        "python -m bench.run --device cuda --workloads b --stages L4,L5 --peers none",
         "bench/results/bench-cuda-b.json",
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
         table=0,
     ),
     "bench-targets-cuda": Source(
-        "python -m bench.run --device cuda --workloads b --stages L3,L4,L5,L6",
+        "python -m bench.run --device cuda --workloads b --stages L4,L5 --peers none",
         "bench/results/bench-cuda-b.json",
         "bench.report:summary_table",
         "tests/test_bench.py::test_quick_bench_writes_results_and_plots",
