@@ -96,6 +96,7 @@ def measure_row(model_dir, device: str, quick: bool, scan: bool, autotune, phase
     engine.generate(prompts, max_new, ignore_eos=True)
     row = {"first_generate_s": time.perf_counter() - t0, "compiles_after_first": dict(engine.stats().compiles)}
     row["device_kind"] = engine.device.device_kind
+    print(f"  first generate() {row['first_generate_s']:.1f} s, compiled {row['compiles_after_first']}", flush=True)
     jax.monitoring.unregister_event_time_span_listener(listen)
     programs = {}
     for name, c in calls.items():
@@ -121,6 +122,7 @@ def run_child(args, variant: str, autotune: str, phase: str, cache_dir: str) -> 
         command = [sys.executable, "-m", "bench.l6_compile", "--device", args.device, "--model", args.model]
         command += ["--child", variant, autotune, phase, out.name] + (["--quick"] if args.quick else [])
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+        print(f"{variant}, autotune level {autotune}, {phase}:", flush=True)  # as it goes: a run cut short says how far it got
         subprocess.run(command, check=True, env=env)
         return json.loads(Path(out.name).read_text(encoding="utf-8"))
 

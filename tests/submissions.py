@@ -85,6 +85,16 @@ def with_cell(nb, number: int, source: str):
     return nb
 
 
+def write_notebooks(folder: Path, notebooks: dict) -> list[Path]:
+    """Each notebook as ``folder/<name>.ipynb``; the paths, in order."""
+    paths = []
+    for name, nb in notebooks.items():
+        path = folder / f"{name}.ipynb"
+        path.write_text(exercises.render(nb), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
 def write_class(folder: Path, escape: tuple[Path, int] | None = None) -> list[Path]:
     exercise = exercises.read(exercises.exercise_path(REFERENCE))
     solutions = exercises.solutions(exercises.read(REFERENCE))
@@ -130,12 +140,7 @@ def write_class(folder: Path, escape: tuple[Path, int] | None = None) -> list[Pa
         )
         cell = next(c for c in solved.cells if c.cell_type == "code" and "def alloc_blocks" in c.source)
         notebooks["escaping"] = with_cell(exercise, 1, attempt + cell.source)
-    paths = []
-    for name, nb in notebooks.items():
-        path = folder / f"{name}.ipynb"
-        path.write_text(exercises.render(nb), encoding="utf-8")
-        paths.append(path)
-    return paths
+    return write_notebooks(folder, notebooks)
 
 
 ATTACKS = {
@@ -213,9 +218,4 @@ def write_attacks(folder: Path, fake_key: Path) -> list[Path]:
         "key_reader": with_cell(exercise, 1, reader),
         "grader_alias": with_cell(exercise, 1, alias),
     }
-    paths = []
-    for name, nb in notebooks.items():
-        path = folder / f"{name}.ipynb"
-        path.write_text(exercises.render(nb), encoding="utf-8")
-        paths.append(path)
-    return paths
+    return write_notebooks(folder, notebooks)
