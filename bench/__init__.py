@@ -9,6 +9,7 @@
     profile      where a step's time goes; ``decode_cost``, ``reference_kernel``, ``matvec``,
                  ``sharing`` and ``beam_memory``: the chapters' single-purpose tables
     l6_compile   what L6's first run compiles, its layers unrolled against scanned
+    agreement    which of L4's kernels and fast paths moves a token away from HF batch 1 on (b)
 
 Each bench module imports torch before ``kvcourse``, so ``kvcourse``'s default of
 ``OMP_WAIT_POLICY=PASSIVE`` comes after torch's OpenMP has read its setting and changes nothing here:

@@ -745,3 +745,31 @@ def test_sharing_refuses_runs_whose_tokens_differ():
 
     with pytest.raises(AssertionError, match="'unshared' gave other tokens than 'cloned'"):
         sharing.same({"cloned": [[1, 2]], "unshared": [[1, 3]]}, "sampled clones")
+
+
+def test_quick_agreement_runs_each_way_against_hf_batch1(capsys):
+    """``bench.agreement --quick`` on a CPU: HF batch 1, then L4 once per kernel the CPU has, each
+    compared with the tie rule; on the tiny model every request matches."""
+    from bench import agreement
+
+    assert agreement.main(["--quick", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    n = workloads.QUICK["b_requests"]
+    lines = [line for line in out.splitlines() if "= HF batch 1" in line]
+    assert any(line.startswith("PyTorch reference kernel") for line in lines), out
+    assert len(lines) == (1 if PROBLEM else 2) and all(f" {n}/{n} = HF batch 1" in line for line in lines), out
+
+
+def test_agreement_forces_a_precision_on_every_launch_and_puts_it_back():
+    """The GPU ways force the Triton dots' precision: the launch ``choose_launch`` picks and the full-grid
+    decode launch both carry it inside the context, and both are as before after it."""
+    from bench.agreement import forced, ways
+    from L4_paged_kernel.fast import triton_paged_attention as tpa
+
+    before = (tpa.choose_launch, tpa.FULL_GRID_DECODE)
+    with forced("ieee"):
+        assert tpa.choose_launch(32, 32, 3, 4096, interpreted=False).precision == "ieee"
+        assert tpa.FULL_GRID_DECODE.precision == "ieee" and tpa.FULL_GRID_DECODE.tile_n == 32
+    assert (tpa.choose_launch, tpa.FULL_GRID_DECODE) == before and before[1].precision == "tf32x3"
+    gpu = ways(gpu=True)
+    assert {p for _, p in gpu.values()} == {"ieee", "tf32x3", None} and len(gpu) == 5

@@ -9,14 +9,14 @@ where pip reaches PyPI, fills ``.cache/gpu-wheels/``; carry that folder). In ord
 process with a time limit cut from what is left of ``--minutes``:
 
 1. ``gpu_check --side-by-side``: the kernel cases and every stage's smoke at once (correctness only,
-   so they share the GPU without harm), into ``results/gpu-check-cuda.json``;
+   so they share the GPU without harm), into ``results/gpu-check-cuda.json``; then ``bench.agreement``:
+   L4's tokens on (b) against HF batch 1, one way of running its attention at a time;
 2. alone, the timings: the decode kernel table, the prefill table, L6's compile (``bench.l6_compile``:
    scanned layers, to the first ``generate()``, cold and from the persistent cache), ``bench.run`` on workload (b) for L4
    and L5, eager and with decode graphs, against HF batch 1 (on a random Llama of SmolLM2-135M's shape
-   where the course model is not prepared: timings depend on shapes, not weights), and the profile of
-   a decode step (``bench.profile`` with ``torch.profiler``);
-3. where time is left, the ``cuda``-marked engine tests and the kernel sweep (every launch shape of the
-   Triton kernel).
+   where the course model is not prepared: timings depend on shapes, not weights);
+3. where time is left, the decode profile again, the ``cuda``-marked engine tests and the kernel sweep
+   (every launch shape of the Triton kernel).
 
 A step whose usual time (``Plan.seconds``, from the runs of 2026-11-27 and 2026-11-28) no longer fits is skipped
 and the run says so. Everything lands in one folder, ready to commit: ``--out`` (default ``bench``)
@@ -74,9 +74,13 @@ def plan() -> list[Plan]:
     py = [sys.executable, "-m"]
     return [
         Plan("gpu-check", [*py, "kvcourse.tools.gpu_check", "--side-by-side", "--max-new-tokens", "8",
-                           "--timeout", "200", "--json", "{out}/results/gpu-check-cuda.json"], 210,
+                           "--timeout", "200", "--json", "{out}/results/gpu-check-cuda.json"], 200,
              "kernel cases (both dot precisions) and every smoke at once: 180 s at 32 new tokens on 2026-11-27; "
              "at 16, L4's and L6's smokes were still running when 152 s ran out on 2026-11-28"),
+        Plan("agreement", [*py, "bench.agreement", "--device", "cuda", "--model", "{model}",
+                           "--out", "{out}/results/agreement-cuda.json"], 60,
+             "estimated: HF batch 1 on (b) (62 s on 2026-11-28 in bench.run, with its warm-up) and L4 five "
+             "ways: which change left HF batch 1 on request 29 on 2026-11-28"),
         Plan("decode kernels", [*py, "bench.kernels", "--device", "cuda",
                                 "--out", "{out}/results/kernels-cuda.json"], 40,
              "34 s on 2026-11-28 (the launch before, each change, the default)"),
@@ -91,7 +95,7 @@ def plan() -> list[Plan]:
              "114 s on 2026-11-28; HF batch 1, the token reference, 62 s of it"),
         Plan("decode profile", [*py, "bench.profile", "--device", "cuda", "--stages", "L4,L4:graphs",
                                 "--model", "{model}", "--out", "{out}/results/profile-cuda.json"], 40,
-             "35 s on 2026-11-28"),
+             "35 s on 2026-11-28", optional=True),
         Plan("cuda tests", [*py, "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
                             "tests/test_decode_graphs.py"], 40,
              "estimated: real decode graphs, on by default, against HF",
