@@ -44,6 +44,7 @@ from pathlib import Path
 from kvcourse.model_store import cache_root
 
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")  # the runtime
+BOX_HOME = "/tmp/home"  # the box's own home folder, empty, in its private /tmp
 INSTALL_HINT = "apt-get install bubblewrap (Debian/Ubuntu) or dnf install bubblewrap (Fedora)"
 
 
@@ -114,7 +115,7 @@ class Sandbox:
                 args += ["--ro-bind", path, path]
         for path in self.needed():
             args += ["--ro-bind", str(path), str(path)]
-        args += ["--dir", "/tmp/home", "--setenv", "HOME", "/tmp/home"]
+        args += ["--dir", BOX_HOME, "--setenv", "HOME", BOX_HOME]
         for path in self.covered():
             if path.is_dir():
                 args += ["--tmpfs", str(path)]
