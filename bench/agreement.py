@@ -37,7 +37,7 @@ import torch
 from bench.measure import (
     add_device_option,
     agreement,
-    bench_device,
+    chosen_device,
     cpp_kernel_problem,
     provenance,
     stage_options,
@@ -81,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model directory (default: the course model)")
     parser.add_argument("--out", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    try:
-        device = bench_device(args.device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    device = chosen_device(args.device)
+    if device is None:
         return 2
     from kvcourse.config import ModelConfig
     from kvcourse.harness.tiny import make_tiny_checkpoint

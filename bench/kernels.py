@@ -93,7 +93,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import OMP_WAIT_POLICY, ceilings
-from bench.measure import add_device_option, bench_device, cpu_name, package_version, provenance
+from bench.measure import add_device_option, chosen_device, cpu_name, package_version, provenance
 from kvcourse.harness.kernel_cases import dense_reference, make_case
 from kvcourse.model_store import REPO_ROOT
 
@@ -828,10 +828,8 @@ def main(argv=None) -> int:
         results = measure_interpreter(QUICK_INTERPRETER_PROMPTS if args.quick else INTERPRETER_PROMPTS)
         results["load_average_before"] = load_before
         return finish(results, args.out, "kernels-interpreter.json", interpreter_table, "seconds")
-    try:
-        device = bench_device(args.device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    device = chosen_device(args.device)
+    if device is None:
         return 2
     cuda = "-cuda" if device.type == "cuda" else ""
     if args.prefill:

@@ -19,6 +19,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -281,6 +282,17 @@ def bench_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return resolve_device(name, what=f"--device {name}")
+
+
+def chosen_device(name: str) -> torch.device | None:
+    """``bench_device(name)``, or None after printing its refusal as one ``error:`` line on stderr: a
+    bench's ``main`` then returns 2. Example without a GPU: ``chosen_device("cuda")`` prints
+    ``error: --device cuda: no CUDA device (...)`` and returns None."""
+    try:
+        return bench_device(name)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def package_version(name: str) -> str | None:

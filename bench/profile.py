@@ -57,7 +57,7 @@ import torch
 
 from bench import OMP_WAIT_POLICY
 from bench.ceilings import synchronizer
-from bench.measure import add_device_option, bench_device, cpu_name, provenance, stage_options
+from bench.measure import add_device_option, chosen_device, cpu_name, provenance, stage_options
 from bench.workloads import FULL, QUICK, batch1_workload, mixed_workload
 from kvcourse.devices import describe
 from kvcourse.harness.stages import STAGES, engine_class
@@ -432,10 +432,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the profiles to this JSON file (the chapters' tables)")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
-    try:
-        device = bench_device(args.device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    device = chosen_device(args.device)
+    if device is None:
         return 2
     if device.type == "cuda":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch

@@ -97,8 +97,8 @@ from bench import ceilings, matvec
 from bench.measure import (
     add_device_option,
     agreement,
-    bench_device,
     block_size_sweep,
+    chosen_device,
     cpp_kernel_problem,
     cpu_name,
     decode_latency,
@@ -153,10 +153,8 @@ def main(argv=None) -> int:
         help="comma-separated peers besides HF batch 1, or none (default: HF batched,HF generate_batch)",
     )
     args = parser.parse_args(argv)
-    try:
-        device = bench_device(args.device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    device = chosen_device(args.device)
+    if device is None:
         return 2
     gpu = device.type == "cuda"
     plan = PLANS[device.type]
