@@ -12,8 +12,9 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
    arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
 ``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the
-vLLM paper's baselines hold a request's whole reservation from admission to finish, so a running
-sequence never needs a block and nothing is preempted: a request waits until its reservation fits.
+vLLM paper's Orca baselines hold a request's whole reservation, one contiguous run from the engine's
+buddy allocator (``kvcourse.orca``), from admission to finish, so a running sequence never needs a
+block and nothing is preempted: a request waits until a run of its size is free.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
@@ -136,7 +137,7 @@ class Scheduler:
 
     def hold_len(self, seq: Sequence) -> int:
         """Positions ``seq`` holds blocks for from admission to finish (``EngineConfig.hold_len``)."""
-        return self.config.hold_len(len(seq.prompt_ids) + seq.max_new_tokens)
+        return self.config.hold_len(len(seq.prompt_ids), seq.max_new_tokens)
 
     def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
         """Tokens ``seq`` runs this step: all it has not computed yet, cut to the prefill chunk and the

@@ -58,7 +58,9 @@ from .sequence import Sequence, slots
 
 
 class Engine:
-    OPTIONS = ALL_OPTIONS  # the shared options it takes: all of them, the scheduler's included
+    # the shared options it takes: all but admission_policy (the paper's Orca baselines share nothing;
+    # they are L3's and L4's)
+    OPTIONS = tuple(name for name in ALL_OPTIONS if name != "admission_policy")
 
     def __init__(
         self,
@@ -172,7 +174,6 @@ class Engine:
             kernel=self.fast.name,
             max_num_seqs=self.config.max_num_seqs,
             kv_sizing=self.config.sizing_line,
-            admission_policy=self.config.admission_policy,
         )
 
     def fit_pool(self, lengths: list[int]) -> None:

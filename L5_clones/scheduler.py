@@ -18,10 +18,6 @@ computed: the victims come from the back of ``running``, behind the sequence bei
 are not in the batch yet, and nothing is admitted after a preemption. So a block registered in the
 prefix cache this step is always filled by this step, whoever else shares it.
 
-``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the
-vLLM paper's baselines hold a request's whole reservation from admission to finish, so a running
-sequence never needs a block and nothing is preempted: a request waits until its reservation fits.
-
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a
 whole step. ``update()`` takes the step's logits, samples each sequence's next token with its own
@@ -82,9 +78,6 @@ class Scheduler:
         self.groups: dict[int, object] = {}  # request_id -> the group its sequences run as (beams/)
 
     def add(self, seq: Sequence, group=None) -> None:
-        policy = self.config.admission_policy
-        if seq.num_samples > 1 and policy != "on_demand":  # clones share; a reservation is one sequence's
-            raise ValueError(f"n={seq.num_samples} samples need admission_policy='on_demand', got {policy!r}")
         if group is not None:  # its sequences run as one group, this one first (``groups``)
             self.groups[seq.request_id], group.seqs = group, [seq]
         seq.status = Status.WAITING
@@ -127,14 +120,12 @@ class Scheduler:
             num_new = self._num_new_tokens(seq, token_budget, start)
             if num_new == 0:
                 break  # the step's token budget is spent
-            try:  # its first tokens' blocks (a reservation's blocks ahead come after, unkeyed)
+            try:  # its first tokens' blocks
                 allocate_slots(seq, self.allocator, start + num_new, cached)
             except OutOfBlocksError:
                 break  # wait until running sequences give blocks back; nobody jumps the queue
             seq.num_computed_tokens = start  # its prefill skips the prefix-cache hits
             self.prefix_cache_hits += len(cached)
-            ahead = self._held_blocks(seq) - len(seq.block_table)  # an admission policy's; checked to fit
-            seq.block_table.extend(self.allocator.alloc_blocks(max(0, ahead)))  # filled later, not keyed yet
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=Sequence.sort_key)
@@ -197,8 +188,7 @@ class Scheduler:
         assert all(r.status is Status.FINISHED and not r.block_table for r in self.finished)
         assert all(not r.block_table and r.num_computed_tokens == 0 for r in self.waiting)
         for r in self.running:
-            held = max(r.num_computed_tokens, self.hold_len(r))
-            assert len(r.block_table) == blocks_needed(held, self.allocator.block_size), (
+            assert len(r.block_table) == blocks_needed(r.num_computed_tokens, self.allocator.block_size), (
                 f"sequence {r.request_id} holds {len(r.block_table)} blocks for {r.num_computed_tokens} tokens"
             )
         assert self.num_running_seqs() <= self.config.max_num_seqs
@@ -208,20 +198,9 @@ class Scheduler:
             group.check_invariants()
         self.allocator.check_invariants(r.block_table for r in self.running)
 
-    def _held_blocks(self, seq: Sequence) -> int:
-        """Blocks ``seq`` holds from admission under the admission policy (0 for on_demand)."""
-        return blocks_needed(self.hold_len(seq), self.allocator.block_size)
-
-    def hold_len(self, seq: Sequence) -> int:
-        """Positions ``seq`` holds blocks for from admission to finish (``EngineConfig.hold_len``)."""
-        return self.config.hold_len(len(seq.prompt_ids) + seq.max_new_tokens)
-
     def _num_new_tokens(self, seq: Sequence, token_budget: int, computed: int) -> int:
         """Tokens ``seq`` runs this step when ``computed`` of its positions are in the pool: all the
-        others, cut to the prefill chunk and the token budget; without chunking, all of them or nothing (0).
-        Also 0 while an admission policy's blocks for it do not fit the free list."""
-        if self._held_blocks(seq) - len(seq.block_table) > self.allocator.num_free:
-            return 0  # its whole reservation must fit first (on_demand holds none ahead)
+        others, cut to the prefill chunk and the token budget; without chunking, all of them or nothing (0)."""
         num_new = seq.num_tokens - computed
         if self.config.prefill_chunk_size is None:
             return num_new if num_new <= token_budget else 0

@@ -15,7 +15,9 @@ depend on the model and checks every value once, each error naming the option an
   (``grows_pool``, ``pool_blocks``);
 - scheduling: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a step (None:
   max_model_len), prompts fed ``prefill_chunk_size`` tokens a step (None: whole, so a whole prompt
-  must fit one step), and ``admission_policy``, what admission holds per request (``held_at_admission``).
+  must fit one step), and ``admission_policy``, what admission holds per request: ``on_demand``
+  (paging) or one of the vLLM paper's Orca baselines, a contiguous reservation from a buddy allocator
+  (``kvcourse.orca``), which serve a fixed KV memory: they need the pool given.
 
 A request meets one check on its way in, ``check_requests``: its ids and lengths, and whether the
 pool could ever hold it, its reservation included. The scheduler (L3 on) is handed the config and
@@ -31,28 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from kvcourse.limits import KvSizing, check_blocks, check_requests, resolve_max_model_len, size_pool
-
-ADMISSION_POLICIES = ("on_demand", "oracle", "pow2", "max")
-
-
-def held_at_admission(policy: str, length: int, max_model_len: int) -> int:
-    """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from the step it is
-    admitted, under each policy of the vLLM paper (Kwon et al., SOSP 2023, section 6.1):
-
-    - ``paged``: none ahead; a block comes when a position falls past the last one (this course's way);
-    - ``oracle``: exactly its length, known in advance (Orca (Oracle));
-    - ``pow2``: the next power of two of its length, at most max_model_len (Orca (Pow2));
-    - ``max``: max_model_len, whatever its length (Orca (Max)).
-
-    Example with length 100 and max_model_len 2048: paged 0, oracle 100, pow2 128, max 2048.
-    """
-    if policy == "on_demand":
-        return 0
-    if policy == "oracle":
-        return length
-    if policy == "pow2":
-        return min(1 << (length - 1).bit_length(), max_model_len)
-    return max_model_len
+from kvcourse.orca import ADMISSION_POLICIES, BuddyAllocator, held_at_admission, next_pow2
 
 
 @dataclass(frozen=True)
@@ -113,6 +94,13 @@ class EngineConfig:
                 f"without prefill_chunk_size a whole prompt must fit one step, but max_num_batched_tokens="
                 f"{step} < max_model_len={max_model_len}"
             )
+        if given.admission_policy != "on_demand" and not (
+            given.num_blocks or given.kv_cache_bytes or given.gpu_memory_utilization
+        ):
+            raise ValueError(
+                f"admission_policy {given.admission_policy!r} serves a fixed KV memory: give the pool "
+                "(num_blocks, kv_cache_bytes or gpu_memory_utilization)"
+            )
         num_blocks, sizing = size_pool(  # bytes: sized into blocks once, never grown
             given.num_blocks,
             given.kv_cache_bytes,
@@ -136,10 +124,15 @@ class EngineConfig:
         """How kv_cache_bytes were sized into blocks, for ``stats()`` ("" for a pool sized in blocks)."""
         return self.sizing.line if self.sizing else ""
 
-    def hold_len(self, length: int) -> int:
-        """Positions a request of ``length`` (prompt + max_new_tokens) holds blocks for from admission,
-        under the admission policy (0 for on_demand)."""
-        return held_at_admission(self.admission_policy, length, self.max_model_len)
+    def hold_len(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Positions a request holds blocks for from admission, under the admission policy (0 for
+        on_demand): ``kvcourse.orca.held_at_admission``, its true output being ``max_new_tokens``."""
+        return held_at_admission(self.admission_policy, prompt_len, max_new_tokens, self.max_model_len)
+
+    def run_blocks(self, blocks: int) -> int:
+        """Blocks a reservation of ``blocks`` takes: one buddy run of a power of two under an Orca
+        policy, the blocks themselves on demand. Example, Orca: 7 -> 8; on demand: 7 -> 7."""
+        return blocks if self.admission_policy == "on_demand" else next_pow2(blocks)
 
     def check_requests(
         self, prompts: list[list[int]], max_new_tokens: int | list[int], label: str = "prompt {i}", n: int = 1
@@ -156,9 +149,16 @@ class EngineConfig:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         max_new = check_requests(prompts, max_new_tokens, self.vocab_size, self.max_model_len, label)
         for i, (prompt, n_new) in enumerate(zip(prompts, max_new, strict=True)):
-            total = max(len(prompt) + n_new, self.hold_len(len(prompt) + n_new))  # what admission holds
+            total = max(len(prompt) + n_new, self.hold_len(len(prompt), n_new))  # what admission holds
             needed = -(-total // self.block_size)
             check_blocks(label.format(i=i), total, needed, self.block_size, self.num_blocks, self.sizing)
+            run, largest = self.run_blocks(needed), BuddyAllocator.largest_run(self.num_blocks)
+            if self.admission_policy != "on_demand" and run > largest:
+                raise ValueError(
+                    f"{label.format(i=i)}: admission_policy {self.admission_policy!r} reserves {total} positions, "
+                    f"a run of {run} blocks of {self.block_size}, but the largest run a pool of "
+                    f"{self.num_blocks} blocks holds is {largest}"
+                )
             if n > self.max_num_seqs:
                 raise ValueError(f"{label.format(i=i)}: n={n} samples exceed max_num_seqs={self.max_num_seqs}")
             clones = -(-len(prompt) // self.block_size) + (n - 1) * (len(prompt) % self.block_size > 0)
