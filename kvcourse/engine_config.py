@@ -138,8 +138,9 @@ class EngineConfig:
         self, prompts: list[list[int]], max_new_tokens: int | list[int], label: str = "prompt {i}", n: int = 1
     ) -> list[int]:
         """The one check of requests on their way in: ids, lengths (``kvcourse.limits.check_requests``)
-        and the pool, which must hold each request alone, its reservation included (``check_blocks``);
-        with ``n`` samples of each (L5's clones), n fits ``max_num_seqs`` and the clones' copies the pool.
+        and the pool, which must hold each request alone, its reservation included (``check_blocks``),
+        under an Orca policy as one buddy run no larger than the pool's largest (``run_blocks``); with
+        ``n`` samples of each (L5's clones), n fits ``max_num_seqs`` and the clones' copies the pool.
         Returns one max_new_tokens per prompt. ``label`` names request i in errors.
 
         Example, blocks of 4 and a pool of 3: ``check_requests([[1] * 4, [1] * 10], 3)`` raises
@@ -153,7 +154,7 @@ class EngineConfig:
             needed = -(-total // self.block_size)
             check_blocks(label.format(i=i), total, needed, self.block_size, self.num_blocks, self.sizing)
             run, largest = self.run_blocks(needed), BuddyAllocator.largest_run(self.num_blocks)
-            if self.admission_policy != "on_demand" and run > largest:
+            if self.admission_policy != "on_demand" and run > largest:  # one buddy run, never in two
                 raise ValueError(
                     f"{label.format(i=i)}: admission_policy {self.admission_policy!r} reserves {total} positions, "
                     f"a run of {run} blocks of {self.block_size}, but the largest run a pool of "

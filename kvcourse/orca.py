@@ -23,8 +23,9 @@ attention kernels read them: ``held_at_admission`` says how many positions a pol
 any free block from the free list (the stage's ``BlockAllocator``).
 
 Left out on purpose: positions smaller than a block (the buddy works in blocks, so a run is at least
-one block of ``block_size`` positions where Orca's would be a power of two of tokens; from a block up
-the two agree), and the memory Orca would spend on anything but KV.
+one block of ``block_size`` positions where Orca's would be a power of two of tokens; from a block up,
+with a block_size that is a power of two, the two agree), and the memory Orca would spend on anything
+but KV.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ ADMISSION_POLICIES = ("on_demand", "oracle", "pow2", "max")
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1). Examples: 1 -> 1, 5 -> 8, 8 -> 8, 25 -> 32."""
+    if n < 1:
+        raise ValueError(f"next_pow2 needs n >= 1, got {n}")
     return 1 << (n - 1).bit_length()
 
 
@@ -58,7 +61,9 @@ def held_at_admission(policy: str, prompt_len: int, output_len: int, max_model_l
         return prompt_len + output_len
     if policy == "pow2":
         return prompt_len + min(next_pow2(output_len), max_model_len - prompt_len)
-    return max_model_len
+    if policy == "max":
+        return max_model_len
+    raise ValueError(f"admission_policy must be one of {ADMISSION_POLICIES}, got {policy!r}")
 
 
 class BuddyAllocator:
@@ -71,10 +76,14 @@ class BuddyAllocator:
     too, unused (internal fragmentation). ``free`` returns the run, which merges with its buddy
     (the run at ``start ^ size``) while that buddy is free and whole, and so on up.
 
-    Example, 8 blocks: ``alloc_blocks(3) -> [0, 1, 2]`` (a run of 4 at 0; 4..7 stays free),
-    ``alloc_blocks(1) -> [4]`` (4..7 halves into 4..5 and 6..7, then 4..5 into 4 and 5; 5 and 6..7
-    stay free). Now 3 blocks are free, but the largest free run is 2: ``alloc_blocks(3)`` fails. That
-    is **external fragmentation**: free memory a request cannot use because it is not in one piece.
+    Example, 8 blocks: ``alloc_blocks(3) -> [0, 1, 2]`` (8 halves into 0..3 and 4..7; the run 0..3 is
+    taken, block 3 unused), ``alloc_blocks(1) -> [4]`` (4..7 halves into 4..5 and 6..7, then 4..5 into
+    4 and 5; 5 and 6..7 stay free). Then, on a fresh pool of 8, four ``alloc_blocks(2)`` take 0..1,
+    2..3, 4..5 and 6..7; free the first and the third: 4 blocks are free, but as two runs of 2, so
+    ``alloc_blocks(4)`` fails (and ``alloc_blocks(3)``, which needs a run of 4, too). That is
+    **external fragmentation**: free memory a request cannot use because it is not in one piece. Even
+    free blocks side by side may not serve: had the second and the third been freed, 2..5 would be
+    free, but 2..3 and 4..5 are not buddies (2's buddy is 0, 4's is 6), so they stay two runs of 2.
 
     It offers what a scheduler asks of the stage's free list (``alloc_blocks``, ``free``,
     ``num_free``, ``num_used``, ``grow``, ``check_invariants``). A failed allocation raises
@@ -168,7 +177,7 @@ class BuddyAllocator:
         pieces, i = [], 0
         while i < len(table):
             start, n = table[i], 1
-            while i + n < len(table) and table[i + n] == start + n and n < self.runs.get(start, 0):
+            while i + n < len(table) and n < self.runs.get(start, 0) and table[i + n] == start + n:
                 n += 1
             pieces.append((start, n))
             i += n

@@ -1,15 +1,18 @@
-"""A pool sized in bytes and the vLLM paper's admission policies (issue 35), on tiny seeded checkpoints.
+"""A pool sized in bytes and the vLLM paper's admission policies (issues 35, 44), on tiny seeded checkpoints.
 
-- ``held_at_admission``: each policy's reservation on hand-worked lengths;
+- ``held_at_admission``: each policy's reservation on hand-worked lengths (``tests/test_orca.py`` has
+  the paper's own example and the buddy allocator);
 - each policy's admission rule, with a fake model: how many requests one step admits to a pool,
   worked out by hand from the policy's definition (on_demand: a prompt's blocks; Oracle: its whole length;
-  Pow2: the next power of two; Max: max_model_len), and no preemption under a reserving policy;
+  Pow2: the prompt plus the output rounded up to a power of two; Max: max_model_len; each Orca policy's
+  blocks one buddy run of a power of two), and no preemption under a reserving policy;
 - a pool given in bytes is sized into blocks as 2 x H_kv x D x layers x 4 bytes a token (the set-up line
   shows the sum), is never grown, never has more blocks in use than it holds, and bytes too few
   for one request is refused naming the bytes needed and given; in L3-L5 and in L6 (one device and a
   one-device mesh);
 - under pressure (a pool just big enough for the longest reservation, requests arriving over
-  time), every policy in L3, L4 and L5 produces HF's greedy tokens.
+  time), every policy in L3 and L4, and on_demand in L5, produces HF's greedy tokens; L5 takes no
+  ``admission_policy``.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import jax
 import pytest
 
 from kvcourse.config import ModelConfig
-from kvcourse.engine_config import ADMISSION_POLICIES, EngineConfig, held_at_admission
+from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
 from kvcourse.limits import blocks_for_bytes
-from L3_block_tensor.allocator import BlockAllocator
+from kvcourse.orca import ADMISSION_POLICIES, held_at_admission
 from L3_block_tensor.engine import Engine as L3Engine
+from L3_block_tensor.engine import make_allocator
 from L3_block_tensor.scheduler import Scheduler
 from L3_block_tensor.sequence import Sequence
 from L4_paged_kernel.engine import Engine as L4Engine
@@ -47,24 +51,30 @@ def expected(tiny_qwen3_dir):
 
 
 def test_held_at_admission_of_each_policy():
-    assert [held_at_admission(p, 100, 2048) for p in ADMISSION_POLICIES] == [0, 100, 128, 2048]
-    assert [held_at_admission(p, 128, 2048) for p in ADMISSION_POLICIES] == [0, 128, 128, 2048]
-    assert held_at_admission("pow2", 1500, 1800) == 1800  # 2048 would pass max_model_len
-    assert held_at_admission("pow2", 1, 2048) == 1
+    # prompt 60 + output 40: Oracle 100; Pow2 60 + 64 (40 rounded up); Max max_model_len
+    assert [held_at_admission(p, 60, 40, 2048) for p in ADMISSION_POLICIES] == [0, 100, 124, 2048]
+    assert [held_at_admission(p, 64, 64, 2048) for p in ADMISSION_POLICIES] == [0, 128, 128, 2048]
+    assert held_at_admission("pow2", 1500, 300, 1800) == 1800  # 1500 + 512 would pass max_model_len
+    assert held_at_admission("pow2", 1, 1, 2048) == 2
 
 
 # ---------------------------------------------------------------- the admission rule, with a fake model
 
 
 def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
-    """20 requests of prompt 3 + max_new_tokens 7 (length 10) on 16 blocks of 4, max_model_len 32:
-    how many the first step admits, and the blocks each holds."""
+    """20 requests of prompt 2 + max_new_tokens 5 on 16 blocks of 4, max_model_len 32, with the
+    engine's allocator for the policy: how many the first step admits, and the blocks each holds."""
     config = EngineConfig(
-        max_num_seqs=32, max_num_batched_tokens=256, admission_policy=policy, max_model_len=32
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        admission_policy=policy,
+        max_model_len=32,
     )
-    s = Scheduler(BlockAllocator(16, 4), config)
+    s = Scheduler(make_allocator(config), config)
     for i in range(20):
-        s.add(Sequence(i, [7] * 3, 7, ignore_eos=True))
+        s.add(Sequence(i, [7] * 2, 5, ignore_eos=True))
     batch = s.schedule()
     return len(batch), [len(seq.block_table) for seq, _ in batch]
 
@@ -72,10 +82,10 @@ def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
 @pytest.mark.parametrize(
     "policy, count, blocks",
     [
-        ("on_demand", 16, 1),  # a 3-token prompt fills 1 block of 4: 16 blocks admit 16 requests
-        ("oracle", 5, 3),  # 10 positions: 3 blocks each, 5 x 3 = 15 of 16
-        ("pow2", 4, 4),  # 10 -> 16 positions: 4 blocks each
-        ("max", 2, 8),  # max_model_len 32: 8 blocks each
+        ("on_demand", 16, 1),  # a 2-token prompt fills 1 block of 4: 16 blocks admit 16 requests
+        ("oracle", 8, 2),  # 2 + 5 = 7 positions: 2 blocks, a run of 2; 16 / 2 = 8
+        ("pow2", 4, 3),  # 2 + 8 (5 rounded up) = 10 positions: 3 blocks, a run of 4; 16 / 4 = 4
+        ("max", 2, 8),  # max_model_len 32: 8 blocks, a run of 8; 16 / 8 = 2
     ],
 )
 def test_each_policy_admits_what_its_reservation_allows(policy, count, blocks):
@@ -87,9 +97,14 @@ def test_reserving_policies_never_preempt_and_drain_clean(policy):
     """Stepped to the end with a fake model: the books balance after every step (a running sequence
     holds its reservation), blocks in use never pass the pool, and only on_demand ever preempts."""
     config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=64, admission_policy=policy, max_model_len=32
+        num_blocks=12,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        admission_policy=policy,
+        max_model_len=32,
     )
-    s = Scheduler(BlockAllocator(12, 4), config)
+    s = Scheduler(make_allocator(config), config)
     for i, (p, b) in enumerate(zip(PROMPTS, MAX_NEW, strict=True)):
         s.add(Sequence(i, list(p), b, ignore_eos=True))
     while s.has_unfinished():
@@ -148,6 +163,10 @@ def test_bytes_size_the_pool_show_their_sum_and_refuse_a_request_it_cannot_hold(
             tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=6 * BLOCK_BYTES, max_model_len=MAX_LEN
         )
         small.generate([PROMPTS[4]], [9])
+
+
+@pytest.mark.parametrize("engine_class", [L3Engine, L4Engine], ids=["L3", "L4"])
+def test_max_holds_max_model_len_and_says_so(engine_class, tiny_qwen3_dir):
     maxed = engine_class(
         tiny_qwen3_dir,
         block_size=BLOCK,
@@ -162,17 +181,19 @@ def test_bytes_size_the_pool_show_their_sum_and_refuse_a_request_it_cannot_hold(
     assert "admission_policy max" in maxed.stats().describe()
 
 
-@pytest.mark.parametrize("policy", ADMISSION_POLICIES)
-@pytest.mark.parametrize("engine_class", [L3Engine, L4Engine, L5Engine], ids=["L3", "L4", "L5"])
+@pytest.mark.parametrize(
+    "engine_class, policy",
+    [(e, p) for e in (L3Engine, L4Engine) for p in ADMISSION_POLICIES] + [(L5Engine, "on_demand")],
+    ids=[f"{e}-{p}" for e in ("L3", "L4") for p in ADMISSION_POLICIES] + ["L5-on_demand"],
+)
 def test_every_policy_in_a_tight_pool_changes_no_token(engine_class, policy, tiny_qwen3_dir, expected):
     """Requests join one every 2 steps (and all at once) in a 10-block pool: the pool is never
-    grown, blocks in use never pass it, the books balance after every step, and every token is HF's."""
+    grown, blocks in use never pass it, the books balance after every step, and every token is HF's.
+    Under an Orca policy 10 blocks are a run of 8 and one of 2, and every request here needs a run of
+    4 or 8: one runs at a time. (L5 takes no admission_policy: it allocates on demand.)"""
+    policy_option = {"admission_policy": policy} if "admission_policy" in engine_class.OPTIONS else {}
     engine = engine_class(
-        tiny_qwen3_dir,
-        block_size=BLOCK,
-        kv_cache_bytes=KV_BYTES,
-        max_model_len=MAX_LEN,
-        admission_policy=policy,
+        tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=KV_BYTES, max_model_len=MAX_LEN, **policy_option
     )
     for every in (2, 0):
         pending, seqs, step = list(zip(PROMPTS, MAX_NEW, strict=True)), [], 0
@@ -193,16 +214,12 @@ def test_every_policy_in_a_tight_pool_changes_no_token(engine_class, policy, tin
     assert (engine.stats().preemptions > 0) == (policy == "on_demand")
 
 
-def test_l5_refuses_clones_under_a_reserving_policy(tiny_qwen3_dir):
-    engine = L5Engine(
-        tiny_qwen3_dir,
-        block_size=BLOCK,
-        kv_cache_bytes=KV_BYTES,
-        max_model_len=MAX_LEN,
-        admission_policy="oracle",
-    )
-    with pytest.raises(ValueError, match="n=2 samples need admission_policy='on_demand', got 'oracle'"):
-        engine.add_request([5, 6], 3, n=2)
+def test_l5_takes_no_admission_policy(tiny_qwen3_dir):
+    """The Orca baselines are L3's and L4's: L5 (clones, shared blocks) refuses the option by name."""
+    with pytest.raises(TypeError, match=r"unknown option admission_policy='oracle': this engine takes max_model_len, "):
+        L5Engine(tiny_qwen3_dir, block_size=BLOCK, kv_cache_bytes=KV_BYTES, admission_policy="oracle")
+    with pytest.raises(TypeError, match="unknown option admission_policy='on_demand'"):
+        L5Engine(tiny_qwen3_dir, block_size=BLOCK, admission_policy="on_demand")
 
 
 # ---------------------------------------------------------------- L6: a pool in bytes, sized in pages; admission waits

@@ -6,8 +6,9 @@ they size, on a tiny seeded checkpoint's config (no weights are loaded).
 - an option a stage does not take is refused, naming it and what the stage takes; a bad value is
   refused naming the option and the value; without chunking a whole prompt must fit one step;
 - ``check_requests`` is the one check on the way in: ids and lengths, then the pool, a reservation
-  policy's length included, each error naming ``prompt i`` (or ``request``, for one submitted alone);
-- ``pool_blocks`` and ``hold_len`` on the docstrings' examples;
+  policy's length included, and under an Orca policy the buddy run it takes, each error naming
+  ``prompt i`` (or ``request``, for one submitted alone); an Orca policy needs the pool given;
+- ``pool_blocks``, ``hold_len`` and ``run_blocks`` on the docstrings' examples;
 - ``engine_options`` (the harness) lists what each stage's engine takes, with its defaults.
 """
 
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcourse.config import ModelConfig
-from kvcourse.engine_config import ADMISSION_POLICIES, ALL_OPTIONS, EngineConfig, held_at_admission
+from kvcourse.engine_config import ALL_OPTIONS, EngineConfig
 from kvcourse.harness.stages import engine_class, engine_options
 
 L2_OPTIONS = ("max_model_len", "block_size", "num_blocks")
@@ -101,11 +102,47 @@ def test_check_requests_names_the_request_and_counts_a_reservation(model):
         maxed.check_requests([[5]], 1, label="request")  # one token, but Max holds max_model_len
 
 
-def test_pool_blocks_and_hold_len_are_the_docstrings_arithmetic():
+def test_an_orca_policy_refuses_a_run_the_pool_never_holds(model):
+    """6 blocks are a run of 4 and one of 2: 17 positions fit 5 blocks, but Oracle's run is 8."""
+    options = {"block_size": 4, "num_blocks": 6, "max_model_len": 32}
+    oracle = EngineConfig.build(model, options | {"admission_policy": "oracle"}, ALL_OPTIONS)
+    assert oracle.check_requests([[5] * 10], 6) == [6]  # 16 positions: 4 blocks, a run of 4
+    with pytest.raises(
+        ValueError,
+        match=r"^prompt 0: admission_policy 'oracle' reserves 17 positions, a run of 8 blocks of 4, but the "
+        r"largest run a pool of 6 blocks holds is 4$",
+    ):
+        oracle.check_requests([[5] * 10], 7)
+    pow2 = EngineConfig.build(model, options | {"admission_policy": "pow2"}, ALL_OPTIONS)
+    with pytest.raises(ValueError, match="^prompt 1: admission_policy 'pow2' reserves 18 positions, a run of 8 "):
+        pow2.check_requests([[5] * 6, [5] * 10], 5)  # 6 + 8 = 14: a run of 4; 10 + 8 = 18: 5 blocks, a run of 8
+    on_demand = EngineConfig.build(model, options, ALL_OPTIONS)
+    assert on_demand.check_requests([[5] * 10], 7) == [7]  # scattered blocks: 5 of 6
+
+
+@pytest.mark.parametrize("policy", ["oracle", "pow2", "max"])
+def test_an_orca_policy_needs_the_pool_given(model, policy):
+    with pytest.raises(
+        ValueError,
+        match=rf"admission_policy '{policy}' serves a fixed KV memory: give the pool \(num_blocks, "
+        r"kv_cache_bytes or gpu_memory_utilization\)",
+    ):
+        EngineConfig.build(model, {"admission_policy": policy, "max_model_len": 32}, ALL_OPTIONS)
+    given = EngineConfig.build(model, {"admission_policy": policy, "num_blocks": 8, "block_size": 4}, ALL_OPTIONS)
+    assert (given.num_blocks, given.grows_pool) == (8, False)
+
+
+def test_pool_blocks_hold_len_and_run_blocks_are_the_docstrings_arithmetic():
     assert EngineConfig(block_size=16, max_num_seqs=32).pool_blocks([104] * 40) == 224
     assert EngineConfig(block_size=4, max_num_seqs=2).pool_blocks([5, 17, 9]) == 5 + 3
-    assert [held_at_admission(p, 100, 2048) for p in ADMISSION_POLICIES] == [0, 100, 128, 2048]
-    assert EngineConfig(admission_policy="pow2", max_model_len=64).hold_len(40) == 64
+    pow2 = EngineConfig(admission_policy="pow2", max_model_len=64)
+    assert pow2.hold_len(20, 25) == 20 + 32  # the output rounded up to a power of two, the prompt not
+    assert pow2.hold_len(40, 20) == 64  # 40 + 32 would pass max_model_len
+    assert EngineConfig(admission_policy="oracle", max_model_len=64).hold_len(20, 25) == 45
+    assert EngineConfig(admission_policy="max", max_model_len=64).hold_len(20, 25) == 64
+    assert EngineConfig().hold_len(20, 25) == 0
+    assert [pow2.run_blocks(b) for b in (1, 5, 7, 8, 9)] == [1, 8, 8, 8, 16]
+    assert [EngineConfig().run_blocks(b) for b in (1, 5, 7)] == [1, 5, 7]
     with pytest.raises(ValueError, match="admission_policy 'pow2' needs max_model_len"):
         EngineConfig(admission_policy="pow2")
 
@@ -118,4 +155,6 @@ def test_engine_options_lists_what_each_stage_takes():
         list(l3) == list(ALL_OPTIONS) and l3["max_num_seqs"] == 32 and l3["admission_policy"] == "on_demand"
     )
     assert l4 == {"kernel": "auto", "num_splits": "auto", "cuda_graphs": None} | l3
+    l5 = engine_options(engine_class("L5"))  # the Orca baselines are L3's and L4's
+    assert "admission_policy" not in l5 and set(l5) == set(l4) - {"admission_policy"} | {"enable_prefix_caching"}
     assert {"num_pages", "page_size", "max_num_seqs"} <= set(engine_options(engine_class("L6")))
