@@ -33,7 +33,7 @@ from kvcourse.devices import resolve_device
 from kvcourse.engine_config import ALL_OPTIONS, EngineConfig
 from kvcourse.model import Transformer
 from kvcourse.model_store import resolve_model_dir
-from kvcourse.orca import BuddyAllocator
+from kvcourse.orca import make_allocator
 from kvcourse.stats import EngineStats, UsageMeter
 
 from .allocator import BlockAllocator, OutOfBlocksError
@@ -41,14 +41,6 @@ from .attention import ForwardMeta, attention
 from .cache import KvPool
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, slots
-
-
-def make_allocator(config: EngineConfig) -> BlockAllocator | BuddyAllocator:
-    """The pool's books: paging's free list (``on_demand``), or, under one of the vLLM paper's Orca
-    baselines, a buddy allocator that hands each request one contiguous run (``kvcourse.orca``)."""
-    if config.admission_policy == "on_demand":
-        return BlockAllocator(config.num_blocks, config.block_size)
-    return BuddyAllocator(config.num_blocks, config.block_size, OutOfBlocksError)
 
 
 class Engine:
@@ -61,7 +53,7 @@ class Engine:
         self.config = config = EngineConfig.build(self.model, options, self.OPTIONS)
         cfg = self.model.cfg
         num_blocks, block_size = config.num_blocks, config.block_size  # checked; the pool sized
-        self.allocator = make_allocator(config)
+        self.allocator = make_allocator(config, BlockAllocator, OutOfBlocksError)  # free list, or Orca's buddy
         self.pool = KvPool(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.device
         )

@@ -12,9 +12,8 @@ every computed position) and ``finished``. ``schedule()`` plans ONE forward call
    arrival) while there is room: fewer than ``max_num_seqs`` running, token budget left, free blocks.
 
 ``admission_policy`` picks what admission holds (``hold_len``): ``"on_demand"`` nothing ahead; the
-vLLM paper's Orca baselines hold a request's whole reservation, one contiguous run from the engine's
-buddy allocator (``kvcourse.orca``), from admission to finish, so a running sequence never needs a
-block and nothing is preempted: a request waits until a run of its size is free.
+vLLM paper's Orca baselines a request's whole reservation, one run of a buddy allocator (``kvcourse.orca``),
+to its end: nothing is preempted, and a request waits until a run of its size is free.
 
 A step runs at most ``max_num_batched_tokens`` tokens. With ``prefill_chunk_size`` a long prompt is
 fed a chunk per step, alongside the decode tokens of the others, instead of stalling them for a

@@ -58,8 +58,8 @@ from .sequence import Sequence, slots
 
 
 class Engine:
-    # the shared options it takes: all but admission_policy (the paper's Orca baselines share nothing;
-    # they are L3's and L4's)
+    # the shared options it takes: all but admission_policy (the vLLM paper's Orca baselines reserve one
+    # run of blocks per request, where L5 shares blocks between sequences: they are L3's and L4's)
     OPTIONS = tuple(name for name in ALL_OPTIONS if name != "admission_policy")
 
     def __init__(

@@ -36,8 +36,9 @@ sequences (``add(seq, group)``), served and preempted as one unit (``_make_room`
 path), that picks their tokens itself from the rows of logits it is handed (``group.update``).
 
 Left out on purpose: swapping KV to CPU memory instead of recomputing it, keeping a reserve of free
-blocks so that running sequences rarely need preempting, and preempting running sequences to admit
-a higher-priority arrival.
+blocks so that running sequences rarely need preempting, preempting running sequences to admit
+a higher-priority arrival, and the vLLM paper's Orca baselines, which reserve a request's memory at
+admission (L3's and L4's ``admission_policy``: a reservation is one sequence's, and L5's blocks are shared).
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ class Scheduler:
 
         Every sequence is in the queue its status names, each queue in scheduling order; waiting and
         finished sequences hold no blocks; a running sequence holds exactly the blocks of its computed
-        positions, or of its reservation if that is longer; at most ``max_num_seqs`` run; and the
-        allocator's books balance, each block's reference count the number of running sequences holding it.
+        positions; at most ``max_num_seqs`` run; and the allocator's books balance, each block's reference
+        count the number of running sequences holding it.
         """
         for queue, status in ((self.waiting, Status.WAITING), (self.running, Status.RUNNING)):
             assert all(r.status is status for r in queue), f"a sequence in {status.value} has another status"

@@ -2,7 +2,8 @@
 
     kvcourse/*.py        what the stages import: the model (``model``; in JAX, ``jax_model``), its
                          config (``config``) and store (``model_store``), the engines' shared options
-                         (``engine_config``), devices (``devices``), request
+                         (``engine_config``) and the vLLM paper's Orca baselines (``orca``: their
+                         reservations and buddy allocator), devices (``devices``), request
                          limits and pool sizing in bytes (``limits``), statistics (``stats``), sampling
                          (``sampling``), the C++ build (``cpp_kernels``) and decode graphs
                          (``decode_graphs``); ``__main__`` is ``python -m kvcourse``

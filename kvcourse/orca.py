@@ -19,8 +19,9 @@ regardless of how they predict the output lengths"), so a reservation of 100 pos
 
 Here the runs are runs of consecutive block ids in the same pool the paged engine uses, so the same
 attention kernels read them: ``held_at_admission`` says how many positions a policy reserves,
-``BuddyAllocator`` hands out the runs. ``on_demand`` (vLLM's paging) reserves nothing ahead and takes
-any free block from the free list (the stage's ``BlockAllocator``).
+``BuddyAllocator`` hands out the runs, and ``make_allocator`` gives an engine (L3, L4) the books its
+policy keeps. ``on_demand`` (vLLM's paging) reserves nothing ahead and takes any free block from the
+free list (the stage's ``BlockAllocator``).
 
 Left out on purpose: positions smaller than a block (the buddy works in blocks, so a run is at least
 one block of ``block_size`` positions where Orca's would be a power of two of tokens; from a block up,
@@ -31,6 +32,10 @@ but KV.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcourse.engine_config import EngineConfig
 
 ADMISSION_POLICIES = ("on_demand", "oracle", "pow2", "max")
 
@@ -225,3 +230,14 @@ class BuddyAllocator:
             assert sorted(starts) == sorted(self.runs), (
                 f"sequences hold runs {sorted(starts)}, handed out {sorted(self.runs)}"
             )
+
+
+def make_allocator(config: EngineConfig, free_list: type, out_of_blocks: type[Exception]):
+    """The pool's books under ``config.admission_policy``: the stage's free list (``free_list``, its
+    ``BlockAllocator``) on demand, else a ``BuddyAllocator`` that raises the stage's ``out_of_blocks``
+    (its ``OutOfBlocksError``, which its scheduler catches). Both over ``config.num_blocks`` blocks of
+    ``config.block_size``. Example: L3's engine calls ``make_allocator(config, BlockAllocator,
+    OutOfBlocksError)``."""
+    if config.admission_policy == "on_demand":
+        return free_list(config.num_blocks, config.block_size)
+    return BuddyAllocator(config.num_blocks, config.block_size, out_of_blocks)

@@ -26,9 +26,9 @@ from kvcourse.config import ModelConfig
 from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
 from kvcourse.limits import blocks_for_bytes
-from kvcourse.orca import ADMISSION_POLICIES, held_at_admission
+from kvcourse.orca import ADMISSION_POLICIES, held_at_admission, make_allocator
+from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError
 from L3_block_tensor.engine import Engine as L3Engine
-from L3_block_tensor.engine import make_allocator
 from L3_block_tensor.scheduler import Scheduler
 from L3_block_tensor.sequence import Sequence
 from L4_paged_kernel.engine import Engine as L4Engine
@@ -72,7 +72,7 @@ def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
         admission_policy=policy,
         max_model_len=32,
     )
-    s = Scheduler(make_allocator(config), config)
+    s = Scheduler(make_allocator(config, BlockAllocator, OutOfBlocksError), config)
     for i in range(20):
         s.add(Sequence(i, [7] * 2, 5, ignore_eos=True))
     batch = s.schedule()
@@ -104,7 +104,7 @@ def test_reserving_policies_never_preempt_and_drain_clean(policy):
         admission_policy=policy,
         max_model_len=32,
     )
-    s = Scheduler(make_allocator(config), config)
+    s = Scheduler(make_allocator(config, BlockAllocator, OutOfBlocksError), config)
     for i, (p, b) in enumerate(zip(PROMPTS, MAX_NEW, strict=True)):
         s.add(Sequence(i, list(p), b, ignore_eos=True))
     while s.has_unfinished():

@@ -6,6 +6,8 @@
 - ``BuddyAllocator`` on hand-worked pools: the first tiling, splitting, merging back, ``grow``, the
   docstring's examples (its external fragmentation included), a failed allocation and refused frees
   that change nothing, and ``check_invariants`` failing on broken books;
+- ``make_allocator``: the stage's free list on demand, a buddy allocator raising the stage's error
+  under each Orca policy;
 - a property test: random allocations, frees and growths against an independent bitmap model, in
   which a request of n blocks fits iff some aligned range [p, p + next_pow2(n)) inside the pool is
   free (for a buddy allocator that merges eagerly the two are the same);
@@ -22,9 +24,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
-from kvcourse.orca import ADMISSION_POLICIES, BuddyAllocator, held_at_admission, next_pow2
-from L3_block_tensor.allocator import OutOfBlocksError
+from kvcourse.orca import ADMISSION_POLICIES, BuddyAllocator, held_at_admission, make_allocator, next_pow2
+from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError
 from L3_block_tensor.engine import Engine as L3Engine
 from L4_paged_kernel.engine import Engine as L4Engine
 
@@ -325,3 +328,16 @@ def test_each_orca_policy_at_a_pool_that_binds_changes_no_token(engine_class, po
     assert [seq.output_ids for seq in seqs] == expected
     assert waited, "the pool never held a request back"
     assert engine.stats().preemptions == 0 and engine.allocator.num_free == NUM_BLOCKS
+
+
+def test_make_allocator_gives_each_policy_its_books():
+    config = EngineConfig(num_blocks=12, block_size=4)
+    paged = make_allocator(config, BlockAllocator, OutOfBlocksError)
+    assert type(paged) is BlockAllocator and (paged.num_blocks, paged.block_size) == (12, 4)
+    for policy in ORCA:
+        config = EngineConfig(num_blocks=12, block_size=4, admission_policy=policy, max_model_len=32)
+        books = make_allocator(config, BlockAllocator, OutOfBlocksError)
+        assert type(books) is BuddyAllocator and (books.num_blocks, books.block_size) == (12, 4)
+        assert books.free_runs == {0: 8, 8: 4}
+        with pytest.raises(OutOfBlocksError):  # the stage's error, which its scheduler catches
+            books.alloc_blocks(9)

@@ -17,8 +17,7 @@ served and preempted together, and whose tokens the group picks itself. A beam s
 ``beam_blocks`` is the most a search can hold at once; ``check_beam_request`` refuses a width that
 could never run, in one line naming the value.
 
-Left out on purpose: streaming a search's hypotheses as they finish, and beams under a reservation
-policy (a search shares blocks; a reservation is one sequence's).
+Left out on purpose: streaming a search's hypotheses as they finish.
 """
 
 from __future__ import annotations

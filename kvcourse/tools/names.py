@@ -98,7 +98,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "engine.py:Engine(enable_prefix_caching=)": ("", "no prefix cache in L6"),
     "engine.py:Engine(kv_cache_bytes=)": ("engine.py:Engine(kv_cache_bytes=)", "the same: sized into pages, never grown"),
     "engine.py:Engine(gpu_memory_utilization=)": ("engine.py:Engine(gpu_memory_utilization=)", "from JAX's allocator statistics, with no activation profile"),
-    "engine.py:Engine(admission_policy=)": ("", "one rule: a prompt waits until its whole length fits beside the running ones' (counted as Oracle reserves, taken as positions fill)"),
     "engine.py:Engine(kernel=)": ("engine.py:Engine(attention=)", "`reference` (JAX) or `pallas` (a TPU kernel)"),
     "engine.py:Engine(num_splits=)": ("", "no split-KV: decode batches its sequences instead (`decode_only_paged_attention`)"),
     "engine.py:Engine(cuda_graphs=)": ("", "the jit'd decode loop is one compiled program already"),
@@ -139,7 +138,6 @@ NAMES: dict[str, tuple[str, str]] = {
     "scheduler.py:Scheduler.config": ("engine.py:Engine.max_num_seqs, engine.py:Engine.max_prefill_tokens", "the engine's own: slots and a prefill call's tokens; no chunked prefill, no admission policies"),
     "scheduler.py:Scheduler.eos_ids": ("decode_state.py:DecodeState.stop_tokens", "an i32 array"),
     "scheduler.py:Scheduler.enable_prefix_caching": ("", "no prefix cache in L6"),
-    "scheduler.py:Scheduler.hold_len": ("", "no reservation ahead: pages come as positions fill"),
     "scheduler.py:Scheduler.waiting": ("", "a local deque of prompt indices in `generate_samples`; a waiting prompt holds no slot"),
     "scheduler.py:Scheduler.running": ("page_table.py:SequenceTable.used_mask, decode_state.py:TokenQueue", "used slots, and their next tokens queued"),
     "scheduler.py:Scheduler.finished": ("decode_state.py:DecodeState.finished", "a flag per slot"),
@@ -267,12 +265,23 @@ def module_names(path: Path) -> dict[str, int]:
                     args = item.args.args[1:] + item.args.kwonlyargs
                     found |= {f"{node.name}({a.arg}=)": a.lineno for a in args}
                     if item.args.kwarg:  # **options: the shared ones, checked by kvcourse.engine_config
-                        found |= {f"{node.name}({o}=)": item.lineno for o in ALL_OPTIONS}
+                        found |= {f"{node.name}({o}=)": item.lineno for o in shared_options(node)}
                 for sub in ast.walk(item):  # the attributes it sets, self.x = ...
                     if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
                         if isinstance(sub.value, ast.Name) and sub.value.id == "self" and sub.attr[0] != "_":
                             found.setdefault(f"{node.name}.{sub.attr}", sub.lineno)
     return dict(sorted(found.items(), key=lambda kv: kv[1]))
+
+
+def shared_options(cls: ast.ClassDef) -> tuple[str, ...]:
+    """The shared options a class takes through ``**options``: its ``OPTIONS``, an expression over
+    ``ALL_OPTIONS`` evaluated with that name alone in scope (L5: all but ``admission_policy``), or all
+    of them if it sets none."""
+    for item in cls.body:
+        if isinstance(item, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "OPTIONS" for t in item.targets):
+            expression = compile(ast.Expression(item.value), "OPTIONS", "eval")
+            return eval(expression, {"__builtins__": {"tuple": tuple}, "ALL_OPTIONS": ALL_OPTIONS})
+    return ALL_OPTIONS
 
 
 def stage_names(stage: str, root: Path = ROOT) -> dict[str, list[str]]:
