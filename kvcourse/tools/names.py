@@ -24,6 +24,7 @@ functions other than ``Engine``'s options.
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 from kvcourse.engine_config import ALL_OPTIONS
@@ -265,7 +266,7 @@ def module_names(path: Path) -> dict[str, int]:
                     args = item.args.args[1:] + item.args.kwonlyargs
                     found |= {f"{node.name}({a.arg}=)": a.lineno for a in args}
                     if item.args.kwarg:  # **options: the shared ones, checked by kvcourse.engine_config
-                        found |= {f"{node.name}({o}=)": item.lineno for o in shared_options(node)}
+                        found |= {f"{node.name}({o}=)": item.lineno for o in shared_options(path, node)}
                 for sub in ast.walk(item):  # the attributes it sets, self.x = ...
                     if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
                         if isinstance(sub.value, ast.Name) and sub.value.id == "self" and sub.attr[0] != "_":
@@ -273,15 +274,13 @@ def module_names(path: Path) -> dict[str, int]:
     return dict(sorted(found.items(), key=lambda kv: kv[1]))
 
 
-def shared_options(cls: ast.ClassDef) -> tuple[str, ...]:
-    """The shared options a class takes through ``**options``: its ``OPTIONS``, an expression over
-    ``ALL_OPTIONS`` evaluated with that name alone in scope (L5: all but ``admission_policy``), or all
-    of them if it sets none."""
-    for item in cls.body:
-        if isinstance(item, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "OPTIONS" for t in item.targets):
-            expression = compile(ast.Expression(item.value), "OPTIONS", "eval")
-            return eval(expression, {"__builtins__": {"tuple": tuple}, "ALL_OPTIONS": ALL_OPTIONS})
-    return ALL_OPTIONS
+def shared_options(path: Path, cls: ast.ClassDef) -> tuple[str, ...]:
+    """The shared options a class takes through ``**options``: the ``OPTIONS`` of the class imported
+    (L5: all but ``admission_policy``), or all of them for a module outside the repository."""
+    if ROOT not in path.resolve().parents:
+        return ALL_OPTIONS
+    module = importlib.import_module(".".join(path.resolve().relative_to(ROOT).with_suffix("").parts))
+    return getattr(module, cls.name).OPTIONS
 
 
 def stage_names(stage: str, root: Path = ROOT) -> dict[str, list[str]]:
