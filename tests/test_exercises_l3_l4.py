@@ -289,10 +289,15 @@ def splits_logical_ids(block_table, context_len, block_size, num_splits):
     return splits  # wrong: logical block indices, not the table's physical ids
 
 
-def _admitted(policy, requests, num_blocks, block_size, max_model_len, held_of, stop=True):
+def _admitted(policy, requests, num_blocks, block_size, max_model_len, held_of, stop=True, runs=True):
+    """L3.4 worked by hand, with a mistake switched in: ``held_of`` (positions held at admission),
+    ``stop=False`` (skips a request that does not fit), ``runs=False`` (an Orca reservation as loose
+    blocks, not one buddy run of a power of two of blocks)."""
     free, count = num_blocks, 0
     for prompt_len, max_new in requests:
-        blocks = -(-held_of(policy, prompt_len, prompt_len + max_new, max_model_len) // block_size)
+        blocks = -(-held_of(policy, prompt_len, max_new, max_model_len) // block_size)
+        if runs and policy != "on_demand":
+            blocks = 1 << (blocks - 1).bit_length()
         if blocks > free:
             if stop:
                 break
@@ -302,38 +307,55 @@ def _admitted(policy, requests, num_blocks, block_size, max_model_len, held_of, 
     return count
 
 
-def _held(policy, prompt_len, length, max_model_len):
-    return {"on_demand": prompt_len, "oracle": length, "pow2": min(1 << (length - 1).bit_length(), max_model_len),
-            "max": max_model_len}[policy]  # fmt: skip
+def _held(policy, prompt_len, max_new, max_model_len):
+    pow2 = prompt_len + min(1 << (max_new - 1).bit_length(), max_model_len - prompt_len)
+    held = {"on_demand": prompt_len, "oracle": prompt_len + max_new, "pow2": pow2, "max": max_model_len}
+    return held[policy]
 
 
 def admitted_pow2_uncapped(policy, requests, num_blocks, block_size, max_model_len):
-    def held(p, prompt_len, length, m):
-        return 1 << (length - 1).bit_length() if p == "pow2" else _held(p, prompt_len, length, m)
+    def held(p, prompt_len, max_new, m):  # wrong: pow2 past max_model_len
+        if p == "pow2":
+            return prompt_len + (1 << (max_new - 1).bit_length())
+        return _held(p, prompt_len, max_new, m)
 
-    return _admitted(
-        policy, requests, num_blocks, block_size, max_model_len, held
-    )  # wrong: pow2 past max_model_len
+    return _admitted(policy, requests, num_blocks, block_size, max_model_len, held)
+
+
+def admitted_pow2_rounds_prompt_too(policy, requests, num_blocks, block_size, max_model_len):
+    def held(p, prompt_len, max_new, m):  # wrong: the old rule, next_pow2(prompt + output)
+        if p == "pow2":
+            return min(1 << (prompt_len + max_new - 1).bit_length(), m)
+        return _held(p, prompt_len, max_new, m)
+
+    return _admitted(policy, requests, num_blocks, block_size, max_model_len, held)
+
+
+def admitted_loose_blocks(policy, requests, num_blocks, block_size, max_model_len):
+    # wrong: an Orca reservation taken as loose blocks, not one run of a power of two
+    return _admitted(policy, requests, num_blocks, block_size, max_model_len, _held, runs=False)
 
 
 def admitted_on_demand_whole_length(policy, requests, num_blocks, block_size, max_model_len):
-    def held(p, prompt_len, length, m):
-        return length if p == "on_demand" else _held(p, prompt_len, length, m)
+    def held(p, prompt_len, max_new, m):  # wrong: on_demand holds it all
+        return prompt_len + max_new if p == "on_demand" else _held(p, prompt_len, max_new, m)
 
-    return _admitted(
-        policy, requests, num_blocks, block_size, max_model_len, held
-    )  # wrong: on_demand holds it all
+    return _admitted(policy, requests, num_blocks, block_size, max_model_len, held)
 
 
 def admitted_jumps_the_queue(policy, requests, num_blocks, block_size, max_model_len):
-    return _admitted(
-        policy, requests, num_blocks, block_size, max_model_len, _held, stop=False
-    )  # wrong: skips ahead
+    return _admitted(policy, requests, num_blocks, block_size, max_model_len, _held, stop=False)  # skips ahead
 
 
 WRONG = [
     # (checker, wrong answer, the name of a case that must catch it)
     (l3_checks.check_admitted, admitted_pow2_uncapped, "pow2 never past max_model_len"),
+    (
+        l3_checks.check_admitted,
+        admitted_pow2_rounds_prompt_too,
+        "pow2 rounds the output only: 6 + 16 positions",
+    ),
+    (l3_checks.check_admitted, admitted_loose_blocks, "oracle: 10 positions are 3 blocks, a run of 4"),
     (l3_checks.check_admitted, admitted_on_demand_whole_length, "on_demand holds a prompt's blocks only"),
     (
         l3_checks.check_admitted,
@@ -471,6 +493,13 @@ def test_the_checkers_references_give_the_worked_examples():
     """What the checkers take from the stage's code, on the examples their docstrings and the
     notebook work out by hand."""
     assert slots([7, 2], 2, 6, 4) == [30, 31, 8, 9]
+    # L3.4: five (3, 5) on 16 blocks of 4, max_model_len 32: on_demand 1 block each; Oracle 8 positions,
+    # 2 blocks, a run of 2; Pow2 3 + 8 = 11 positions, 3 blocks, a run of 4; Max 32 positions, a run of 8
+    policies = ("on_demand", "oracle", "pow2", "max")
+    admits = {p: l3_checks.scheduler_admitted(p, [(3, 5)] * 5, 16, 4, 32) for p in policies}
+    assert admits == {"on_demand": 5, "oracle": 5, "pow2": 4, "max": 2}
+    assert l3_checks.scheduler_admitted("oracle", [(2, 8)] * 6, 16, 4, 32) == 4  # 10 positions: a run of 4
+    assert l3_checks.scheduler_admitted("max", [(3, 5)] * 3, 24, 4, 48) == 1  # 12 blocks: a run of 16
     assert l4_checks._kernel_splits([7, 2, 9, 4, 0], 18, 4, 2) == [(0, [7, 2, 9], 12), (3, [4, 0], 6)]
     assert l4_checks._kernel_splits([3, 1], 20, 16, 4) == [(0, [3], 16), (1, [1], 4)]
     m = torch.tensor([0.0, float(torch.log(torch.tensor(3.0)))])  # one key per side, scores 0 and ln 3

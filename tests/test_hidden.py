@@ -176,12 +176,12 @@ def test_every_specified_error_is_a_case(package, exercise_id, checker):
     assert hidden_errors or shown, f"{exercise_id}: its text asks for ValueError, no case expects one"
 
 
-def test_l3_6_has_a_case_for_each_error_its_text_names():
-    """L3.6 asks for ValueError on need above everything held, block_size below 1, a negative need, a
+def test_l3_7_has_a_case_for_each_error_its_text_names():
+    """L3.7 asks for ValueError on need above everything held, block_size below 1, a negative need, a
     negative count in computed: each is a hidden case for every seed, and an answer that checks only
     the first fails."""
     for seed in range(5):
-        cases = spec("L3_block_tensor", "L3.6").draw(hidden.rng_for(seed, "L3.6"))
+        cases = spec("L3_block_tensor", "L3.7").draw(hidden.rng_for(seed, "L3.7"))
         assert any(c["block_size"] < 1 for c in cases) and any(c["need"] < 0 for c in cases), seed
         assert any(min(c["computed"]) < 0 for c in cases), seed
     answer = hidden.answers_of("L3_block_tensor").cheapest_preemption
@@ -195,10 +195,10 @@ def test_l3_6_has_a_case_for_each_error_its_text_names():
             raise
 
     observations, caught = hidden.observe_all(
-        spec("L3_block_tensor", "L3.6"), lenient, (), hidden.expected("L3_block_tensor", "L3.6", 0)[0], 60
+        spec("L3_block_tensor", "L3.7"), lenient, (), hidden.expected("L3_block_tensor", "L3.7", 0)[0], 60
     )
     record = {"observations": observations, "aliased": caught}
-    assert len(hidden.judge("L3_block_tensor", "L3.6", 0, record)) == 3
+    assert len(hidden.judge("L3_block_tensor", "L3.7", 0, record)) == 3
 
 
 def test_the_watch_knows_the_stage_code_by_what_it_is(tmp_path):

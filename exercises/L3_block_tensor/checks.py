@@ -6,8 +6,12 @@
 - ``check_preempt``: sending a running sequence back to waiting when the pool runs dry, against the
   first preemption ``Scheduler`` itself makes in the same state (which sequence, its blocks on the free
   list, both queues, what it keeps and what it forgets);
-- ``check_admitted``: how many waiting requests an admission policy (on demand, Oracle, Pow2, Max)
-  admits in one step with a pool of ``num_blocks``, against what ``Scheduler.schedule`` admits;
+- ``check_admitted``: how many waiting requests an admission policy (on demand, or one of the vLLM
+  paper's Orca baselines: Oracle, Pow2, Max) admits in one step with a pool of ``num_blocks``, against
+  what ``Scheduler.schedule`` admits from the pool the engine gives that policy (``make_allocator``);
+- ``check_buddy_waits`` (beyond the stage): who waits, the free blocks and the largest free run after
+  each arrival or finish in a buddy pool (external fragmentation), against ``Scheduler`` over the
+  engine's buddy allocator (``kvcourse/orca.py``);
 - ``check_watermark`` (beyond the stage): admission that keeps a watermark of free blocks for the
   running requests, against ``Scheduler`` run on the pool less the watermark;
 - ``check_cheapest_preemption`` (beyond the stage): the fewest computed tokens a preemption that frees
@@ -17,13 +21,15 @@
 - ``check_predict`` (predict): the learner's prediction of four scheduler steps, key by key against a
   run of this stage, never printing the real value.
 
-The checks of L3.1-L3.6 name the broken rule when a wrong answer gives what a known
-mistake gives (``named_mistake``): a slot one row off, a victim from the wrong end, Pow2 uncapped.
+The checks of L3.1-L3.7 name the broken rule when a wrong answer gives what a known
+mistake gives (``named_mistake``): a slot one row off, a victim from the wrong end, Pow2 uncapped, an
+Orca reservation taken as loose blocks, a buddy run taken from the first free run instead of the
+smallest.
 
 The grading contract (see ``kvcourse/grading/cases.py``): each checker runs fixed cases and prints one
 deterministic line per case (``ok``, ``WRONG — what differs``, or ``raised`` and the exception), then
 ``k/n passed``. The reference notebook stores those lines as the check cell's output and ``make grade``
-compares them. The references are the stage's own code, never a copy kept here (L3.6's, which the
+compares them. The references are the stage's own code, never a copy kept here (L3.7's, which the
 stage has no code for, is an exhaustive search: a valid answer only for the visible cases' sizes).
 
 Below the checkers, ``HIDDEN`` holds each exercise's hidden cases for ``make grade``
@@ -44,9 +50,11 @@ from collections.abc import Callable
 
 from kvcourse.engine_config import EngineConfig
 from kvcourse.grading.cases import Case, named_mistake, run_cases
-from kvcourse.grading.hidden import CaseTimeout, Hidden, unrevealed
+from kvcourse.grading.hidden import CaseTimeout, Hidden, short, unrevealed
 from kvcourse.grading.mutations import catch_cases, catch_hidden, version
-from L3_block_tensor.allocator import BlockAllocator
+from kvcourse.orca import BuddyAllocator, next_pow2
+from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError
+from L3_block_tensor.engine import make_allocator
 from L3_block_tensor.scheduler import Scheduler
 from L3_block_tensor.sequence import Sequence, Status, allocate_slots
 from L3_block_tensor.sequence import slots as ref_slots
@@ -195,18 +203,21 @@ def check_plan_step(plan_step: Callable) -> None:
     )
 
 
-def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len) -> int:
+def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len, allocator=None) -> int:
     """How many of ``requests`` ((prompt_len, max_new_tokens) pairs, all waiting, in order)
-    ``Scheduler.schedule`` admits in one step under ``policy``, seats and token budget never the limit."""
-    allocator = BlockAllocator(num_blocks, block_size)
+    ``Scheduler.schedule`` admits in one step under ``policy``, seats and token budget never the limit,
+    from the pool the engine gives that policy (``make_allocator``: the free list on demand, a buddy
+    allocator of runs for an Orca policy), or from ``allocator`` when one is given."""
     tokens = sum(p for p, _ in requests) + 1
     config = EngineConfig(
         max_num_seqs=len(requests) + 1,
         max_num_batched_tokens=tokens,
         admission_policy=policy,
         max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_size=block_size,
     )
-    sched = Scheduler(allocator, config)
+    sched = Scheduler(allocator or make_allocator(config), config)
     for i, (prompt_len, max_new) in enumerate(requests):
         sched.add(Sequence(i, [7] * prompt_len, max_new, ignore_eos=True))
     return len(sched.schedule())
@@ -214,10 +225,17 @@ def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len) 
 
 def admission_mistakes(policy, requests, num_blocks, block_size, max_model_len) -> dict:
     """The known mistakes of ``admitted``, each what ``Scheduler`` admits on a changed input: another
-    policy, no cap on Pow2, or requests picked out of order."""
+    policy, no cap on Pow2, Pow2's old rule (as Oracle on the rounded length), an Orca reservation
+    taken as loose blocks (the free list instead of the buddy), or requests picked out of order."""
 
-    def admits(as_policy, reqs=requests, cap=max_model_len) -> int:
-        return scheduler_admitted(as_policy, reqs, num_blocks, block_size, cap)
+    def admits(as_policy, reqs=requests, cap=max_model_len, allocator=None) -> int:
+        return scheduler_admitted(as_policy, reqs, num_blocks, block_size, cap, allocator)
+
+    def loose(as_policy) -> int:  # the reservation's blocks from the free list: no run, no power of two
+        return admits(as_policy, allocator=BlockAllocator(num_blocks, block_size))
+
+    def rounded_whole() -> int:  # Pow2 rounding prompt + output: Oracle on that length
+        return admits("oracle", [(p, min(next_pow2(p + o), max_model_len) - p) for p, o in requests])
 
     def jumping() -> int:  # every request that still fits, skipping those that do not
         taken = []
@@ -226,11 +244,27 @@ def admission_mistakes(policy, requests, num_blocks, block_size, max_model_len) 
                 taken.append(request)
         return len(taken)
 
+    run = "an Orca reservation is one run of a power of two of blocks (7 blocks take 8), not loose blocks"
     mistakes = {
-        "on_demand": {"on_demand holds its prompt's blocks at admission, not its whole length": lambda: admits("oracle")},
-        "oracle": {"Oracle holds the whole length (prompt + max_new_tokens), not the prompt": lambda: admits("on_demand")},
-        "pow2": {"Pow2 is capped at max_model_len": lambda: admits("pow2", cap=1 << 30)},
-        "max": {"Max holds max_model_len for every request, not its length": lambda: admits("oracle")},
+        "on_demand": {
+            "on_demand holds its prompt's blocks at admission, not its whole length": lambda: loose("oracle"),
+        },
+        "oracle": {
+            "Oracle holds the whole length (prompt + max_new_tokens), not the prompt": lambda: (
+                admits("on_demand")
+            ),
+            run: lambda: loose("oracle"),
+        },
+        "pow2": {
+            "Pow2 rounds the output only: prompt + next_pow2(max_new_tokens), not next_pow2(prompt + "
+            "max_new_tokens)": rounded_whole,
+            "Pow2 is capped at max_model_len": lambda: admits("pow2", cap=1 << 30),
+            run: lambda: loose("pow2"),
+        },
+        "max": {
+            "Max holds max_model_len for every request, not its length": lambda: admits("oracle"),
+            run: lambda: loose("max"),
+        },
     }.get(policy, {})  # fmt: skip
     return {
         **mistakes,
@@ -240,11 +274,12 @@ def admission_mistakes(policy, requests, num_blocks, block_size, max_model_len) 
 
 def check_admitted(admitted: Callable) -> None:
     """Grade ``admitted(policy, requests, num_blocks, block_size, max_model_len) -> int`` against what
-    ``Scheduler.schedule`` admits in its first step.
+    ``Scheduler.schedule`` admits in its first step, on the pool the engine gives the policy.
 
     ``requests`` are (prompt_len, max_new_tokens) pairs, all waiting, first come first served; seats
     and the token budget are never the limit, blocks are. Example, 16 blocks of 4, max_model_len 32,
-    five requests (3, 7): on_demand admits 5 (a block each), Oracle 5 (3 each), Pow2 4, Max 2.
+    five requests (3, 5): on_demand admits 5 (a block each), Oracle 5 (2 blocks each, a run of 2),
+    Pow2 4 (3 + 8 positions: 3 blocks, a run of 4), Max 2 (8 blocks, a run of 8).
     """
 
     def case(policy, requests, num_blocks, block_size=4, max_model_len=32) -> Callable[[], str | None]:
@@ -258,19 +293,21 @@ def check_admitted(admitted: Callable) -> None:
 
         return run
 
-    same = [(3, 7)] * 5
+    same = [(3, 5)] * 5
     mixed = [(5, 20), (2, 3), (9, 6), (4, 12), (1, 1)]
     run_cases(
         [
-            Case("on_demand, five (3, 7) on 16 blocks of 4", case("on_demand", same, 16)),
-            Case("oracle, five (3, 7) on 16 blocks of 4", case("oracle", same, 16)),
-            Case("pow2, five (3, 7) on 16 blocks of 4", case("pow2", same, 16)),
-            Case("max, five (3, 7) on 16 blocks of 4", case("max", same, 16)),
+            Case("on_demand, five (3, 5) on 16 blocks of 4", case("on_demand", same, 16)),
+            Case("oracle, five (3, 5) on 16 blocks of 4", case("oracle", same, 16)),
+            Case("pow2, five (3, 5) on 16 blocks of 4", case("pow2", same, 16)),
+            Case("max, five (3, 5) on 16 blocks of 4", case("max", same, 16)),
+            Case("oracle: 10 positions are 3 blocks, a run of 4", case("oracle", [(2, 8)] * 6, 16)),
             Case(
-                "oracle, mixed lengths: the first that does not fit stops the rest", case("oracle", mixed, 10)
+                "oracle, mixed lengths: the first that does not fit stops the rest", case("oracle", mixed, 12)
             ),
-            Case("pow2, a length already a power of two", case("pow2", [(6, 10), (8, 8)], 8)),
-            Case("pow2 never past max_model_len", case("pow2", [(20, 21), (1, 1)], 11, 4, 44)),
+            Case("pow2 rounds the output only: 6 + 16 positions", case("pow2", [(6, 10), (8, 8)], 8)),
+            Case("pow2 never past max_model_len", case("pow2", [(1, 17), (1, 1)], 8)),
+            Case("max: max_model_len 48 is 12 blocks, a run of 16", case("max", [(3, 5)] * 3, 24, 4, 48)),
             Case("on_demand holds a prompt's blocks only", case("on_demand", mixed, 5)),
         ]
     )
@@ -681,35 +718,74 @@ def describe_preempt(case: dict) -> str:
 
 
 def draw_admissions(rng) -> list[dict]:
-    """Eight queues, three aimed and five random: Pow2 where the next power of two passes a
-    max_model_len that is not one (the cap decides whether it fits), on_demand where whole lengths would
-    not fit but prompts do, and a long request in front of a short one that would fit (nobody jumps the
-    queue); the random ones: any policy, 1-8 requests that fit max_model_len, a pool between the
-    largest reservation and all of them."""
+    """Ten queues, six aimed and four random. Aimed, each where one known mistake changes the count:
+    Pow2 where the cap at max_model_len makes the run smaller; Pow2 where rounding the output alone
+    and rounding prompt + output give runs of different sizes; an Orca policy whose reservations are
+    not a power of two of blocks, on a pool that holds them all as loose blocks; Max with a
+    max_model_len that is not a power of two of blocks; on_demand where whole lengths would not fit
+    but prompts do; a long request in front of a short one that would fit (nobody jumps the queue).
+    The random ones: any policy, 1-8 requests that fit max_model_len, a pool between the largest
+    reservation and all of them."""
 
     def queue(policy, requests, num_blocks, block_size, max_model_len) -> dict:
         return {"policy": policy, "requests": requests, "num_blocks": num_blocks, "block_size": block_size,
                 "max_model_len": max_model_len}  # fmt: skip
 
-    block_size = rng.choice([2, 4, 8])
-    max_len = rng.choice([40, 48, 56, 100])  # not a power of two
-    length = rng.randint(max_len // 2 + 1 + 8, max_len)  # its power of two passes max_len
-    capped = -(-max_len // block_size)
+    def run(positions: int, block_size: int) -> int:  # the buddy run that holds them, in blocks
+        return next_pow2(-(-positions // block_size))
+
+    def pow2(prompt_len, max_new, max_model_len) -> int:
+        return prompt_len + min(next_pow2(max_new), max_model_len - prompt_len)
+
+    def request(max_model_len: int, differs) -> list[int]:  # a (prompt, output) pair that makes differs true
+        while True:
+            prompt_len = rng.randint(1, max_model_len - 1)
+            max_new = rng.randint(1, max_model_len - prompt_len)
+            if differs(prompt_len, max_new):
+                return [prompt_len, max_new]
+
+    cases = []
+    block_size, max_len = rng.choice([2, 4, 8]), rng.choice([40, 48, 56, 100])  # not a power of two
+    capped = request(  # uncapped, the output's power of two passes max_model_len and takes a bigger run
+        max_len, lambda p, o: run(p + next_pow2(o), block_size) > run(pow2(p, o, max_len), block_size)
+    )
+    pool = run(pow2(*capped, max_len), block_size)
+    cases.append(queue("pow2", [capped, [1, 1]], pool, block_size, max_len))
+
+    block_size, max_len, k = rng.choice([2, 4, 8]), rng.choice([32, 48, 64, 100]), rng.randint(2, 4)
+
+    def whole(p: int, o: int) -> int:  # the wrong rule's reservation: next_pow2(prompt + output), capped
+        return min(next_pow2(p + o), max_len)
+
+    odd = request(max_len, lambda p, o: run(pow2(p, o, max_len), block_size) != run(whole(p, o), block_size))
+    smaller = min(run(pow2(*odd, max_len), block_size), run(whole(*odd), block_size))
+    cases.append(queue("pow2", [odd] * k, k * smaller, block_size, max_len))
+
+    block_size, k = rng.choice([2, 4]), rng.randint(2, 5)
+    blocks = rng.choice([3, 5, 6, 7])  # not a power of two: the run is bigger
+    length = rng.randint((blocks - 1) * block_size + 1, blocks * block_size)
+    prompt_len = rng.randint(1, length - 1)
+    cases.append(queue("oracle", [[prompt_len, length - prompt_len]] * k, k * blocks, block_size, 64))
+
+    block_size, max_len = rng.choice([(4, 48), (4, 40), (2, 24), (8, 96)])  # 12 or 10 blocks: a run of 16
+    n = rng.randint(2, 4)
+    cases.append(queue("max", [[rng.randint(1, 8), rng.randint(1, 8)] for _ in range(n)],
+                       n * -(-max_len // block_size), block_size, max_len))  # fmt: skip
+
     prompts = [rng.randint(1, 4) for _ in range(rng.randint(3, 6))]
+    cases.append(queue("on_demand", [[p, 30] for p in prompts], len(prompts), 4, 64))
+
     long = rng.randint(12, 20)
-    cases = [
-        queue("pow2", [[length - 8, 8], [1, 1]], capped, block_size, max_len),
-        queue("on_demand", [[p, 30] for p in prompts], len(prompts), 4, 64),
-        queue("oracle", [[long, 10], [1, 1], [2, 1]], -(-(long + 10) // 4) - 1, 4, 64),
-    ]
-    for _ in range(5):
+    cases.append(queue("oracle", [[long, 10], [1, 1], [2, 1]], run(long + 10, 4) - 1, 4, 64))
+
+    for _ in range(4):
         block_size = rng.choice([2, 4, 8, 16])
         max_model_len = rng.choice([16, 32, 48, 64, 100])
         requests = []
         for _ in range(rng.randint(1, 8)):
             prompt_len = rng.randint(1, max_model_len - 1)
             requests.append([prompt_len, rng.randint(1, max_model_len - prompt_len)])
-        biggest = -(-max_model_len // block_size)
+        biggest = run(max_model_len, block_size)
         num_blocks = rng.randint(biggest, biggest * len(requests) + 1)
         cases.append(
             queue(
@@ -760,7 +836,7 @@ HIDDEN = {
         observe_admitted,
         describe_admitted,
         answers=(
-            "kvcourse.engine_config:held_at_admission",
+            "kvcourse.orca:held_at_admission",
             "L3_block_tensor.scheduler:Scheduler.hold_len",
         ),
     ),
@@ -768,10 +844,11 @@ HIDDEN = {
 
 
 # ---------------------------------------------------------------------------------------------------
-# L3.5-L3.8: two exercises beyond the stage (a watermark, the cheapest preemption), a test that
-# catches the scheduler's bugs, and a prediction. Their visible references are the stage's code on a
-# changed input (L3.5), an exhaustive search (L3.6: the exercise asks for an algorithm that scales;
-# trying every subset does not), the mutation list (L3.7) and a run of the stage (L3.8).
+# L3.5-L3.9: three exercises beyond the stage (external fragmentation in a buddy pool, a watermark,
+# the cheapest preemption), a test that catches the scheduler's bugs, and a prediction. Their visible
+# references are the stage's code over another pool (L3.5: the engine's buddy allocator) or on a
+# changed input (L3.6), an exhaustive search (L3.7: the exercise asks for an algorithm that scales;
+# trying every subset does not), the mutation list (L3.8) and a run of the stage (L3.9).
 
 
 def returned_or_raised(fn, *args) -> dict:
@@ -803,6 +880,324 @@ def float_pair(observation: dict) -> bool:
     """True when a call returned a pair of whole numbers as floats (``(34.0, 1)``): a dtype mistake."""
     value = observation.get("returned")
     return isinstance(value, str) and re.fullmatch(r"[(\[]\d+(\.0)?, \d+(\.0)?[)\]]", value) is not None
+
+
+# L3.5 external fragmentation in a buddy pool
+
+
+def scheduler_buddy_waits(num_blocks: int, events: list, allocator=None, blocks_of=None) -> list[tuple]:
+    """``buddy_waits``'s answer from this stage's ``Scheduler``: after each event, the waiting request
+    ids, the free blocks and the largest free run (None when ``allocator`` has no runs).
+
+    The pool is the one the engine gives an Orca policy (``make_allocator``: a buddy allocator), or
+    ``allocator`` (a known mistake's). Request k, the k-th arrival, is a ``Sequence`` that holds exactly
+    its blocks under admission_policy "oracle" (block_size 2, a prompt of 2n - 1 tokens and 1 new
+    token: n blocks, one run of next_pow2(n)); an arrival is ``add``, a finish ``abort`` (a running
+    request gives its run back, a waiting one leaves the queue), then ``schedule()`` admits in order
+    whoever fits. ``blocks_of(n)`` changes the blocks an arrival asks for (a known mistake's).
+    Example, 8 blocks, arrive 3, arrive 1, arrive 3: ([], 4, 4), ([], 3, 2), ([2], 3, 2).
+    """
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=2,
+        admission_policy="oracle",
+        max_num_seqs=len(events) + 1,
+        max_num_batched_tokens=1 << 30,  # never the limit (with no update(), each step plans every prompt again)
+    )
+    allocator = allocator or make_allocator(config)
+    sched = Scheduler(allocator, config)
+    arrived, trace = 0, []
+    for kind, value in events:
+        if kind == "arrive":
+            n = blocks_of(value) if blocks_of else value
+            sched.add(Sequence(arrived, [7] * (2 * n - 1), 1, ignore_eos=True))
+            arrived += 1
+        else:
+            sched.abort(value)
+        sched.schedule()
+        largest = getattr(allocator, "largest_free_run", None)
+        trace.append(([seq.request_id for seq in sched.waiting], allocator.num_free, largest))
+    return trace
+
+
+class _LowestRun(BuddyAllocator):
+    """A known mistake: a request's run comes from the free run with the lowest first block that holds
+    it, not from the smallest. The buddy allocator, shown only that run."""
+
+    def alloc_blocks(self, n: int) -> list[int]:
+        fits = [start for start, run in self.free_runs.items() if run >= next_pow2(n)]
+        hidden = {start: run for start, run in self.free_runs.items() if fits and start != min(fits)}
+        for start in hidden:
+            del self.free_runs[start]
+        try:
+            return super().alloc_blocks(n)
+        finally:
+            self.free_runs.update(hidden)
+
+
+class _NoMerge(BuddyAllocator):
+    """A known mistake: a run given back stays a free run of its size, never merged with its buddy."""
+
+    def free(self, blocks: list[int]) -> None:
+        if blocks:
+            self.free_runs[blocks[0]] = self.runs.pop(blocks[0])
+
+
+class _Stretches:
+    """A known mistake: a request's next_pow2(n) blocks from the first stretch of consecutive free
+    blocks that holds them, wherever it starts (a buddy run starts at a multiple of its size)."""
+
+    def __init__(self, num_blocks: int):
+        self.block_size, self.taken, self.sizes = 2, [False] * num_blocks, {}
+
+    @property
+    def num_free(self) -> int:
+        return self.taken.count(False)
+
+    def alloc_blocks(self, n: int) -> list[int]:
+        size = next_pow2(n)
+        for start in range(len(self.taken) - size + 1):
+            if not any(self.taken[start : start + size]):
+                self.taken[start : start + size] = [True] * size
+                self.sizes[start] = size
+                return list(range(start, start + n))
+        raise OutOfBlocksError(size, self.num_free)
+
+    def free(self, blocks: list[int]) -> None:
+        if blocks:
+            size = self.sizes.pop(blocks[0])
+            self.taken[blocks[0] : blocks[0] + size] = [False] * size
+
+
+def as_trace(got, n: int) -> list[tuple] | str:
+    """A learner's ``buddy_waits`` result as n (waiting, free, largest) triples of ints, or what is
+    wrong with its shape. ``[([2], 3, 2)]`` -> ``[([2], 3, 2)]``; ``None`` -> a sentence."""
+    expected = f"expected a list of {n} (waiting, free, largest_free_run) triples: a list of ids, two ints"
+    if not isinstance(got, list | tuple) or len(got) != n:
+        return f"returned {short(got)}, {expected}"
+    trace = []
+    for step in got:
+        ids = as_ids(step[0]) if isinstance(step, list | tuple) and len(step) == 3 else "?"
+        numbers = isinstance(step, list | tuple) and len(step) == 3 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in step[1:]
+        )
+        if isinstance(ids, str) or not numbers:
+            return f"returned a step {short(step)}, {expected}"
+        trace.append((ids, int(step[1]), int(step[2])))
+    return trace
+
+
+def describe_event(events: list, k: int) -> str:
+    """Event k in words: ``("arrive", 3)`` -> ``"request 2 arrives, 3 blocks"`` (the 3rd arrival)."""
+    kind, value = events[k]
+    if kind == "arrive":
+        return f"request {sum(e[0] == 'arrive' for e in events[:k])} arrives, {value} blocks"
+    return f"request {value} finishes"
+
+
+def said_step(step: tuple) -> str:
+    """One step in words: ``([2], 3, 2)`` -> ``"waiting [2], 3 free, largest free run 2"``."""
+    return f"waiting {step[0]}, {step[1]} free, largest free run {step[2]}"
+
+
+def buddy_mistakes(num_blocks: int, events: list, got: list, want: list) -> dict:
+    """The rules a wrong ``buddy_waits`` answer ``got`` may break, each a test on it (True: broken):
+    its waiting lists are those of a known mistake's pool (the stage's ``Scheduler`` over that pool),
+    or it breaks a rule that can be read off the answer itself."""
+
+    def waits_as(allocator, blocks_of=None) -> bool:
+        theirs = scheduler_buddy_waits(num_blocks, events, allocator, blocks_of)
+        return [w for w, _, _ in got] == [w for w, _, _ in theirs] != [w for w, _, _ in want]
+
+    def unrounded() -> bool:  # a step with the right queues, free blocks short of the runs' rounding
+        arrivals = [value for kind, value in events if kind == "arrive"]
+        gone: set[int] = set()
+        for k, (kind, value) in enumerate(events):
+            arrived = sum(e[0] == "arrive" for e in events[: k + 1])
+            gone |= {value} if kind == "finish" else set()
+            running = [r for r in range(arrived) if r not in gone and r not in want[k][0]]
+            rounding = sum(next_pow2(arrivals[r]) - arrivals[r] for r in running)
+            if got[k][0] == want[k][0] and rounding and got[k][1] == want[k][1] + rounding:
+                return True
+        return False
+
+    def jumped() -> bool:  # a request admitted while an earlier one still waits
+        gone: set[int] = set()
+        for k, (kind, value) in enumerate(events):
+            arrived = sum(e[0] == "arrive" for e in events[: k + 1])
+            gone |= {value} if kind == "finish" else set()
+            waiting = got[k][0]
+            if waiting and any(r not in waiting for r in range(min(waiting), arrived) if r not in gone):
+                return True
+        return False
+
+    return {  # the pools first: a model's whole waiting lists say more than one symptom
+        "the smallest free run that holds the request, not the one with the lowest first block": lambda: (
+            waits_as(_LowestRun(num_blocks, 2, OutOfBlocksError))
+        ),
+        "a run given back merges with its buddy (the run at start ^ size) while that buddy is free, whole": (
+            lambda: waits_as(_NoMerge(num_blocks, 2, OutOfBlocksError))
+        ),
+        "a run starts at a multiple of its size: free blocks in a row are not a run": lambda: waits_as(
+            _Stretches(num_blocks), None
+        ),
+        "counted free blocks without contiguity: the request's run must be one free run": lambda: waits_as(
+            BlockAllocator(num_blocks, 2), next_pow2
+        ),
+        "that is paging: under Orca a request needs one free run of next_pow2(n) blocks, not n free blocks": (
+            lambda: waits_as(BlockAllocator(num_blocks, 2))
+        ),
+        "n blocks take a run of next_pow2(n) blocks: the rest of the run is held too": unrounded,
+        "nobody jumps the queue: while a request waits, every later one waits too": jumped,
+    }
+
+
+def check_buddy_waits(buddy_waits: Callable) -> None:
+    """Grade ``buddy_waits(num_blocks, events) -> [(waiting, free, largest_free_run), ...]`` against this
+    stage's ``Scheduler`` over the engine's buddy allocator (``scheduler_buddy_waits``)."""
+
+    def case(num_blocks: int, events: list) -> Callable[[], str | None]:
+        def run() -> str | None:
+            want = scheduler_buddy_waits(num_blocks, events)
+            got = as_trace(buddy_waits(num_blocks, [tuple(e) for e in events]), len(events))
+            if isinstance(got, str):
+                return got
+            if got == want:
+                return None
+            k = next(k for k, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+            problem = (
+                f"after event {k + 1} ({describe_event(events, k)}): {said_step(got[k])}; expected "
+                f"{said_step(want[k])}"
+            )
+            return named_mistake(problem, got, buddy_mistakes(num_blocks, events, got, want), same=hit)
+
+        return run
+
+    def arrive(*sizes: int) -> list[tuple]:
+        return [("arrive", n) for n in sizes]
+
+    def finish(*ids: int) -> list[tuple]:
+        return [("finish", r) for r in ids]
+
+    run_cases(
+        [
+            Case(
+                "the worked example: 3 blocks free, a request of 3 waits",
+                case(8, arrive(3, 1, 3) + finish(0, 1)),
+            ),
+            Case("a request of 5 blocks takes a run of 8", case(16, arrive(5, 5, 1) + finish(0))),
+            Case(
+                "the smallest free run that holds it, not the first",
+                case(16, arrive(4, 4, 2) + finish(0) + arrive(2, 4, 4)),
+            ),
+            Case(
+                "runs given back merge with their buddies, up to the whole pool",
+                case(16, arrive(1, 1, 2, 4, 8) + finish(0, 1, 2, 3) + arrive(8) + finish(4, 5) + arrive(16)),
+            ),
+            Case(
+                "blocks 2..5 are free, yet no run of 4 is",
+                case(8, arrive(2, 2, 2, 2) + finish(1, 2) + arrive(4)),
+            ),
+            Case(
+                "4 blocks free in two pieces: a request of 4 waits",
+                case(8, arrive(2, 2, 2, 2) + finish(0, 2) + arrive(4)),
+            ),
+            Case(
+                "first come, first served: a request of 1 waits behind one of 8",
+                case(16, arrive(8, 4, 8, 1) + finish(0)),
+            ),
+            Case(
+                "a request that finishes while waiting leaves the queue",
+                case(8, arrive(4, 8, 2) + finish(1)),
+            ),
+            Case(
+                "a pool of 12 blocks starts as runs of 8 and 4",
+                case(12, arrive(4, 8) + finish(0) + arrive(2, 2)),
+            ),
+        ]
+    )
+
+
+def draw_buddy_traces(rng) -> list[dict]:
+    """Eight event lists, four aimed and four random. Aimed: a pool filled with equal runs, every other
+    one given back, then a request twice their size, which waits with half the pool free (external
+    fragmentation); small runs given back in a random order, which merge back into the whole pool;
+    a big request that waits with small ones behind it, one of which gives up; a pool that is not a
+    power of two (its first runs, and the smallest that fits). Random: pools of 8 to 64 blocks, 12 to
+    30 events, mostly small requests, finishes of any request not finished yet. Every request fits the
+    empty pool."""
+    pools = [8, 12, 16, 24, 32, 40, 48, 64]
+
+    def largest(num_blocks: int) -> int:
+        return 1 << (num_blocks.bit_length() - 1)
+
+    def size(top: int) -> int:  # blocks a request asks for, up to top, most of them small
+        return rng.randint(1, top) if rng.random() < 0.3 else rng.randint(1, max(1, top // 4))
+
+    cases = []
+    run, count = rng.choice([1, 2, 4]), rng.choice([8, 16])
+    num_blocks = run * count
+    events = [("arrive", rng.randint(run // 2 + 1, run)) for _ in range(count)]
+    events += [("finish", r) for r in rng.sample(range(0, count, 2), count // 2)]
+    events += [("arrive", 2 * run - rng.randint(0, run - 1))]
+    cases.append({"num_blocks": num_blocks, "events": events})
+
+    num_blocks = rng.choice([16, 32])
+    sizes = [1, 1, 2, 4, 8][: rng.randint(3, 5)]
+    sizes += [rng.choice([1, 2]) for _ in range(rng.randint(1, 4))]
+    events = [("arrive", n) for n in sizes]
+    events += [("finish", r) for r in rng.sample(range(len(sizes)), len(sizes))]
+    events += [("arrive", num_blocks - rng.randint(0, num_blocks // 2 - 1))]
+    cases.append({"num_blocks": num_blocks, "events": events})
+
+    num_blocks = rng.choice([16, 32])
+    half = num_blocks // 2
+    events = [("arrive", half), ("arrive", rng.randint(1, half // 2)), ("arrive", half)]
+    events += [("arrive", rng.randint(1, 2)) for _ in range(rng.randint(1, 3))]
+    events += [("finish", rng.choice([2, 3])), ("finish", 0)]
+    cases.append({"num_blocks": num_blocks, "events": events})
+
+    num_blocks = rng.choice([12, 24, 40, 48])
+    events = [("arrive", rng.randint(1, largest(num_blocks) // 2)) for _ in range(rng.randint(2, 4))]
+    events += [("arrive", largest(num_blocks)), ("finish", 0)]
+    cases.append({"num_blocks": num_blocks, "events": events})
+
+    for _ in range(4):
+        num_blocks = rng.choice(pools)
+        events, alive = [], []
+        for _ in range(rng.randint(12, 30)):
+            if alive and rng.random() < 0.4:
+                gone = rng.choice(alive)
+                alive.remove(gone)
+                events.append(("finish", gone))
+            else:
+                alive.append(sum(e[0] == "arrive" for e in events))
+                events.append(("arrive", size(largest(num_blocks))))
+        cases.append({"num_blocks": num_blocks, "events": events})
+    rng.shuffle(cases)
+    return cases
+
+
+def observe_buddy_waits(fn, case) -> list[dict] | str:
+    """One step per event, named by the event; or what is wrong with the result's shape."""
+    events = [tuple(e) for e in case["events"]]
+    got = as_trace(fn(case["num_blocks"], list(events)), len(events))
+    if isinstance(got, str):
+        return got
+    return [
+        {
+            "call": f"event {k + 1} ({describe_event(events, k)})",
+            "waiting": waiting,
+            "free": free,
+            "largest free run": largest,
+        }
+        for k, (waiting, free, largest) in enumerate(got)
+    ]
+
+
+def describe_buddy_waits(case: dict) -> str:
+    events = " ".join(f"{'+' if kind == 'arrive' else '-'}{value}" for kind, value in case["events"])
+    return f"{case['num_blocks']} blocks: {events}"
 
 
 def scheduler_watermark(running, waiting, num_free, block_size, watermark) -> dict:
@@ -1114,7 +1509,7 @@ def check_catch_scheduler(test_scheduler: Callable) -> None:
 
 
 def run_predicted_steps() -> dict:
-    """The L3.8 operations, run on this stage: a pool of 5 blocks of 2; requests 0..3 with prompts of
+    """The L3.9 operations, run on this stage: a pool of 5 blocks of 2; requests 0..3 with prompts of
     3, 2, 1, 2 tokens and max_new_tokens 5, 4, 2, 3 (eos ignored) submitted together; four steps of
     ``schedule`` then ``update``, the model's next token always 7. Returns the state the learner
     predicts."""
@@ -1193,13 +1588,23 @@ def observe_predict(fn, case) -> object:
 HIDDEN.update(
     {
         "L3.5": Hidden(
+            draw_buddy_traces,
+            observe_buddy_waits,
+            describe_buddy_waits,
+            answers=(
+                "kvcourse.orca:BuddyAllocator.alloc_blocks",
+                "kvcourse.orca:BuddyAllocator.free",
+                "kvcourse.orca:BuddyAllocator._release",
+            ),
+        ),
+        "L3.6": Hidden(
             draw_watermarks,
             observe_watermark,
             describe_watermark,
             answers=("L3_block_tensor.scheduler:Scheduler.schedule",),
         ),
-        "L3.6": Hidden(draw_preemption_costs, observe_preemption_cost, describe_preemption_cost),
-        "L3.7": catch_hidden(
+        "L3.7": Hidden(draw_preemption_costs, observe_preemption_cost, describe_preemption_cost),
+        "L3.8": catch_hidden(
             SCHEDULER,
             SCHEDULER_BUGS,
             watch=tuple(
@@ -1207,7 +1612,7 @@ HIDDEN.update(
                 for name in ("schedule", "update", "_allocate_or_preempt", "_preempt", "_finish")
             ),
         ),
-        "L3.8": Hidden(
+        "L3.9": Hidden(
             draw_predict,
             observe_predict,
             lambda case: "the four steps of the exercise",

@@ -1,22 +1,24 @@
 """Independent answers to the L3 exercises, for the grader's hidden cases (``kvcourse/grading/hidden.py``).
 
 Each function has the signature the notebook asks for and is written apart from the stage's own
-code (``sequence.py``, ``scheduler.py``), so a bug in the stage cannot make a wrong answer pass:
-``slots`` lists every slot of the table and cuts the range out of it, ``plan_step`` hands out seats
-and budget from plain counters, ``preempt`` picks its victim with ``max`` over the scheduling order
-and inserts it into ``waiting`` by hand, ``admitted`` adds up each policy's blocks with its own
-arithmetic. Beyond the stage: ``admit_with_watermark`` counts the blocks decoders start with a modulo,
-``cheapest_preemption`` is a knapsack over blocks to free. ``test_scheduler`` is the answer key's
-test for the catch-the-bug exercise and ``predict`` was worked out by hand (its docstring shows how).
-Tests check that the stage and these answers agree on many drawn cases.
+code (``sequence.py``, ``scheduler.py``) and the buddy allocator (``kvcourse/orca.py``), so a bug in
+either cannot make a wrong answer pass: ``slots`` lists every slot of the table and cuts the range
+out of it, ``plan_step`` hands out seats and budget from plain counters, ``preempt`` picks its victim
+with ``max`` over the scheduling order and inserts it into ``waiting`` by hand, ``admitted`` adds up
+each policy's blocks and runs with its own arithmetic. Beyond the stage: ``buddy_waits`` reads the
+buddy's free runs off a bitmap of owners instead of keeping free lists, ``admit_with_watermark``
+counts the blocks decoders start with a modulo, ``cheapest_preemption`` is a knapsack over blocks to
+free. ``test_scheduler`` is the answer key's test for the catch-the-bug exercise and ``predict`` was
+worked out by hand (its docstring shows how). Tests check that the stage and these answers agree on
+many drawn cases.
 
 ``EXPECT`` maps each exercise to ``case -> observation``: the exercise's ``observe`` (``exercises/L3_block_tensor/checks.py``)
 run on the answer. ``STAGE_ADAPTERS`` give the stage's own implementations the learner's signatures
 (``Scheduler.schedule`` as ``plan_step``, ``Scheduler._preempt`` as ``preempt``; for L3.5 the
-stage's ``Scheduler`` on the pool less the watermark, for L3.7 a test that compares with the stage's
-``Scheduler``, for L3.8 a run of the stage), for the tests. L3.6 has none: the stage has no such
-code. The
-grader imports this file; a submission's sandbox cannot read it.
+stage's ``Scheduler`` over the engine's buddy allocator, for L3.6 the stage's ``Scheduler`` on the
+pool less the watermark, for L3.8 a test that compares with the stage's ``Scheduler``, for L3.9 a
+run of the stage), for the tests. L3.7 has none: the stage has no such code. The grader imports
+this file; a submission's sandbox cannot read it.
 
 Left out on purpose: error messages (only the error's type is graded).
 """
@@ -29,6 +31,7 @@ from exercises.L3_block_tensor.checks import (
     HIDDEN,
     run_predicted_steps,
     scheduler_admitted,
+    scheduler_buddy_waits,
     scheduler_plan,
     scheduler_watermark,
 )
@@ -87,24 +90,75 @@ def preempt(running, waiting, allocator):
 
 
 def admitted(policy, requests, num_blocks, block_size, max_model_len):
-    """Requests are admitted in order while the free blocks cover what each holds from admission:
-    its prompt's blocks (on_demand), or its whole reservation (Oracle: its length; Pow2: the next power of
-    two, at most max_model_len; Max: max_model_len)."""
+    """Requests are admitted in order while the free blocks cover what each takes at admission: its
+    prompt's blocks (on_demand), or one buddy run of a power of two of blocks for its whole reservation
+    (Oracle: prompt + output; Pow2: prompt + the output's next power of two, at most max_model_len in
+    all; Max: max_model_len). From an empty pool that only hands runs out, the smallest free run that
+    fits is always there when enough blocks are free: every halving leaves one free run of each size
+    below the one it split, so the free runs are of different sizes, and free runs of different sizes
+    all smaller than a run of 2^k add up to less than 2^k."""
     free, count = num_blocks, 0
     for prompt_len, max_new in requests:
-        length = prompt_len + max_new
+        rounded = 2 ** math.ceil(math.log2(max_new)) if max_new > 0 else 0
         held = {
             "on_demand": prompt_len,
-            "oracle": length,
-            "pow2": min(2 ** math.ceil(math.log2(length)), max_model_len),
+            "oracle": prompt_len + max_new,
+            "pow2": min(prompt_len + rounded, max_model_len),
             "max": max_model_len,
         }[policy]
         blocks = math.ceil(held / block_size)
+        if policy != "on_demand":
+            blocks = 2 ** math.ceil(math.log2(blocks))  # one buddy run
         if blocks > free:
             break
         free -= blocks
         count += 1
     return count
+
+
+def buddy_waits(num_blocks, events):
+    """A bitmap of who holds each block. A free run is a block-aligned stretch of 2^k free blocks
+    (``start % 2^k == 0``) that is not half of a larger one inside the pool that is free too; a request
+    of n blocks takes the first 2^k of the smallest such run with 2^k >= n (lowest start among
+    equals). Giving blocks back only clears them: the runs are read off the bitmap again, so merging
+    with buddies needs no bookkeeping."""
+    owner = [None] * num_blocks
+
+    def whole(start, size):  # blocks start .. start + size - 1 aligned, inside the pool and all free
+        inside = start % size == 0 and start + size <= num_blocks
+        return inside and all(o is None for o in owner[start : start + size])
+
+    def free_runs():  # (size, start) of every free run
+        runs, size = [], 1
+        while size <= num_blocks:
+            for start in range(0, num_blocks - size + 1, size):
+                if whole(start, size) and not whole(start - start % (2 * size), 2 * size):
+                    runs.append((size, start))
+            size *= 2
+        return runs
+
+    def take(request, n):
+        size = 2 ** math.ceil(math.log2(n))
+        fits = [run for run in free_runs() if run[0] >= size]
+        if not fits:
+            return False
+        _, start = min(fits)
+        owner[start : start + size] = [request] * size
+        return True
+
+    queue, arrivals, trace = [], 0, []
+    for kind, value in events:
+        if kind == "arrive":
+            queue.append((arrivals, value))
+            arrivals += 1
+        else:
+            owner[:] = [None if o == value else o for o in owner]  # its run, free again
+            queue = [(r, n) for r, n in queue if r != value]
+        while queue and take(*queue[0]):
+            queue.pop(0)
+        largest = max((size for size, _ in free_runs()), default=0)
+        trace.append(([r for r, _ in queue], owner.count(None), largest))
+    return trace
 
 
 def scheduler_preempt(running, waiting, allocator):
@@ -230,10 +284,11 @@ ANSWERS = {
     "L3.2": plan_step,
     "L3.3": preempt,
     "L3.4": admitted,
-    "L3.5": admit_with_watermark,
-    "L3.6": cheapest_preemption,
-    "L3.7": test_scheduler,
-    "L3.8": predict,
+    "L3.5": buddy_waits,
+    "L3.6": admit_with_watermark,
+    "L3.7": cheapest_preemption,
+    "L3.8": test_scheduler,
+    "L3.9": predict,
 }
 EXPECT = {ex: (lambda case, ex=ex: HIDDEN[ex].observe(ANSWERS[ex], case)) for ex in ANSWERS}
 
@@ -291,7 +346,8 @@ STAGE_ADAPTERS = {
     "L3.2": scheduler_plan,
     "L3.3": scheduler_preempt,
     "L3.4": scheduler_admitted,
-    "L3.5": scheduler_watermark_answer,
-    "L3.7": oracle_test,
-    "L3.8": run_predicted_steps,
+    "L3.5": scheduler_buddy_waits,
+    "L3.6": scheduler_watermark_answer,
+    "L3.8": oracle_test,
+    "L3.9": run_predicted_steps,
 }
