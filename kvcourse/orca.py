@@ -189,15 +189,11 @@ class BuddyAllocator:
         return pieces
 
     def _release(self, start: int, size: int) -> None:
-        """Put a run back, merging it with its buddy while the buddy is free, whole, and the merged
-        run lies inside the pool."""
-        while True:
-            buddy = start ^ size
-            merged = min(start, buddy)
-            if self.free_runs.get(buddy) != size or merged + 2 * size > self.num_blocks:
-                break
-            del self.free_runs[buddy]
-            start, size = merged, 2 * size
+        """Put a run back, merging it with its buddy (the run at ``start ^ size``) while the buddy is a
+        free run of the same size; both lie inside the pool, so the merged run does too."""
+        while self.free_runs.get(start ^ size) == size:
+            del self.free_runs[start ^ size]
+            start, size = min(start, start ^ size), 2 * size
         self.free_runs[start] = size
 
     def check_invariants(self, owners: Iterable[Iterable[int]] | None = None) -> None:
@@ -216,10 +212,8 @@ class BuddyAllocator:
                 covered[b] += 1
         assert all(c == 1 for c in covered), f"blocks in no run or two: {[b for b, c in enumerate(covered) if c != 1]}"
         for start, size in self.free_runs.items():
-            buddy = start ^ size
-            merged = min(start, buddy)
-            assert not (self.free_runs.get(buddy) == size and merged + 2 * size <= self.num_blocks), (
-                f"free runs {start} and {buddy} of {size} are buddies and were not merged"
+            assert self.free_runs.get(start ^ size) != size, (
+                f"free runs {start} and {start ^ size} of {size} are buddies and were not merged"
             )
         if owners is not None:
             starts = []

@@ -52,9 +52,8 @@ from kvcourse.engine_config import EngineConfig
 from kvcourse.grading.cases import Case, named_mistake, run_cases
 from kvcourse.grading.hidden import CaseTimeout, Hidden, short, unrevealed
 from kvcourse.grading.mutations import catch_cases, catch_hidden, version
-from kvcourse.orca import BuddyAllocator, next_pow2
+from kvcourse.orca import BuddyAllocator, make_allocator, next_pow2
 from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError
-from L3_block_tensor.engine import make_allocator
 from L3_block_tensor.scheduler import Scheduler
 from L3_block_tensor.sequence import Sequence, Status, allocate_slots
 from L3_block_tensor.sequence import slots as ref_slots
@@ -217,7 +216,7 @@ def scheduler_admitted(policy, requests, num_blocks, block_size, max_model_len, 
         num_blocks=num_blocks,
         block_size=block_size,
     )
-    sched = Scheduler(allocator or make_allocator(config), config)
+    sched = Scheduler(allocator or make_allocator(config, BlockAllocator, OutOfBlocksError), config)
     for i, (prompt_len, max_new) in enumerate(requests):
         sched.add(Sequence(i, [7] * prompt_len, max_new, ignore_eos=True))
     return len(sched.schedule())
@@ -904,7 +903,7 @@ def scheduler_buddy_waits(num_blocks: int, events: list, allocator=None, blocks_
         max_num_seqs=len(events) + 1,
         max_num_batched_tokens=1 << 30,  # never the limit (with no update(), each step plans every prompt again)
     )
-    allocator = allocator or make_allocator(config)
+    allocator = allocator or make_allocator(config, BlockAllocator, OutOfBlocksError)
     sched = Scheduler(allocator, config)
     arrived, trace = 0, []
     for kind, value in events:
