@@ -142,7 +142,7 @@ CALIBRATION = {  # a step: [(positions already computed, new tokens)] per sequen
         "mixed": [(16, 256, 256), (8, 1024, 512)],  # (decode rows, their context, a prompt's tokens)
         "repeats": 5,
         "max_model_len": 2048,
-        "num_blocks": 2100,  # 33,600 positions: the largest shape, 32 x 1,025 (1.5 GB of fp32 K/V)
+        "num_blocks": 2200,  # the largest shapes: 64 x 513 positions, 33 blocks each (2,112 blocks; 1.6 GB of fp32 K/V)
         "max_num_seqs": 64,
     },
     "quick": {
