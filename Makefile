@@ -131,6 +131,7 @@ bench: setup
 	$(PY) -m bench.run
 	$(PY) -m bench.kernels
 	$(PY) -m bench.serving
+	$(PY) -m bench.simulate
 
 # Every stage on a CUDA GPU, with the kernel cases, ending with one line per stage (kvcourse/tools/gpu_check.py).
 # Refuses with one error line where there is no CUDA device. Also runs as python -m kvcourse.tools.gpu_check.

@@ -1,16 +1,31 @@
-"""The request stream and the serving metrics (issue 35): arrivals, synthetic length mixes, traces,
-and TTFT / TPOT / end-to-end / normalized latency computed on a hand-made timeline; ``serve`` on a
-tiny checkpoint with a fake clock, its outputs equal to the engine's own ``generate``."""
+"""The request stream and the serving metrics (issues 35, 44): arrivals, synthetic length mixes, traces,
+TTFT / TPOT / end-to-end / normalized latency computed on a hand-made timeline, the memory breakdown
+(the paper's Fig. 2) on hand-worked steps and a hand-built allocator state; ``serve`` on a tiny
+checkpoint with a fake clock, under every admission policy at a pool that makes requests wait, its
+outputs equal to HF greedy's."""
 
 from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from kvcourse.harness.serving import Timeline, percentile, request_metrics, serve, summary
+from kvcourse.engine_config import ADMISSION_POLICIES, EngineConfig
+from kvcourse.harness.reference import hf_greedy
+from kvcourse.harness.serving import (
+    Timeline,
+    memory_breakdown,
+    memory_now,
+    percentile,
+    request_metrics,
+    serve,
+    summary,
+)
 from kvcourse.harness.stream import MIXES, Request, at_rate, poisson_arrivals, read_trace, synthetic_stream
+from kvcourse.orca import BuddyAllocator
+from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError
 from L3_block_tensor.engine import Engine as L3Engine
 
 
@@ -66,8 +81,8 @@ def test_latency_metrics_on_a_hand_made_timeline():
     1.3 / 5 = 0.26; B's TTFT 1.0, no TPOT, end-to-end 1.0, normalized 1.0."""
     t = Timeline([0.0, 1.0], [0.5, 2.0], [1.3, 2.0], [[1] * 5, [2]], preemptions=1, end=2.0)
     t.steps = [
-        {"t": 0.5, "held": 32, "live": 8, "pool": 64},
-        {"t": 1.0, "held": 16, "live": 8, "pool": 64},
+        {"t": 0.5, "dt": 0.5, "held": 32, "tables": 32, "fill": 12, "live": 8, "external": 0, "pool": 64, "waiting": 0},
+        {"t": 1.0, "dt": 0.5, "held": 16, "tables": 16, "fill": 12, "live": 8, "external": 0, "pool": 64, "waiting": 0},
     ]
     a, b = request_metrics(t)
     assert a == pytest.approx({"ttft": 0.5, "tpot": 0.2, "e2e": 1.3, "normalized": 0.26, "output_tokens": 5})
@@ -78,6 +93,58 @@ def test_latency_metrics_on_a_hand_made_timeline():
     assert s["tpot_p50"] == pytest.approx(0.2) and s["ttft_p50"] == pytest.approx(0.75)
     assert s["kv_utilization"] == pytest.approx(16 / 48) and s["kv_pool_share"] == pytest.approx(16 / 128)
     assert s["preemptions"] == 1
+    assert s["memory_breakdown"] is None  # nobody ever waited
+
+
+def step(dt, live, fill, held, external, waiting, tables=None, pool=100):
+    return {"t": 0.0, "dt": dt, "live": live, "fill": fill, "tables": held if tables is None else tables,
+            "held": held, "external": external, "pool": pool, "waiting": waiting}  # fmt: skip
+
+
+def test_memory_breakdown_on_hand_worked_steps():
+    """A pool of 100 positions; steps after which someone waits, of 1 s and 3 s, and one of 5 s after
+    which nobody does (left out). By hand, over 1 x 100 + 3 x 100 = 400 position-seconds:
+    token states (20 + 120) / 400 = 0.35; reservation (10 + 30) / 400 = 0.1; internal (30 + 90) / 400
+    = 0.3, of which buddy rounding (held - tables: 10 x 1 + 0 x 3) / 400 = 0.025; external (0 + 60) / 400
+    = 0.15; other free (40 + 0) / 400 = 0.1."""
+    steps = [step(1, 20, 30, 60, 0, 1, tables=50), step(5, 90, 95, 100, 0, 0), step(3, 40, 50, 80, 20, 2)]
+    b = memory_breakdown(steps)
+    assert b == pytest.approx({"token_states": 0.35, "reservation": 0.1, "internal_fragmentation": 0.3,
+                               "external_fragmentation": 0.15, "other_free": 0.1,
+                               "internal_of_which_buddy_rounding": 0.025, "steps": 2, "seconds": 4})  # fmt: skip
+    assert memory_breakdown(steps[1:2]) is None
+
+
+def waiting_behind_two_runs(admission_policy: str, max_num_seqs: int = 4):
+    """8 blocks of 16, four runs of 2 handed out (0-1, 2-3, 4-5, 6-7), the first and the third given
+    back: 4 blocks free, in two runs of 2 that are not buddies. Running: X (prompt 10, 15 new, 12
+    computed) in 2-3 and Y (prompt 20, 5 new, 24 computed) in 6-7; waiting: Z, prompt 30 and 20 new
+    (50 positions: 4 blocks, a run of 4 under Oracle)."""
+    config = EngineConfig(max_model_len=128, num_blocks=8, admission_policy=admission_policy,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=128)  # fmt: skip
+    allocator = BuddyAllocator(8, 16, OutOfBlocksError)
+    runs = [allocator.alloc_blocks(2) for _ in range(4)]
+    allocator.free(runs[0])
+    allocator.free(runs[2])
+    seq = SimpleNamespace
+    running = [seq(prompt_ids=[1] * 10, max_new_tokens=15, num_computed_tokens=12, block_table=runs[1]),
+               seq(prompt_ids=[1] * 20, max_new_tokens=5, num_computed_tokens=24, block_table=runs[3])]  # fmt: skip
+    waiting = [seq(prompt_ids=[1] * 30, max_new_tokens=20, num_computed_tokens=0, block_table=[])]
+    return SimpleNamespace(allocator=allocator, config=config,
+                           scheduler=SimpleNamespace(running=running, waiting=waiting))  # fmt: skip
+
+
+def test_memory_now_counts_external_fragmentation_only_when_contiguity_blocks_the_head():
+    """By hand: live 12 + 24 = 36; fill min(32, 25) + min(32, 25) = 50; tables and held 4 blocks x 16 =
+    64; pool 128; Z's run of 4 fits the 4 free blocks but not the largest free run (2), and 2 of 4
+    sequence slots are taken: external = the 4 free blocks = 64 positions."""
+    assert memory_now(waiting_behind_two_runs("oracle")) == {
+        "live": 36, "fill": 50, "tables": 64, "held": 64, "external": 64, "pool": 128, "waiting": 1}
+    assert memory_now(waiting_behind_two_runs("oracle", max_num_seqs=2))["external"] == 0  # no slot: not contiguity alone
+    paged = waiting_behind_two_runs("on_demand")
+    paged.allocator = BlockAllocator(8, 16)
+    paged.allocator.alloc_blocks(4)
+    assert memory_now(paged)["external"] == 0  # a free list has no contiguity to lack
 
 
 def test_percentile():
@@ -111,8 +178,10 @@ class FakeClock:
         self.now += s
 
 
-@pytest.mark.parametrize("policy", ["on_demand", "max"])
-def test_serve_feeds_requests_as_they_arrive_and_changes_no_token(tiny_qwen3_dir, policy):
+@pytest.mark.parametrize("policy", ADMISSION_POLICIES)
+def test_serve_under_every_policy_at_a_binding_pool_gives_hfs_tokens(tiny_qwen3_dir, policy):
+    """A pool of 16 blocks of 4 (Max's reservation of 48 is 12 blocks, one buddy run of 16): requests
+    wait (and on demand, some are preempted), and every output is still HF greedy's."""
     reqs = synthetic_stream("alpaca", 6, 2.0, 5, vocab_size=49152, max_model_len=48, scale=0.3)
     kv_bytes = 16 * 4 * 512  # 16 blocks of 4 tokens, 512 bytes a token
     engine = L3Engine(
@@ -120,13 +189,17 @@ def test_serve_feeds_requests_as_they_arrive_and_changes_no_token(tiny_qwen3_dir
     )
     clock = FakeClock()
     timeline = serve(engine, reqs, clock=clock, sleep=clock.sleep)
-    fresh = L3Engine(tiny_qwen3_dir, block_size=4, max_model_len=48)
-    want = fresh.generate([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs], ignore_eos=True)
+    want = [r.tokens for r in hf_greedy(tiny_qwen3_dir, [r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])]
     assert timeline.outputs == want
+    assert max(s["waiting"] for s in timeline.steps) > 0  # the pool binds
     assert all(f >= a for f, a in zip(timeline.first_token, timeline.arrivals, strict=True))
-    assert all(s["held"] <= s["pool"] == 64 and s["live"] <= s["held"] for s in timeline.steps)
+    assert all(s["live"] <= s["fill"] <= s["tables"] <= s["held"] <= s["pool"] == 64 for s in timeline.steps)
+    assert all(s["external"] <= s["pool"] - s["held"] for s in timeline.steps)
     rows = request_metrics(timeline)
     assert [r["output_tokens"] for r in rows] == [r.max_new_tokens for r in reqs]
+    b = summary(timeline)["memory_breakdown"]
+    assert sum(b[k] for k in ("token_states", "reservation", "internal_fragmentation", "external_fragmentation",
+                              "other_free")) == pytest.approx(1.0)  # fmt: skip
 
 
 def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir, tmp_path):

@@ -1,0 +1,184 @@
+"""Serving at the vLLM paper's scale on a simulated clock: the real scheduler and allocator, a step-cost
+model in place of the model.
+
+``SimulatedEngine(config, cost)`` builds the same books an L3 engine builds, from the same code:
+``L3_block_tensor.engine.make_allocator(config)`` (paging's free list, or the buddy allocator of the
+paper's Orca baselines, ``kvcourse.orca``) and ``L3_block_tensor.scheduler.Scheduler``. It takes
+requests through ``config.check_requests``, as the engine's ``add_request`` does, and each ``step()``
+does what the engine's does, without the forward:
+
+    batch = scheduler.schedule()          the same decisions: who runs, how many tokens, who waits
+    clock += cost.seconds(batch)          the time the step would have taken (``StepCost``)
+    scheduler.update(batch, tokens)       a token for each row that ran its last known token
+
+Every request runs with ``ignore_eos`` and the scheduler is given no eos ids, so the token's value
+changes no decision: a request finishes after exactly ``max_new_tokens``. The tokens are one id
+repeated (``update`` takes one for each row that needs one, in batch order). ``serve`` (the real-time loop
+of ``kvcourse.harness.serving``) measures it unchanged, given the engine's ``clock`` and ``sleep``, so
+``summary`` reports the same metrics as for a real engine, at thousands of requests a point in seconds.
+
+**The step-cost model** (``StepCost``): a step's seconds = base + per_token x (tokens computed in the
+step) + per_seq x (sequences in the step) + per_context x (context tokens the step's attention reads:
+each sequence's computed tokens plus its new ones). ``StepCost.fit`` finds the four coefficients,
+none negative, by least squares on the relative error over timed steps (``bench.simulate
+--calibrate`` times the real L3 engine's steps on this machine, and writes them with the fit and its
+provenance as JSON); ``StepCost.load`` reads such a profile. Example: ``StepCost(0.04, 0.002, 0.0, 1e-6)`` prices a decode step of
+32 sequences, each reading 512 positions (511 computed and its new one), at 0.04 + 32 x 0.002 +
+16,384 x 1e-6 = 0.1204 s.
+
+Left out on purpose: the forward itself (the simulator says when, not what), the spread of real step
+times around the model (a real run on a shared machine drifts), time spent between steps (scheduling
+and the serving loop, which the calibration counts inside each step), and anything a step's time
+depends on beyond these three counts (prompt lengths inside a batch, the kernel's launch shapes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvcourse.engine_config import EngineConfig
+from kvcourse.harness.serving import Timeline, serve
+from kvcourse.harness.stream import Request
+
+COEFFICIENTS = ("base", "per_token", "per_seq", "per_context")
+
+
+def step_features(batch) -> tuple[int, int, int]:
+    """(tokens computed, sequences, context tokens read) of a step's batch of (sequence, num_new), taken
+    before the step runs. Example: one sequence decoding at 100 computed positions and one running a
+    prefill chunk of 32 after 64 -> (33, 2, 101 + 96 = 197)."""
+    tokens = context = 0
+    for seq, num_new in batch:
+        tokens += num_new
+        context += seq.num_computed_tokens + num_new
+    return tokens, len(batch), context
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds a step takes: base + per_token x tokens + per_seq x sequences + per_context x context."""
+
+    base: float
+    per_token: float
+    per_seq: float
+    per_context: float
+
+    def predict(self, tokens: int, seqs: int, context: int) -> float:
+        return self.base + self.per_token * tokens + self.per_seq * seqs + self.per_context * context
+
+    def seconds(self, batch) -> float:
+        """The modelled time of one step's batch (``step_features``)."""
+        return self.predict(*step_features(batch))
+
+    @classmethod
+    def fit(cls, samples: list[dict]) -> StepCost:
+        """The coefficients, none negative, that minimise the squared relative error over timed steps
+        (each a dict of ``tokens``, ``seqs``, ``context`` and ``seconds``): a step of 40 ms and one of 2 s
+        count alike. Needs at least four samples."""
+        if len(samples) < len(COEFFICIENTS):
+            raise ValueError(f"fitting {len(COEFFICIENTS)} coefficients needs at least 4 samples, got {len(samples)}")
+        from scipy.optimize import nnls
+
+        x = np.array([[1.0, s["tokens"], s["seqs"], s["context"]] for s in samples])  # (N, 4)
+        y = np.array([s["seconds"] for s in samples])  # (N,)
+        if (y <= 0).any():
+            raise ValueError("every sample's seconds must be > 0")
+        scale = x.max(axis=0)  # columns to 1 at most: the solver sees numbers of one size
+        coef, _ = nnls(x / scale / y[:, None], np.ones_like(y))
+        return cls(*(float(c) for c in coef / scale))
+
+    def quality(self, samples: list[dict]) -> dict:
+        """How well the model predicts ``samples``: R^2 of the seconds, and the mean and largest relative
+        error |predicted - measured| / measured."""
+        y = np.array([s["seconds"] for s in samples])
+        p = np.array([self.predict(s["tokens"], s["seqs"], s["context"]) for s in samples])
+        relative = np.abs(p - y) / y
+        r2 = 1 - ((p - y) ** 2).sum() / ((y - y.mean()) ** 2).sum() if len(y) > 1 else None
+        return {"r2": float(r2) if r2 is not None else None, "mean_relative_error": float(relative.mean()),
+                "max_relative_error": float(relative.max())}  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCost:
+        """A profile's coefficients, from the JSON ``bench.simulate`` wrote (``bench/results/step-cost-cpu.json``,
+        ``step-cost-gpu.json``: its ``coefficients``, in seconds)."""
+        coefficients = json.loads(Path(path).read_text(encoding="utf-8"))["coefficients"]
+        return cls(**{name: float(coefficients[name]) for name in COEFFICIENTS})
+
+
+@dataclass(frozen=True)
+class SimulatedStats:
+    """What ``serve`` and a report read of a run: the counters an engine's ``stats()`` has."""
+
+    steps: int
+    tokens_run: int
+    preemptions: int
+
+
+class SimulatedEngine:
+    """The L3 engine's scheduler and allocator, stepped on a simulated clock (the module docstring).
+
+    Example: ``engine = SimulatedEngine(EngineConfig(max_model_len=64, num_blocks=8, max_num_batched_tokens=64,
+    vocab_size=100), StepCost(0.01, 0.001, 0, 0))``; ``engine.add_request([5] * 10, 3)``; the first ``step()`` runs the
+    10-token prompt (0.01 + 10 x 0.001 = 0.02 s) and the next two decode one token each (0.011 s):
+    ``engine.now`` is 0.042 after them and the request has finished.
+    """
+
+    TOKEN = 0  # every generated token: with ignore_eos and no eos ids its value decides nothing
+
+    def __init__(self, config: EngineConfig, cost: StepCost):
+        from L3_block_tensor.engine import make_allocator  # a harness may import a stage; only when used
+        from L3_block_tensor.scheduler import Scheduler
+        from L3_block_tensor.sequence import Sequence
+
+        missing = [name for name in ("max_model_len", "num_blocks", "max_num_batched_tokens", "vocab_size")
+                   if not getattr(config, name)]  # fmt: skip
+        if missing:
+            raise ValueError(f"a simulated engine needs {', '.join(missing)} in its config (an engine's build sets them)")
+        self.config, self.cost, self._sequence = config, cost, Sequence
+        self.allocator = make_allocator(config)
+        self.scheduler = Scheduler(self.allocator, config, eos_ids=())
+        self.now = 0.0  # the simulated clock, in seconds
+        self.num_steps = self.num_tokens_run = 0
+        self._ids = itertools.count()
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+    def add_request(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = True):
+        """Submit one request, checked as the engine's ``add_request`` checks it; returns its sequence."""
+        [max_new_tokens] = self.config.check_requests([prompt_ids], max_new_tokens, label="request")
+        seq = self._sequence(next(self._ids), list(prompt_ids), max_new_tokens, ignore_eos)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list:
+        """Schedule one step, advance the clock by its modelled time, record it. Returns the sequences
+        it finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        tokens, seqs, context = step_features(batch)
+        self.now += self.cost.predict(tokens, seqs, context)
+        self.num_steps += 1
+        self.num_tokens_run += tokens
+        return self.scheduler.update(batch, itertools.repeat(self.TOKEN))  # it takes one per row that needs one
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> SimulatedStats:
+        return SimulatedStats(self.num_steps, self.num_tokens_run, self.scheduler.num_preemptions)
+
+
+def simulate(requests: list[Request], config: EngineConfig, cost: StepCost) -> Timeline:
+    """Serve ``requests`` on a fresh simulated engine; the timeline ``serve`` records, in simulated seconds."""
+    engine = SimulatedEngine(config, cost)
+    return serve(engine, requests, clock=engine.clock, sleep=engine.sleep)
