@@ -1,31 +1,39 @@
-"""Serving at a fixed KV memory, measured as the vLLM paper measures it, at this course's scale.
+"""Serving at a fixed KV memory in real time, at this course's scale, beside the simulated clock.
 
     python -m bench.serving [--quick] [--out DIR] [--model DIR]
 
 One command (part of ``make bench``), on the CPU, SmolLM2-135M-Instruct in fp32. Every system serves
-the same request stream (``kvcourse.harness.stream``: Poisson arrivals from a seed, lengths from the
-synthetic Alpaca-like mix with the paper's means, or a quarter of them with ``--quick``) in real
-time at the same KV pool size, and every output is checked against HF greedy one request at a time (eos
+request streams (``kvcourse.harness.stream``: Poisson arrivals from a seed, lengths from the synthetic
+Alpaca-like mix with the paper's means, or a quarter of them with ``--quick``) in real time at the
+same KV pool size, and every output is checked against HF greedy one request at a time (eos
 disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie rule.
 
-- (a) KV memory holding live tokens, per admission policy: on demand, Oracle, Pow2, Max (``admission_policy=``, L3);
-- (b) mean normalized latency (end-to-end / output tokens) against request rate, per policy, at one
-  pool size; the highest rate each sustains under a latency bound stated in the JSON (twice on
-  demand's normalized latency at the lowest rate, measured in the same run), and on_demand/oracle and
-  on_demand/max;
-- (c) peers on the same stream at one rate: HF ``generate`` in static batches (collect what has
+- (a) the real engine against the simulator: L3 under the plan's admission policies (paging on
+  demand, and of the paper's Orca baselines on a buddy allocator, ``kvcourse.orca``, Oracle and Max:
+  Pow2 lies between them and is simulated only, for time) serves the plan's streams (two seeds, 64
+  Alpaca-like requests at half the paper's means) at three rates around that policy's knee **as the
+  simulator predicts it**
+  (``kvcourse.harness.simulate`` with the CPU cost profile ``bench/results/step-cost-cpu.json`` that
+  ``python -m bench.simulate --calibrate`` measured, the engine's own config, the same requests);
+  each run records the measured mean normalized latency beside the simulator's prediction for the
+  same stream, its memory breakdown (the paper's Fig. 2) and its outputs' agreement with HF; the
+  simulated curve of every policy over many rates is drawn beside the measured points. The knee is
+  where the simulated seed-mean latency crosses ``SHORT_BOUND_FACTOR`` times on demand's unloaded
+  latency, found by linear interpolation (``bench.simulate.crossing``);
+- (b) peers on one stream at one rate: HF ``generate`` in static batches (collect what has
   arrived, left-pad, run to the longest max_new_tokens; a batch only as large as the pool holds at the
   longest length, as a server reserving per request must; its tokens come back when the batch ends,
   so its TTFT is the batch's end), transformers' continuous batching (``ContinuousBatchingManager``,
   ``add_request`` + ``get_result`` with streaming, its paged cache given the pool's blocks), and
-  L4 and L5 (paged); L6 is left out: it has no ``add_request`` + ``step`` to feed in real time;
-- (d) chunked prefill's payoff: short requests decoding while long prompts arrive; the running
+  L3, L4 and L5 (paged); L6 is left out: it has no ``add_request`` + ``step`` to feed in real time;
+- (c) chunked prefill's payoff: short requests decoding while long prompts arrive; the running
   requests' inter-token gaps (p50, p99) and the long prompts' TTFT, without chunking and for a few
   chunk sizes (L3, on demand).
 
 Timing is noisy: this VM has 2 cores shared with other work; the JSON records ``os.getloadavg()``
 before and after each part. Writes ``bench/results/serving[_quick].json`` and
-``bench/plots/serving_*.png``.
+``bench/plots/serving_*.png``; ``table`` prints (a)'s, (b)'s and (c)'s tables from the JSON (``make
+numbers`` writes them into the L3 chapter).
 """
 
 from __future__ import annotations
@@ -34,34 +42,48 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bench.measure import agreement, cpu_name, package_version, provenance
+from bench.simulate import crossing
 from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
-from kvcourse.engine_config import ADMISSION_POLICIES
 from kvcourse.harness.reference import Reference
 from kvcourse.harness.serving import Timeline, request_metrics, serve, summary
+from kvcourse.harness.simulate import StepCost, simulate
 from kvcourse.harness.stream import MIXES, Request, at_rate, describe, synthetic_stream
 from kvcourse.model_store import resolve_model_dir
+from kvcourse.orca import ADMISSION_POLICIES
 from L3_block_tensor.engine import Engine as L3Engine
 from L4_paged_kernel.engine import Engine as L4Engine
 from L5_clones.engine import Engine as L5Engine
 
 ROOT = Path(__file__).resolve().parent
 BLOCK = 16
-PLANS = {  # sizes: what --quick runs, and what the full run does (under 30 minutes here)
-    "quick": {"n": 5, "scale": 0.25, "rates": [1.0, 4.0], "max_len": 128, "blocks": 24, "peer_rate": 2.0,
-              "chunks": [None, 32], "short": 3, "short_new": 32, "long": 2, "long_prompt": 256},
-    "tiny": {"n": 4, "scale": 0.1, "rates": [2.0, 8.0], "max_len": 64, "blocks": 12, "peer_rate": 2.0,
-             "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1, "long_prompt": 40},  # tests only
-    "full": {"n": 16, "scale": 1.0, "rates": [0.25, 0.5, 1.0, 2.0], "max_len": 256, "blocks": 48,
-             "peer_rate": 0.5, "chunks": [None, 32, 64, 128], "short": 4, "short_new": 96, "long": 3, "long_prompt": 768},
+PLANS = {  # sizes: what --quick runs, and what the full run does
+    "full": {"n": 64, "seeds": [35, 36], "scale": 0.5, "max_len": 128, "blocks": 24, "around": [0.7, 1.0, 1.3],
+             "policies": ["on_demand", "oracle", "max"], "peer_n": 16, "peer_rate": 1.0, "chunks": [None, 32, 64, 128], "short": 4, "short_new": 96,
+             "long": 3, "long_prompt": 768},
+    "quick": {"n": 8, "seeds": [35], "scale": 0.25, "max_len": 128, "blocks": 24, "around": [0.7, 1.3],
+              "policies": ["on_demand", "max"],
+              "peer_n": 5, "peer_rate": 2.0, "chunks": [None, 32], "short": 3, "short_new": 32, "long": 2,
+              "long_prompt": 256},
+    "tiny": {"n": 4, "seeds": [35], "scale": 0.1, "max_len": 64, "blocks": 12, "around": [1.0],
+             "policies": list(ADMISSION_POLICIES),
+             "peer_n": 4, "peer_rate": 2.0, "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1,
+             "long_prompt": 40},  # tests only
 }  # fmt: skip
 SEED = 35
+PROFILE = ROOT / "results" / "step-cost-cpu.json"  # the CPU's step costs, from bench.simulate --calibrate
+GRID = [0.02 * 1.08**k for k in range(90)]  # simulated rates, 0.02 to about 18 req/s, 8% apart
+# The knee of a short stream: its latency can grow only until its last request has arrived, so its curve
+# flattens well below bench.simulate's bound for 1,000 requests (BOUND_FACTOR x unloaded); here 4 x.
+SHORT_BOUND_FACTOR = 4
 
 
 def load() -> list[float]:
@@ -178,13 +200,35 @@ def hf_continuous(model_dir, requests: list[Request], refs, num_blocks: int) -> 
                   f"{num_blocks} pages of {BLOCK}")  # fmt: skip
 
 
-def sustained(rows: dict, bound: float) -> dict:
-    """Per policy, the highest rate of the sweep whose mean normalized latency is within ``bound``."""
-    best = {}
-    for policy, by_rate in rows.items():
-        ok = [float(r) for r, row in by_rate.items() if row["summary"]["mean_normalized_latency"] <= bound]
-        best[policy] = max(ok) if ok else None
-    return best
+def simulated(reqs: list[Request], config, cost: StepCost) -> dict:
+    """The simulator's summary of ``reqs`` served under ``config`` (no per-request rows)."""
+    return summary(simulate(reqs, config, cost))
+
+
+def knees(streams: dict[int, list[Request]], configs: dict, cost: StepCost) -> dict:
+    """Per policy, the simulated curve over ``GRID`` (seed-mean normalized latency) and its knee: the rate
+    where it crosses the bound, ``SHORT_BOUND_FACTOR`` x on demand's latency with requests alone (0.02
+    req/s apart, the grid's first rate), by linear interpolation. Runs in seconds: no model compute."""
+    unloaded = statistics.fmean(
+        simulated(at_rate(reqs, GRID[0], seed + 1), configs["on_demand"], cost)["mean_normalized_latency"]
+        for seed, reqs in streams.items()
+    )
+    bound = SHORT_BOUND_FACTOR * unloaded
+    out = {"unloaded": unloaded, "bound": bound, "bound_rule": f"{SHORT_BOUND_FACTOR} x on demand's unloaded latency",
+           "policies": {}}  # fmt: skip
+    for policy, config in configs.items():
+        rates, means = [], []
+        for rate in GRID:  # up the grid until the curve is well past the bound
+            latencies = [simulated(at_rate(reqs, rate, seed + 1), config, cost)["mean_normalized_latency"]
+                         for seed, reqs in streams.items()]  # fmt: skip
+            rates.append(rate)
+            means.append(statistics.fmean(latencies))
+            if means[-1] > 3 * bound:
+                break
+        knee = crossing(rates, means, bound)
+        # no crossing in the grid (a stream too short to queue): the runs go where the grid ended
+        out["policies"][policy] = {"rates": rates, "mean": means, "knee": knee, "center": knee or rates[-1]}
+    return out
 
 
 def chunk_stream(plan, vocab: int) -> list[Request]:
@@ -230,27 +274,48 @@ def chunked(model_dir, plan, vocab: int, refs_of) -> dict:
     return {"stream": describe(reqs), "by_chunk": rows}
 
 
+LABELS = {"on_demand": "paged (vLLM)", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)"}
+SHARES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "other_free")
+
+
 def plots(results: dict, tag: str, folder: Path) -> list[str]:
+    """``serving_policies``: per policy, the simulated latency curve and the measured runs (one marker per
+    seed) against the rate, and the measured memory breakdown at the knee; ``serving_chunked_prefill``."""
     import matplotlib.pyplot as plt
 
     out = []
-    policies = results["policies"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    for policy, by_rate in policies.items():
-        rates = sorted(by_rate, key=float)
-        ax[0].plot([float(r) for r in rates], [by_rate[r]["summary"]["mean_normalized_latency"] for r in rates],
-                   marker="o", label=policy)  # fmt: skip
-    ax[0].axhline(results["latency_bound"], color="grey", linestyle=":", label="bound")
+    sim = results["simulated"]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    for k, (policy, curve) in enumerate(sim["policies"].items()):
+        color = f"C{k}"
+        ax[0].plot(curve["rates"], curve["mean"], color=color, label=f"{LABELS[policy]}, simulated")
+        runs = results["policies"].get(policy, [])
+        if runs:
+            ax[0].scatter([r["rate"] for r in runs], [r["summary"]["mean_normalized_latency"] for r in runs],
+                          color=color, marker="o", s=22, label=f"{LABELS[policy]}, measured")  # fmt: skip
+    ax[0].axhline(sim["bound"], color="grey", linestyle=":", label="bound")
+    top = max(r["rate"] for runs in results["policies"].values() for r in runs)
+    ax[0].set_xlim(0, 1.6 * top)
+    ax[0].set_ylim(0.5 * sim["unloaded"], 4 * sim["bound"])
     ax[0].set_xlabel("request rate (req/s)")
     ax[0].set_ylabel("mean normalized latency (s/token)")
     ax[0].set_yscale("log")
-    ax[0].legend(fontsize=8)
-    rate = str(results["plan"]["rates"][-1])
-    names = list(policies)
-    ax[1].bar(names, [100 * policies[p][rate]["summary"]["kv_utilization"] for p in names])
-    ax[1].set_ylabel(f"% of held KV holding tokens (rate {rate})")
-    fig.suptitle(f"L3 at a {results['kv_cache_bytes'] / 2**20:.0f} MiB KV pool, {results['stream']['label']}",
-                 fontsize=9)  # fmt: skip
+    ax[0].legend(fontsize=6, ncol=2)
+    names = list(results["policies"])
+    bottom = [0.0] * len(names)
+    for share in SHARES:
+        values = []
+        for policy in names:
+            parts = [r["summary"]["memory_breakdown"] for r in results["policies"][policy]
+                     if r["factor"] == 1.0 and r["summary"]["memory_breakdown"]]  # fmt: skip
+            values.append(100 * statistics.fmean(p[share] for p in parts) if parts else 0.0)
+        ax[1].bar([LABELS[p] for p in names], values, bottom=bottom, label=share.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax[1].set_ylabel("% of the KV pool, while a request waits")
+    ax[1].tick_params(axis="x", labelsize=7)
+    ax[1].legend(fontsize=6)
+    fig.suptitle(f"L3 at a {results['kv_cache_bytes'] / 2**20:.1f} MiB KV pool, "
+                 f"{results['streams'][str(SEED)]['label']}, {results['plan']['n']} requests a run", fontsize=9)  # fmt: skip
     fig.tight_layout()
     path = folder / f"serving_policies{tag}.png"
     folder.mkdir(parents=True, exist_ok=True)
@@ -273,12 +338,61 @@ def plots(results: dict, tag: str, folder: Path) -> list[str]:
     return out
 
 
+def table(results: dict) -> str:
+    """The three tables of a run: (a) per policy and rate, measured against simulated latency and the
+    memory breakdown; (b) the peers; (c) chunked prefill."""
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    sim = results["simulated"]
+    lines = ["| admission policy | simulated knee (req/s) | rate (req/s) | measured (s/token, per seed) | "
+             "simulated (s/token, per seed) | simulated / measured | token states | reservation | "
+             "internal frag. | external frag. | other free | outputs = HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for policy, runs in results["policies"].items():
+        knee = sim["policies"][policy]["knee"]
+        knee = "none in the grid" if knee is None else f"{knee:.2f}"
+        for factor in sorted({r["factor"] for r in runs}):
+            rows = [r for r in runs if r["factor"] == factor]
+            measured = " / ".join(f"{r['summary']['mean_normalized_latency']:.3f}" for r in rows)
+            predicted = " / ".join(f"{r['predicted']['mean_normalized_latency']:.3f}" for r in rows)
+            errors = " / ".join(f"{r['simulated_over_measured']:.2f}" for r in rows)
+            parts = [r["summary"]["memory_breakdown"] for r in rows if r["summary"]["memory_breakdown"]]
+            shares = [pct(statistics.fmean(p[k] for p in parts)) if parts else "-" for k in SHARES]
+            match = sum(r["agreement"]["match"] for r in rows)
+            total = sum(r["summary"]["requests"] for r in rows)
+            lines.append(f"| {LABELS[policy]} | {knee} | {factor:.1f} x = {rows[0]['rate']:.2f} | {measured} | "
+                         f"{predicted} | {errors} | " + " | ".join(shares) + f" | {match}/{total} |")  # fmt: skip
+    lines += ["", "| system | mean normalized latency (s/token) | TTFT p50 (s) | TPOT p50 (s) | output tokens/s | "
+              "outputs = HF |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for peer, row in results["peers"].items():
+        if peer == "rate":
+            continue
+        s = row.get("summary")
+        if not s:
+            lines.append(f"| {peer} | {row['error']} | | | | |")
+            continue
+        tpot = "(not streamed)" if peer == "HF static batches" else f"{s['tpot_p50']:.3f}"
+        lines.append(f"| {peer} | {s['mean_normalized_latency']:.3f} | {s['ttft_p50']:.2f} | {tpot} | "
+                     f"{s['output_tokens_per_s']:.1f} | {row['agreement']['match']}/{s['requests']} |")  # fmt: skip
+    lines += ["", "| prefill | running requests' inter-token gap p50 (s) | p99 (s) | long prompts' mean TTFT (s) | "
+              "outputs = HF |", "|---|---|---|---|---|"]  # fmt: skip
+    for key, row in results["chunked_prefill"]["by_chunk"].items():
+        label = "whole prompt in one step" if key == "None" else f"chunks of {key}"
+        agree = row["agreement"]
+        lines.append(f"| {label} | {row['running_gap_p50']:.3f} | {row['running_gap_p99']:.3f} | "
+                     f"{row['long_ttft_mean']:.2f} | {agree['match']}/{agree['match'] + len(agree['hf_gaps'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run, under 3 minutes")
     parser.add_argument("--plan", choices=sorted(PLANS), help="sizes by name (tiny: the tests')")
     parser.add_argument("--out", default=str(ROOT / "results"))
     parser.add_argument("--model", default=None)
+    parser.add_argument("--profile", default=str(PROFILE), help="the step-cost profile the simulator uses")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     name = args.plan or ("quick" if args.quick else "full")
@@ -286,15 +400,22 @@ def main(argv=None) -> int:
     model_dir = resolve_model_dir(args.model)
     began = time.time()
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    base = synthetic_stream("alpaca", plan["n"], plan["rates"][0], SEED, vocab_size=vocab,
-                            max_model_len=plan["max_len"], scale=plan["scale"])  # fmt: skip
+    streams = {seed: synthetic_stream("alpaca", plan["n"], 1.0, seed, vocab_size=vocab,
+                                      max_model_len=plan["max_len"], scale=plan["scale"])
+               for seed in plan["seeds"]}  # fmt: skip
     hf = hf_batch1(model_dir)
 
     def refs_of(reqs):
         hf.run([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
         return list(hf.references)
 
-    refs = refs_of(base)
+    refs = {seed: refs_of(reqs) for seed, reqs in streams.items()}
+    cost = StepCost.load(args.profile)
+    engines = {policy: engine(L3Engine, model_dir, plan, admission_policy=policy) for policy in plan["policies"]}
+    for eng in engines.values():
+        eng.generate([r.prompt_ids for r in streams[plan["seeds"][0]][:4]], 4, ignore_eos=True)  # warm-up
+    config = engines["on_demand"].config  # each policy's: the same but for admission_policy
+    simulation = knees(streams, {p: replace(config, admission_policy=p) for p in ADMISSION_POLICIES}, cost)
     results = {
         "command": "python -m bench.serving"
         + ("" if name == "full" else f" --plan {name}" if args.plan else " --quick"),
@@ -309,41 +430,35 @@ def main(argv=None) -> int:
         "note": "2 shared cores: timings are noisy; load is os.getloadavg() (1, 5, 15 min) at each part",
         "plan": plan,
         "kv_cache_bytes": pool_bytes(model_dir, plan),
-        "stream": {"label": MIXES["alpaca"]["label"] + f", means x {plan['scale']}", **describe(base)},
-        "policies": {},
+        "cost_profile": {"file": Path(args.profile).name, **vars(cost)},
+        "streams": {str(seed): {"label": MIXES["alpaca"]["label"] + f", means x {plan['scale']}", **describe(reqs)}
+                    for seed, reqs in streams.items()},
+        "simulated": simulation,
+        "policies": {policy: [] for policy in plan["policies"]},
         "load": {"start": load()},
-    }
-    results["policies"] = {policy: {} for policy in ADMISSION_POLICIES}
-    for rate in plan["rates"]:  # rate by rate, the policies side by side: a drift falls on all alike
-        reqs = at_rate(base, rate, SEED + 1)
-        for policy in ADMISSION_POLICIES:
-            row = run_engine(engine(L3Engine, model_dir, plan, admission_policy=policy), reqs, refs)
-            row["load"] = load()
-            results["policies"][policy][str(rate)] = row
-            s = row["summary"]
-            print(f"{policy:6s} rate {rate:5.2f}: normalized {s['mean_normalized_latency']:.3f} s/token, "
-                  f"live {100 * s['kv_utilization']:.1f}% of held, {s['preemptions']} preemptions, "
-                  f"{row['agreement']['match']}/{len(reqs)} match", flush=True)  # fmt: skip
-    low = str(plan["rates"][0])
-    results["latency_bound"] = 2 * results["policies"]["on_demand"][low]["summary"]["mean_normalized_latency"]
-    best = sustained(results["policies"], results["latency_bound"])
-    results["sustained_rate"] = best
-    results["ratios"] = {
-        "on_demand/oracle": best["on_demand"] / best["oracle"]
-        if best["on_demand"] and best["oracle"]
-        else None,
-        "on_demand/max": best["on_demand"] / best["max"] if best["on_demand"] and best["max"] else None,
-        "paper": {
-            "on_demand/oracle": [1.7, 2.7],
-            "on_demand/max": [2.7, 8.0],
-            "kv_utilization_reserving": [0.204, 0.382],
-        },
-    }
-    reqs = at_rate(base, plan["peer_rate"], SEED + 1)
+    }  # fmt: skip
+    for factor in plan["around"]:  # factor by factor, the policies and seeds side by side: a drift falls on all
+        for seed, base in streams.items():
+            for policy, eng in engines.items():
+                knee = simulation["policies"][policy]["center"]
+                reqs = at_rate(base, factor * knee, seed + 1)
+                row = result(serve(eng, reqs), refs[seed], eng.stats().describe())
+                predicted = simulated(reqs, eng.config, cost)
+                row |= {"seed": seed, "factor": factor, "rate": factor * knee, "load": load(),
+                        "predicted": {k: predicted[k] for k in ("mean_normalized_latency", "memory_breakdown",
+                                                                "preemptions", "duration_s")}}  # fmt: skip
+                measured = row["summary"]["mean_normalized_latency"]
+                row["simulated_over_measured"] = predicted["mean_normalized_latency"] / measured
+                results["policies"][policy].append(row)
+                print(f"{policy:9s} seed {seed} {factor:.1f} x knee ({factor * knee:.2f} req/s): normalized "
+                      f"{measured:.3f} s/token, simulated {predicted['mean_normalized_latency']:.3f} "
+                      f"(x {row['simulated_over_measured']:.2f}), {row['summary']['preemptions']} preemptions, "
+                      f"{row['agreement']['match']}/{len(reqs)} match", flush=True)  # fmt: skip
+    reqs = at_rate(streams[SEED][: plan["peer_n"]], plan["peer_rate"], SEED + 1)  # peers: one stream, one rate
+    refs = refs[SEED][: plan["peer_n"]]
     peers = {"HF static batches": lambda: hf_static(model_dir, reqs, refs, plan["blocks"] * BLOCK)}
     peers["HF continuous batching"] = lambda: hf_continuous(model_dir, reqs, refs, plan["blocks"])
-    swept = results["policies"]["on_demand"].get(str(plan["peer_rate"]))  # the same run, if the sweep had the rate
-    peers["L3 paged"] = lambda: dict(swept) if swept else run_engine(engine(L3Engine, model_dir, plan), reqs, refs)
+    peers["L3 paged"] = lambda: run_engine(engines["on_demand"], reqs, refs)
     peers["L4 paged"] = lambda: run_engine(engine(L4Engine, model_dir, plan), reqs, refs)
     peers["L5 paged"] = lambda: run_engine(
         engine(L5Engine, model_dir, plan, enable_prefix_caching=False), reqs, refs
@@ -369,6 +484,7 @@ def main(argv=None) -> int:
     out = Path(args.out) / f"serving{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
     print(f"wrote {out} in {results['seconds']:.0f} s")
     return 0
 

@@ -204,7 +204,8 @@ def test_serve_under_every_policy_at_a_binding_pool_gives_hfs_tokens(tiny_qwen3_
 
 def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir, tmp_path):
     """``python -m bench.serving --plan tiny`` on a tiny checkpoint: every policy, peer and chunk size
-    serves the stream to the end, and every output equals HF greedy one request at a time."""
+    serves the stream to the end, every output equals HF greedy one request at a time, and every real
+    run carries the simulator's prediction for the same stream beside its measurement."""
     from bench import serving as bench_serving
 
     assert (
@@ -215,16 +216,20 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
     )
     results = json.loads((tmp_path / "results" / "serving_tiny.json").read_text())
     n = results["plan"]["n"]
-    rows = [row for by_rate in results["policies"].values() for row in by_rate.values()]
-    rows += [row for name, row in results["peers"].items() if name != "rate"]
-    assert len(rows) == 4 * 2 + 5 and all("error" not in row for row in rows), results["peers"]
+    runs = [row for by_policy in results["policies"].values() for row in by_policy]
+    rows = runs + [row for name, row in results["peers"].items() if name != "rate"]
+    assert len(runs) == 4 and len(rows) == 4 + 5 and all("error" not in row for row in rows), results["peers"]
     assert all(row["agreement"]["match"] + len(row["agreement"]["ties"]) == n for row in rows)
     assert all(not row["agreement"]["mismatches"] for row in rows)
+    for row in runs:  # measured and simulated side by side
+        measured, predicted = row["summary"]["mean_normalized_latency"], row["predicted"]["mean_normalized_latency"]
+        assert row["simulated_over_measured"] == pytest.approx(predicted / measured)
+    assert set(results["simulated"]["policies"]) == {"on_demand", "oracle", "pow2", "max"}
     chunks = results["chunked_prefill"]["by_chunk"]
     assert set(chunks) == {"None", "16"} and all(not c["agreement"]["mismatches"] for c in chunks.values())
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "serving_chunked_prefill_tiny.png",
         "serving_policies_tiny.png",
     ]
-    max_rows = results["policies"]["max"].values()
-    assert all(r["summary"]["kv_utilization"] < 1 for r in max_rows)  # Max holds blocks nobody fills
+    assert all(r["summary"]["kv_utilization"] < 1 for r in results["policies"]["max"])  # blocks nobody fills
+    assert bench_serving.table(results).count("\n| ") >= 4 + 5 + 2

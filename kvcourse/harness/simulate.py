@@ -2,7 +2,8 @@
 model in place of the model.
 
 ``SimulatedEngine(config, cost)`` builds the same books an L3 engine builds, from the same code:
-``L3_block_tensor.engine.make_allocator(config)`` (paging's free list, or the buddy allocator of the
+``kvcourse.orca.make_allocator(config, BlockAllocator, OutOfBlocksError)`` with L3's free list and
+error, as L3's engine calls it (paging's free list, or the buddy allocator of the
 paper's Orca baselines, ``kvcourse.orca``) and ``L3_block_tensor.scheduler.Scheduler``. It takes
 requests through ``config.check_requests``, as the engine's ``add_request`` does, and each ``step()``
 does what the engine's does, without the forward:
@@ -44,6 +45,7 @@ import numpy as np
 from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.serving import Timeline, serve
 from kvcourse.harness.stream import Request
+from kvcourse.orca import make_allocator
 
 COEFFICIENTS = ("base", "per_token", "per_seq", "per_context")
 
@@ -131,7 +133,7 @@ class SimulatedEngine:
     TOKEN = 0  # every generated token: with ignore_eos and no eos ids its value decides nothing
 
     def __init__(self, config: EngineConfig, cost: StepCost):
-        from L3_block_tensor.engine import make_allocator  # a harness may import a stage; only when used
+        from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError  # a harness may import a stage
         from L3_block_tensor.scheduler import Scheduler
         from L3_block_tensor.sequence import Sequence
 
@@ -140,7 +142,7 @@ class SimulatedEngine:
         if missing:
             raise ValueError(f"a simulated engine needs {', '.join(missing)} in its config (an engine's build sets them)")
         self.config, self.cost, self._sequence = config, cost, Sequence
-        self.allocator = make_allocator(config)
+        self.allocator = make_allocator(config, BlockAllocator, OutOfBlocksError)
         self.scheduler = Scheduler(self.allocator, config, eos_ids=())
         self.now = 0.0  # the simulated clock, in seconds
         self.num_steps = self.num_tokens_run = 0
