@@ -55,7 +55,7 @@ from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
 from kvcourse.harness.reference import Reference
 from kvcourse.harness.serving import Timeline, request_metrics, serve, summary
-from kvcourse.harness.simulate import StepCost, simulate
+from kvcourse.harness.simulate import StepCost, simulate, step_features
 from kvcourse.harness.stream import MIXES, Request, at_rate, describe, synthetic_stream
 from kvcourse.model_store import resolve_model_dir
 from kvcourse.orca import ADMISSION_POLICIES
@@ -73,7 +73,7 @@ PLANS = {  # sizes: what --quick runs, and what the full run does
               "policies": ["on_demand", "max"],
               "peer_n": 5, "peer_rate": 2.0, "chunks": [None, 32], "short": 3, "short_new": 32, "long": 2,
               "long_prompt": 256},
-    "tiny": {"n": 4, "seeds": [35], "scale": 0.1, "max_len": 64, "blocks": 12, "around": [1.0],
+    "tiny": {"n": 4, "seeds": [35, 36], "scale": 0.1, "max_len": 64, "blocks": 12, "around": [1.0],
              "policies": list(ADMISSION_POLICIES),
              "peer_n": 4, "peer_rate": 2.0, "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1,
              "long_prompt": 40},  # tests only
@@ -116,6 +116,47 @@ def run_engine(eng, requests: list[Request], refs) -> dict:
     eng.generate([r.prompt_ids for r in requests[:4]], 4, ignore_eos=True)  # warm-up, untimed
     timeline = serve(eng, requests)
     return result(timeline, refs, eng.stats().describe())
+
+
+def timed_serve(eng, requests: list[Request]) -> tuple[Timeline, list[dict]]:
+    """``serve`` the requests, keeping each step's shape (``step_features`` of the batch the scheduler
+    planned) beside its measured seconds: the samples ``StepCost.fit`` takes. The scheduler's
+    ``schedule`` is wrapped for the run and put back after."""
+    samples, plan = [], eng.scheduler.schedule
+
+    def schedule():
+        batch = plan()
+        samples.append(dict(zip(("tokens", "seqs", "context"), step_features(batch), strict=True)))
+        return batch
+
+    eng.scheduler.schedule = schedule
+    try:
+        timeline = serve(eng, requests)
+    finally:
+        del eng.scheduler.schedule  # the class's method again
+    for sample, step in zip(samples, timeline.steps, strict=True):
+        sample["seconds"] = step["dt"]
+    return timeline, [x for x in samples if x["seqs"]]
+
+
+def heldout(served: list[tuple], engines: dict) -> dict:
+    """The simulator again, its step costs fitted to the real runs' own steps: for each seed, a
+    ``StepCost`` fitted to the steps of the other seeds' runs (this machine, this load, this hour)
+    predicts this seed's runs; each row gets ``heldout`` beside ``predicted``. One seed alone: nothing."""
+    seeds = sorted({seed for _, seed, *_ in served})
+    fits = {}
+    for seed in seeds if len(seeds) > 1 else []:
+        train = [x for _, s, _, _, steps in served if s != seed for x in steps]
+        test = [x for _, s, _, _, steps in served if s == seed for x in steps]
+        cost = StepCost.fit(train)
+        fits[str(seed)] = {"coefficients": vars(cost), "fitted_on": len(train), "fit": cost.quality(train),
+                           "on_this_seed": cost.quality(test)}  # fmt: skip
+        for policy, s, row, reqs, _ in served:
+            if s == seed:
+                predicted = simulated(reqs, engines[policy].config, cost)["mean_normalized_latency"]
+                measured = row["summary"]["mean_normalized_latency"]
+                row["heldout"] = {"mean_normalized_latency": predicted, "simulated_over_measured": predicted / measured}
+    return fits
 
 
 def result(timeline: Timeline, refs, setup: str) -> dict:
@@ -347,9 +388,9 @@ def table(results: dict) -> str:
 
     sim = results["simulated"]
     lines = ["| admission policy | simulated knee (req/s) | rate (req/s) | measured (s/token, per seed) | "
-             "simulated (s/token, per seed) | simulated / measured | token states | reservation | "
+             "simulated (s/token, per seed) | simulated / measured | held-out fit / measured | token states | reservation | "
              "internal frag. | external frag. | other free | outputs = HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for policy, runs in results["policies"].items():
         knee = sim["policies"][policy]["knee"]
         knee = "none in the grid" if knee is None else f"{knee:.2f}"
@@ -358,12 +399,13 @@ def table(results: dict) -> str:
             measured = " / ".join(f"{r['summary']['mean_normalized_latency']:.3f}" for r in rows)
             predicted = " / ".join(f"{r['predicted']['mean_normalized_latency']:.3f}" for r in rows)
             errors = " / ".join(f"{r['simulated_over_measured']:.2f}" for r in rows)
+            held = " / ".join(f"{r['heldout']['simulated_over_measured']:.2f}" for r in rows if "heldout" in r) or "-"
             parts = [r["summary"]["memory_breakdown"] for r in rows if r["summary"]["memory_breakdown"]]
             shares = [pct(statistics.fmean(p[k] for p in parts)) if parts else "-" for k in SHARES]
             match = sum(r["agreement"]["match"] for r in rows)
             total = sum(r["summary"]["requests"] for r in rows)
             lines.append(f"| {LABELS[policy]} | {knee} | {factor:.1f} x = {rows[0]['rate']:.2f} | {measured} | "
-                         f"{predicted} | {errors} | " + " | ".join(shares) + f" | {match}/{total} |")  # fmt: skip
+                         f"{predicted} | {errors} | {held} | " + " | ".join(shares) + f" | {match}/{total} |")  # fmt: skip
     lines += ["", "| system | mean normalized latency (s/token) | TTFT p50 (s) | TPOT p50 (s) | output tokens/s | "
               "outputs = HF |", "|---|---|---|---|---|---|"]  # fmt: skip
     for peer, row in results["peers"].items():
@@ -437,12 +479,15 @@ def main(argv=None) -> int:
         "policies": {policy: [] for policy in plan["policies"]},
         "load": {"start": load()},
     }  # fmt: skip
+    served = []  # (policy, seed, its row, the requests, the step samples) of every real run
     for factor in plan["around"]:  # factor by factor, the policies and seeds side by side: a drift falls on all
         for seed, base in streams.items():
             for policy, eng in engines.items():
                 knee = simulation["policies"][policy]["center"]
                 reqs = at_rate(base, factor * knee, seed + 1)
-                row = result(serve(eng, reqs), refs[seed], eng.stats().describe())
+                timeline, steps = timed_serve(eng, reqs)
+                row = result(timeline, refs[seed], eng.stats().describe())
+                served.append((policy, seed, row, reqs, steps))
                 predicted = simulated(reqs, eng.config, cost)
                 row |= {"seed": seed, "factor": factor, "rate": factor * knee, "load": load(),
                         "predicted": {k: predicted[k] for k in ("mean_normalized_latency", "memory_breakdown",
@@ -454,6 +499,7 @@ def main(argv=None) -> int:
                       f"{measured:.3f} s/token, simulated {predicted['mean_normalized_latency']:.3f} "
                       f"(x {row['simulated_over_measured']:.2f}), {row['summary']['preemptions']} preemptions, "
                       f"{row['agreement']['match']}/{len(reqs)} match", flush=True)  # fmt: skip
+    results["heldout"] = heldout(served, engines)
     reqs = at_rate(streams[SEED][: plan["peer_n"]], plan["peer_rate"], SEED + 1)  # peers: one stream, one rate
     refs = refs[SEED][: plan["peer_n"]]
     peers = {"HF static batches": lambda: hf_static(model_dir, reqs, refs, plan["blocks"] * BLOCK)}

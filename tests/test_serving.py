@@ -218,13 +218,14 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
     n = results["plan"]["n"]
     runs = [row for by_policy in results["policies"].values() for row in by_policy]
     rows = runs + [row for name, row in results["peers"].items() if name != "rate"]
-    assert len(runs) == 4 and len(rows) == 4 + 5 and all("error" not in row for row in rows), results["peers"]
+    assert len(runs) == 4 * 2 and len(rows) == 4 * 2 + 5 and all("error" not in row for row in rows), results["peers"]
     assert all(row["agreement"]["match"] + len(row["agreement"]["ties"]) == n for row in rows)
     assert all(not row["agreement"]["mismatches"] for row in rows)
     for row in runs:  # measured and simulated side by side
         measured, predicted = row["summary"]["mean_normalized_latency"], row["predicted"]["mean_normalized_latency"]
         assert row["simulated_over_measured"] == pytest.approx(predicted / measured)
     assert set(results["simulated"]["policies"]) == {"on_demand", "oracle", "pow2", "max"}
+    assert set(results["heldout"]) == {"35", "36"} and all("heldout" in row for row in runs)  # each seed from the other
     chunks = results["chunked_prefill"]["by_chunk"]
     assert set(chunks) == {"None", "16"} and all(not c["agreement"]["mismatches"] for c in chunks.values())
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [

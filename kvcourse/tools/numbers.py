@@ -134,6 +134,26 @@ SOURCES = {
         "bench.kernels:prefill_table",
         "tests/test_bench.py::test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them",
     ),
+    "serving-policies": Source(
+        "python -m bench.serving",
+        "bench/results/serving.json",
+        "bench.serving:table",
+        "tests/test_serving.py::test_bench_serving_runs_every_system_and_checks_every_output",
+    ),
+    "serving-peers": Source(
+        "python -m bench.serving",
+        "bench/results/serving.json",
+        "bench.serving:table",
+        "tests/test_serving.py::test_bench_serving_runs_every_system_and_checks_every_output",
+        table=1,
+    ),
+    "serving-chunked": Source(
+        "python -m bench.serving",
+        "bench/results/serving.json",
+        "bench.serving:table",
+        "tests/test_serving.py::test_bench_serving_runs_every_system_and_checks_every_output",
+        table=2,
+    ),
     "bench-speeds-cuda": Source(
         "python -m bench.run --device cuda --workloads b --stages L4,L5 --peers none",
         "bench/results/bench-cuda-b.json",
