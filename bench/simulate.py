@@ -285,7 +285,8 @@ def gpu_profile(command: str) -> dict:
     profile = json.loads((results / "profile-cuda.json").read_text())
     bench_b = json.loads((results / "bench-cuda-b.json").read_text())
     layers = 30  # SmolLM2-135M's layers (the random Llama of its shape the run built)
-    [row] = [r for r in kernels["rows"] if r["system"] == "paged kernel (Triton)" and r["shape"] == "32 x 4,096 (9/3 x 64)"]
+    [row] = [r for r in kernels["rows"]
+             if r["system"] == "paged kernel (Triton)" and r["shape"] == "32 x 4,096 (9/3 x 64)"]  # fmt: skip
     per_context = row["ms"] / 1e3 * layers / (32 * 4096)
     steps = replay_b()
     graphs = profile["kernels"]["L4:graphs"]["steps"]
@@ -293,7 +294,9 @@ def gpu_profile(command: str) -> dict:
     for s in graphs:
         tokens, seqs, context, decode = steps[s["step"]]
         if not decode or seqs != s["rows"]:
-            raise RuntimeError(f"replayed step {s['step']} has {seqs} rows (decode only: {decode}), the profile {s['rows']}")
+            raise RuntimeError(
+                f"replayed step {s['step']} has {seqs} rows (decode only: {decode}), the profile {s['rows']}"
+            )
         points.append((seqs, s["wall_ms"] / 1e3 - per_context * context))
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
