@@ -6,6 +6,8 @@
     kernels      the paged kernels alone, decode and prefill, against SDPA and the copy bandwidth
                  (``triton_sequence_grid``: the Triton kernel as it was before query tiles)
     serving      a request stream served in real time at a fixed KV memory (the vLLM paper's test)
+    simulate     the same test at the paper's scale, on a simulated clock with a step-cost model fitted
+                 here (``--calibrate``) or taken from committed GPU runs (``--gpu-profile``)
     profile      where a step's time goes; ``decode_cost``, ``reference_kernel``, ``matvec``,
                  ``sharing`` and ``beam_memory``: the chapters' single-purpose tables
     l6_compile   what L6's first run compiles, its layers unrolled against scanned

@@ -29,16 +29,25 @@ allocator), with each cost profile. The setup is the paper's OPT-13B one in toke
 of 15,728 positions (983 blocks of 16), max_model_len 2048, and vLLM's scheduler defaults of the
 paper's time. Per dataset and profile:
 
-1. the unloaded latency: on demand at a rate where requests rarely overlap (``LOW_LOAD``); the
-   latency bound is ``BOUND_FACTOR`` times it (the paper states no bound; its Fig. 12 curves are flat,
-   then explode, so the rate found moves little with the factor: ``bounds`` reports 5x and 20x too);
-2. a coarse search per policy (``COARSE``: doubling the rate until the bound is passed) brackets its
-   knee; then ``FINE_RATES`` rates spaced evenly around the bracket, each with ``SEEDS`` seeds of
-   ``REQUESTS`` requests (the same requests at every rate of a seed; Poisson arrivals);
-3. the sustainable rate: where the seed-mean normalized latency first crosses the bound, by linear
+1. the unloaded latency: on demand at a rate where requests rarely overlap (``LOW_LOAD``), over
+   ``reference_requests`` requests; the latency bound is ``BOUND_FACTOR`` times it. The paper states no
+   bound (its Fig. 12 curves are flat, then explode), so ``bounds`` reports the rates at 3x and 10x
+   too. A finite stream caps the latency: when every request arrives at once, the mean normalized
+   latency is about half the time the whole stream takes over the mean output, which for 1,000
+   requests on the GPU profile is some 15-30 times the unloaded latency, so the bound must sit well
+   below that;
+2. a coarse search per policy (``coarse_search``, one seed): the rate doubles from ``COARSE_START``
+   times the unloaded one until the bound is passed, or until the stream arrives in a blink of its
+   run, where a higher rate changes nothing; its last two rates bracket the knee;
+3. ``fine_rates`` rates spaced evenly from 0.75x the bracket's lower rate to 1.25x its upper one, each
+   with every seed of ``seeds`` (``requests`` requests; a seed's requests are the same at every rate,
+   its Poisson arrivals scaled); a curve that does not cross the bound gets more rates (``extend``);
+4. the sustainable rate: where the seed-mean normalized latency first crosses the bound, by linear
    interpolation between the two rates around the crossing (also per seed: the spread); the ratios
    paged/Oracle, paged/Pow2, paged/Max; and the memory breakdown (``summary``'s ``memory_breakdown``,
    the paper's Fig. 2) at each policy's highest rate under the bound, averaged over seeds.
+
+``PLANS`` holds the sizes (``full``: 3 seeds, 1,000 requests a point, 12 rates a policy).
 
 Results: ``bench/results/simulated.json`` (``_quick`` with ``--quick``), plots
 ``bench/plots/simulated_latency.png`` and ``simulated_breakdown.png``. ``--jobs`` runs points in that
@@ -276,7 +285,8 @@ def gpu_profile(command: str) -> dict:
     profile = json.loads((results / "profile-cuda.json").read_text())
     bench_b = json.loads((results / "bench-cuda-b.json").read_text())
     layers = 30  # SmolLM2-135M's layers (the random Llama of its shape the run built)
-    [row] = [r for r in kernels["rows"] if r["system"] == "paged kernel (Triton)" and r["shape"] == "32 x 4,096 (9/3 x 64)"]
+    [row] = [r for r in kernels["rows"]
+             if r["system"] == "paged kernel (Triton)" and r["shape"] == "32 x 4,096 (9/3 x 64)"]  # fmt: skip
     per_context = row["ms"] / 1e3 * layers / (32 * 4096)
     steps = replay_b()
     graphs = profile["kernels"]["L4:graphs"]["steps"]
@@ -284,7 +294,9 @@ def gpu_profile(command: str) -> dict:
     for s in graphs:
         tokens, seqs, context, decode = steps[s["step"]]
         if not decode or seqs != s["rows"]:
-            raise RuntimeError(f"replayed step {s['step']} has {seqs} rows (decode only: {decode}), the profile {s['rows']}")
+            raise RuntimeError(
+                f"replayed step {s['step']} has {seqs} rows (decode only: {decode}), the profile {s['rows']}"
+            )
         points.append((seqs, s["wall_ms"] / 1e3 - per_context * context))
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
@@ -337,13 +349,14 @@ def gpu_profile(command: str) -> dict:
 
 DATASETS = ("sharegpt", "alpaca")
 PROFILES = ("cpu", "gpu")  # bench/results/step-cost-<name>.json
-BOUND_FACTOR = 10  # the latency bound: this many times the unloaded normalized latency
-SENSITIVITY = (5, 20)  # other factors, reported beside it
+BOUND_FACTOR = 5  # the latency bound: this many times the unloaded normalized latency
+SENSITIVITY = (3, 10)  # other factors, reported beside it
 LOW_LOAD = 0.25  # the unloaded reference's rate: a quarter of a request in flight, had each run alone
+COARSE_START = 4  # the coarse search starts at this many times that rate, below every knee seen
 PLANS = {
-    "full": {"seeds": (0, 1, 2), "requests": 1000, "coarse_requests": 200, "fine_rates": 12, "scale": 1.0,
+    "full": {"seeds": (0, 1, 2), "requests": 1000, "reference_requests": 200, "fine_rates": 12, "scale": 1.0,
              "num_blocks": PAPER["num_blocks"]},
-    "quick": {"seeds": (0, 1), "requests": 24, "coarse_requests": 12, "fine_rates": 3, "scale": 0.1,
+    "quick": {"seeds": (0, 1), "requests": 24, "reference_requests": 12, "fine_rates": 3, "scale": 0.1,
               "num_blocks": 160},  # tests: every code path on tiny streams and a small pool (Max: one run of 128)
 }  # fmt: skip
 
@@ -369,14 +382,14 @@ def run_point(profile: dict, mix: str, policy: str, rate: float, seed: int, n: i
 
 
 def coarse_search(profile: dict, mix: str, policy: str, start: float, bound: float, plan: dict) -> list[dict]:
-    """Runs at start x 2^k (k = 0, 1, ...) until the mean normalized latency passes ``bound``."""
+    """Runs at start x 2^k (k = 0, 1, ...) until the mean normalized latency passes ``bound``, or the
+    stream's arrivals span under 1% of the run (saturated: a higher rate changes nothing)."""
     rows, rate = [], start
-    for _ in range(30):
-        rows.append(run_point(profile, mix, policy, rate, 0, plan["coarse_requests"], plan))
-        if rows[-1]["mean_normalized_latency"] > bound:
-            break
+    while True:
+        rows.append(run_point(profile, mix, policy, rate, plan["seeds"][0], plan["requests"], plan))
+        if rows[-1]["mean_normalized_latency"] > bound or plan["requests"] / rate < 0.01 * rows[-1]["duration_s"]:
+            return rows
         rate *= 2
-    return rows
 
 
 def crossing(rates: list[float], latencies: list[float], bound: float) -> float | None:
@@ -431,7 +444,7 @@ def breakdown_at(rows: list[dict], c: dict, bound: float) -> dict | None:
 def unloaded_rate(profile: dict, mix: str, plan: dict) -> float:
     """``LOW_LOAD`` over the modelled end-to-end time of a request of the stream's mean lengths, alone:
     its prefill step, then a decode step per further token."""
-    d = describe(list(stream(mix, plan["seeds"][0], plan["coarse_requests"], plan["scale"])))
+    d = describe(list(stream(mix, plan["seeds"][0], plan["reference_requests"], plan["scale"])))
     prompt, output, cost = round(d["mean_prompt"]), round(d["mean_output"]), StepCost(**profile)
     alone = cost.predict(prompt, 1, prompt) + (output - 1) * cost.predict(1, 1, prompt + output // 2)
     return LOW_LOAD / alone
@@ -454,10 +467,11 @@ def experiment(plan: dict, profiles: dict[str, dict], jobs: int) -> dict:
             return list(pool.map(call, jobs_))
 
         lows = {k: unloaded_rate(profiles[k[0]], k[1], plan) for k in keys}
-        refs = each([(run_point, (profiles[p], m, "on_demand", lows[p, m], first, plan["coarse_requests"], plan))
+        refs = each([(run_point, (profiles[p], m, "on_demand", lows[p, m], first, plan["reference_requests"], plan))
                      for p, m in keys])  # fmt: skip
         bounds = {k: BOUND_FACTOR * ref["mean_normalized_latency"] for k, ref in zip(keys, refs, strict=True)}
-        coarse = dict(zip(cells, each([(coarse_search, (profiles[p], m, policy, lows[p, m], bounds[p, m], plan))
+        starts = {k: COARSE_START * low for k, low in lows.items()}
+        coarse = dict(zip(cells, each([(coarse_search, (profiles[p], m, policy, starts[p, m], bounds[p, m], plan))
                                        for p, m, policy in cells]), strict=True))  # fmt: skip
         grids = {cell: fine_grid(coarse[cell], plan["fine_rates"]) for cell in cells}
         fine: dict[tuple, list[dict]] = {cell: [] for cell in cells}
@@ -494,12 +508,13 @@ def experiment(plan: dict, profiles: dict[str, dict], jobs: int) -> dict:
 
 
 def extend(c: dict, bound: float, count: int) -> list[float]:
-    """A curve that never crosses ``bound`` gets ``count`` // 3 more rates past its end (if all under
-    the bound) or before its start (if all over), at its spacing, above 0."""
-    rates, step = c["rates"], c["rates"][1] - c["rates"][0] if len(c["rates"]) > 1 else c["rates"][0] / 2
-    more = max(2, count // 3)
+    """A curve that never crosses ``bound`` gets ``count`` // 3 more rates (at least 2): past its end at
+    its spacing if it stays under the bound, else below its start, halving.
+    Example: rates [4, 5, 6], all under, count 6 -> [4, 5, 6, 7, 8]; all over -> [4, 5, 6, 2, 1]."""
+    rates, more = c["rates"], max(2, count // 3)
     if c["mean"][0] > bound:
-        return rates + [r for r in (rates[0] - step * k for k in range(1, more + 1)) if r > 0]
+        return rates + [rates[0] / 2**k for k in range(1, more + 1)]
+    step = rates[1] - rates[0] if len(rates) > 1 else rates[0]
     return rates + [rates[-1] + step * k for k in range(1, more + 1)]
 
 
@@ -528,7 +543,9 @@ SHARES = ("token_states", "reservation", "internal_fragmentation", "external_fra
 
 def plots(results: dict, tag: str, folder: Path) -> list[str]:
     """``simulated_latency``: latency against rate per dataset x profile (seed mean, min-max band, the
-    bound); ``simulated_breakdown``: Fig. 2's bars beside the measured breakdown per profile (ShareGPT)."""
+    bound, each policy's sustainable rate dotted; both axes logarithmic: the knees lie 10x apart);
+    ``simulated_breakdown``: Fig. 2's bars beside the measured breakdown per profile (ShareGPT), the
+    buddy's power-of-two rounding hatched apart from the rest of internal fragmentation."""
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -544,6 +561,7 @@ def plots(results: dict, tag: str, folder: Path) -> list[str]:
                 if row["sustainable"]["rate"]:
                     ax.axvline(row["sustainable"]["rate"], color=COLORS[policy], linestyle=":", linewidth=1)
             ax.axhline(cell["bound"], color="grey", linestyle="--", label="bound")
+            ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(f"{MIXES[mix]['label']}, {prof} step costs", fontsize=9)
             ax.set_xlabel("request rate (req/s)")
@@ -555,25 +573,31 @@ def plots(results: dict, tag: str, folder: Path) -> list[str]:
     names = [f"simulated_latency{tag}.png", f"simulated_breakdown{tag}.png"]
     fig.savefig(folder / names[0], dpi=110)
     plt.close(fig)
-    fig, axes = plt.subplots(1, 1 + len(PROFILES), figsize=(12, 4), sharey=True)
+    fig, axes = plt.subplots(1, 1 + len(PROFILES), figsize=(12, 4.2), sharey=True)
     order = ("max", "pow2", "oracle", "on_demand")
-    panels = [("the paper, Fig. 2 (OPT-13B, section 6.2)", {p: PAPER_FIG2[p] for p in order})]
+    segments = ("token states", "reservation", "internal frag. (past the length)", "internal frag. (buddy rounding)",
+                "external frag.", "other free")  # fmt: skip
+    paper = {p: [PAPER_FIG2[p][0], PAPER_FIG2[p][1], PAPER_FIG2[p][2], None, PAPER_FIG2[p][3], None] for p in order}
+    panels = [("the paper, Fig. 2 (OPT-13B, section 6.2; red: external frag. & others)", paper)]
     for prof in PROFILES:
         bars = {}
         for p in order:
-            b = cells[f"{prof}/sharegpt"]["policies"][p]["breakdown"]
-            shares = (b or {}).get("shares") or {}
-            bars[p] = [100 * shares[k] for k in SHARES] if shares else [0] * len(SHARES)
+            b = (cells[f"{prof}/sharegpt"]["policies"][p]["breakdown"] or {}).get("shares")
+            rounding = b["internal_of_which_buddy_rounding"] if b else 0
+            bars[p] = [100 * x for x in (b["token_states"], b["reservation"], b["internal_fragmentation"] - rounding,
+                                         rounding, b["external_fragmentation"], b["other_free"])] if b else [None] * 6  # fmt: skip
         panels.append((f"simulated, ShareGPT-like, {prof} step costs", bars))
     for ax, (title, bars) in zip(axes, panels, strict=True):
         bottom = [0.0] * len(order)
-        for k, name in enumerate(("token states", "reservation", "internal frag.", "external frag.", "other free")):
-            heights = [(bars[p][k] if k < len(bars[p]) and bars[p][k] is not None else 0) for p in order]
-            ax.bar([LABELS[p] for p in order], heights, bottom=bottom, label=name)
+        for k, (name, color) in enumerate(zip(segments, ("tab:blue", "tab:orange", "tab:green", "tab:green", "tab:red",
+                                                         "tab:purple"), strict=True)):  # fmt: skip
+            heights = [bars[p][k] or 0 for p in order]
+            ax.bar([LABELS[p] for p in order], heights, bottom=bottom, label=name, color=color,
+                   hatch="//" if "buddy" in name else None, edgecolor="white")  # fmt: skip
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
-    axes[0].set_ylabel("% of KV memory (the paper: its last bar is external frag. & others)")
+    axes[0].set_ylabel("% of KV memory")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(folder / names[1], dpi=110)

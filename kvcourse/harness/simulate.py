@@ -3,8 +3,8 @@ model in place of the model.
 
 ``SimulatedEngine(config, cost)`` builds the same books an L3 engine builds, from the same code:
 ``kvcourse.orca.make_allocator(config, BlockAllocator, OutOfBlocksError)`` with L3's free list and
-error, as L3's engine calls it (paging's free list, or the buddy allocator of the
-paper's Orca baselines, ``kvcourse.orca``) and ``L3_block_tensor.scheduler.Scheduler``. It takes
+error, as L3's engine calls it (paging's free list, or the buddy allocator of the paper's Orca
+baselines), and L3's ``Scheduler``. It takes
 requests through ``config.check_requests``, as the engine's ``add_request`` does, and each ``step()``
 does what the engine's does, without the forward:
 
@@ -23,9 +23,9 @@ step) + per_seq x (sequences in the step) + per_context x (context tokens the st
 each sequence's computed tokens plus its new ones). ``StepCost.fit`` finds the four coefficients,
 none negative, by least squares on the relative error over timed steps (``bench.simulate
 --calibrate`` times the real L3 engine's steps on this machine, and writes them with the fit and its
-provenance as JSON); ``StepCost.load`` reads such a profile. Example: ``StepCost(0.04, 0.002, 0.0, 1e-6)`` prices a decode step of
-32 sequences, each reading 512 positions (511 computed and its new one), at 0.04 + 32 x 0.002 +
-16,384 x 1e-6 = 0.1204 s.
+provenance as JSON); ``StepCost.load`` reads such a profile. Example: ``StepCost(0.04, 0.002, 0.0,
+1e-6)`` prices a decode step of 32 sequences, each reading 512 positions (511 computed and its new
+one), at 0.04 + 32 x 0.002 + 16,384 x 1e-6 = 0.1204 s.
 
 Left out on purpose: the forward itself (the simulator says when, not what), the spread of real step
 times around the model (a real run on a shared machine drifts), time spent between steps (scheduling
@@ -35,6 +35,7 @@ depends on beyond these three counts (prompt lengths inside a batch, the kernel'
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -44,10 +45,12 @@ import numpy as np
 
 from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.serving import Timeline, serve
+from kvcourse.harness.stages import STAGES
 from kvcourse.harness.stream import Request
 from kvcourse.orca import make_allocator
 
 COEFFICIENTS = ("base", "per_token", "per_seq", "per_context")
+MODULES = ("allocator", "scheduler", "sequence")  # L3's: BlockAllocator and OutOfBlocksError, Scheduler, Sequence
 
 
 def step_features(batch) -> tuple[int, int, int]:
@@ -133,17 +136,18 @@ class SimulatedEngine:
     TOKEN = 0  # every generated token: with ignore_eos and no eos ids its value decides nothing
 
     def __init__(self, config: EngineConfig, cost: StepCost):
-        from L3_block_tensor.allocator import BlockAllocator, OutOfBlocksError  # a harness may import a stage
-        from L3_block_tensor.scheduler import Scheduler
-        from L3_block_tensor.sequence import Sequence
-
+        # the stage's modules, looked up by name when used, as ``kvcourse.harness.stages`` does: shared code
+        # names a stage but imports none
+        allocator, scheduler, sequence = (importlib.import_module(f"{STAGES['L3']}.{m}") for m in MODULES)
         missing = [name for name in ("max_model_len", "num_blocks", "max_num_batched_tokens", "vocab_size")
                    if not getattr(config, name)]  # fmt: skip
         if missing:
-            raise ValueError(f"a simulated engine needs {', '.join(missing)} in its config (an engine's build sets them)")
-        self.config, self.cost, self._sequence = config, cost, Sequence
-        self.allocator = make_allocator(config, BlockAllocator, OutOfBlocksError)
-        self.scheduler = Scheduler(self.allocator, config, eos_ids=())
+            raise ValueError(
+                f"a simulated engine needs {', '.join(missing)} in its config (an engine's build sets them)"
+            )
+        self.config, self.cost, self._sequence = config, cost, sequence.Sequence
+        self.allocator = make_allocator(config, allocator.BlockAllocator, allocator.OutOfBlocksError)
+        self.scheduler = scheduler.Scheduler(self.allocator, config, eos_ids=())
         self.now = 0.0  # the simulated clock, in seconds
         self.num_steps = self.num_tokens_run = 0
         self._ids = itertools.count()
