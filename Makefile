@@ -130,6 +130,7 @@ numbers: $(STAMP)
 bench: setup
 	$(PY) -m bench.run
 	$(PY) -m bench.kernels
+	$(PY) -m bench.simulate --calibrate
 	$(PY) -m bench.serving
 	$(PY) -m bench.simulate
 

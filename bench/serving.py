@@ -388,9 +388,10 @@ def table(results: dict) -> str:
 
     sim = results["simulated"]
     lines = ["| admission policy | simulated knee (req/s) | rate (req/s) | measured (s/token, per seed) | "
-             "simulated (s/token, per seed) | simulated / measured | held-out fit / measured | token states | reservation | "
+             "simulated (s/token, per seed) | simulated / measured | held-out fit / measured | run time, simulated / "
+             "measured | token states | reservation | "
              "internal frag. | external frag. | other free | outputs = HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for policy, runs in results["policies"].items():
         knee = sim["policies"][policy]["knee"]
         knee = "none in the grid" if knee is None else f"{knee:.2f}"
@@ -400,12 +401,13 @@ def table(results: dict) -> str:
             predicted = " / ".join(f"{r['predicted']['mean_normalized_latency']:.3f}" for r in rows)
             errors = " / ".join(f"{r['simulated_over_measured']:.2f}" for r in rows)
             held = " / ".join(f"{r['heldout']['simulated_over_measured']:.2f}" for r in rows if "heldout" in r) or "-"
+            span = " / ".join(f"{r['predicted']['duration_s'] / r['summary']['duration_s']:.2f}" for r in rows)
             parts = [r["summary"]["memory_breakdown"] for r in rows if r["summary"]["memory_breakdown"]]
             shares = [pct(statistics.fmean(p[k] for p in parts)) if parts else "-" for k in SHARES]
             match = sum(r["agreement"]["match"] for r in rows)
             total = sum(r["summary"]["requests"] for r in rows)
             lines.append(f"| {LABELS[policy]} | {knee} | {factor:.1f} x = {rows[0]['rate']:.2f} | {measured} | "
-                         f"{predicted} | {errors} | {held} | " + " | ".join(shares) + f" | {match}/{total} |")  # fmt: skip
+                         f"{predicted} | {errors} | {held} | {span} | " + " | ".join(shares) + f" | {match}/{total} |")  # fmt: skip
     lines += ["", "| system | mean normalized latency (s/token) | TTFT p50 (s) | TPOT p50 (s) | output tokens/s | "
               "outputs = HF |", "|---|---|---|---|---|---|"]  # fmt: skip
     for peer, row in results["peers"].items():

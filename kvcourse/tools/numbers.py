@@ -134,6 +134,19 @@ SOURCES = {
         "bench.kernels:prefill_table",
         "tests/test_bench.py::test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them",
     ),
+    "simulated-rates": Source(
+        "python -m bench.simulate",
+        "bench/results/simulated.json",
+        "bench.simulate:headline",
+        "tests/test_simulate.py::test_quick_experiment_runs_every_policy_dataset_and_profile",
+    ),
+    "simulated-breakdown": Source(
+        "python -m bench.simulate",
+        "bench/results/simulated.json",
+        "bench.simulate:headline",
+        "tests/test_simulate.py::test_quick_experiment_runs_every_policy_dataset_and_profile",
+        table=1,
+    ),
     "serving-policies": Source(
         "python -m bench.serving",
         "bench/results/serving.json",
@@ -267,9 +280,11 @@ def provenance(source: Source, results: dict) -> str:
     commit = results.get("commit")
     where = f"measured at commit {commit}" if commit else "commit not recorded"
     machine = results.get("machine") or results.get("device_name") or "machine not recorded"
-    if isinstance(machine, dict):  # make bench's: platform, processor, threads, torch (and the GPU)
+    if isinstance(machine, dict) and "processor" in machine:  # make bench's: processor, threads, torch (GPU)
         host = f"{machine['processor']}, {machine['threads']} threads, torch {machine['torch']}"
         machine = f"{machine['gpu']['name']} (host {host})" if machine.get("gpu") else host
+    elif isinstance(machine, dict):  # bench.serving's and bench.simulate's: cpu, cores (and torch)
+        machine = f"{machine['cpu']}, {machine['cores']} cores" + (f", torch {machine['torch']}" if "torch" in machine else "")
     when = results.get("when") or results.get("date")
     return f"*`{source.command}` -> `{source.results}`: {where}; {machine}" + (f"; {when}*" if when else "*")
 
