@@ -61,18 +61,16 @@ def test_held_at_admission_of_each_policy():
 # ---------------------------------------------------------------- the admission rule, with a fake model
 
 
+def scheduler(policy: str, **limits) -> Scheduler:
+    """L3's scheduler over the allocator the engine gives ``policy``: blocks of 4, max_model_len 32."""
+    config = EngineConfig(block_size=4, admission_policy=policy, max_model_len=32, **limits)
+    return Scheduler(make_allocator(config, BlockAllocator, OutOfBlocksError), config)
+
+
 def admitted_at_first_step(policy: str) -> tuple[int, list[int]]:
     """20 requests of prompt 2 + max_new_tokens 5 on 16 blocks of 4, max_model_len 32, with the
     engine's allocator for the policy: how many the first step admits, and the blocks each holds."""
-    config = EngineConfig(
-        num_blocks=16,
-        block_size=4,
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        admission_policy=policy,
-        max_model_len=32,
-    )
-    s = Scheduler(make_allocator(config, BlockAllocator, OutOfBlocksError), config)
+    s = scheduler(policy, num_blocks=16, max_num_seqs=32, max_num_batched_tokens=256)
     for i in range(20):
         s.add(Sequence(i, [7] * 2, 5, ignore_eos=True))
     batch = s.schedule()
@@ -96,15 +94,7 @@ def test_each_policy_admits_what_its_reservation_allows(policy, count, blocks):
 def test_reserving_policies_never_preempt_and_drain_clean(policy):
     """Stepped to the end with a fake model: the books balance after every step (a running sequence
     holds its reservation), blocks in use never pass the pool, and only on_demand ever preempts."""
-    config = EngineConfig(
-        num_blocks=12,
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        admission_policy=policy,
-        max_model_len=32,
-    )
-    s = Scheduler(make_allocator(config, BlockAllocator, OutOfBlocksError), config)
+    s = scheduler(policy, num_blocks=12, max_num_seqs=8, max_num_batched_tokens=64)
     for i, (p, b) in enumerate(zip(PROMPTS, MAX_NEW, strict=True)):
         s.add(Sequence(i, list(p), b, ignore_eos=True))
     while s.has_unfinished():
