@@ -149,7 +149,7 @@ def heldout(served: list[tuple], engines: dict) -> dict:
         train = [x for _, s, _, _, steps in served if s != seed for x in steps]
         test = [x for _, s, _, _, steps in served if s == seed for x in steps]
         cost = StepCost.fit(train)
-        fits[str(seed)] = {"coefficients": vars(cost), "fitted_on": len(train), "fit": cost.quality(train),
+        fits[str(seed)] = {"coefficients": cost.as_json(), "fitted_on": len(train), "fit": cost.quality(train),
                            "on_this_seed": cost.quality(test)}  # fmt: skip
         for policy, s, row, reqs, _ in served:
             if s == seed:
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
         "note": "2 shared cores: timings are noisy; load is os.getloadavg() (1, 5, 15 min) at each part",
         "plan": plan,
         "kv_cache_bytes": pool_bytes(model_dir, plan),
-        "cost_profile": {"file": Path(args.profile).name, **vars(cost)},
+        "cost_profile": {"file": Path(args.profile).name, **cost.as_json()},
         "streams": {str(seed): {"label": MIXES["alpaca"]["label"] + f", means x {plan['scale']}", **describe(reqs)}
                     for seed, reqs in streams.items()},
         "simulated": simulation,

@@ -6,15 +6,17 @@
 
 **--calibrate** times real steps of the L3 engine on this machine's CPU (the course model,
 SmolLM2-135M-Instruct in fp32) over a design of steps (``CALIBRATION``): decode batches of 1 to 64
-sequences at contexts of 16 to 1,024 positions, prefills of one prompt of 16 to 1,024 tokens, prompt
+sequences at contexts of 16 to 1,024 positions, prefills of one prompt of 2 to 1,024 tokens, prompt
 chunks after earlier positions, several prompts in one step, and steps that mix decode rows with a
 prompt. A step of a given shape is made without computing what came before it: each sequence is
 submitted with a prompt of its context's length and told its first positions are already computed
 (``num_computed_tokens``), so the step computes only its new tokens and its attention reads every
 position; the pool holds whatever an earlier step left there, and a step's time does not depend on the
 values it reads. Every shape runs once to warm up, then ``repeats`` times, the shapes interleaved (a
-drift of this shared VM falls on all alike); a sample is the median. ``StepCost.fit`` fits the
-samples; ``bench/results/step-cost-cpu.json`` keeps them, the fit, R^2 and its relative errors.
+drift of this shared VM falls on all alike); a sample is the mean of its runs (a served stream's time is
+the sum of its steps, slow ones included). ``StepCost.fit`` fits the samples (a curve over the tokens a
+step computes: this CPU's cost is not a line in them); ``bench/results/step-cost-cpu.json`` keeps them,
+the fit, R^2 and its relative errors.
 ``--quick`` runs a tiny random Llama on a few shapes (for tests) and writes only where ``--out`` says.
 
 **--gpu-profile** writes ``bench/results/step-cost-gpu.json`` from GPU measurements already committed,
@@ -145,7 +147,7 @@ def paper_config(policy: str) -> EngineConfig:
 CALIBRATION = {  # a step: [(positions already computed, new tokens)] per sequence
     "full": {
         "decode": [(b, c) for b in (1, 2, 4, 8, 16, 32, 64) for c in (16, 128, 512, 1024) if b * c <= 32_768],
-        "prefill": [(1, t, 0) for t in (16, 64, 128, 256, 512, 1024)]
+        "prefill": [(1, t, 0) for t in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)]
         + [(1, 128, 896), (1, 256, 768), (1, 512, 512), (1, 256, 256)]  # chunks after earlier positions
         + [(4, 64, 0), (16, 64, 0), (8, 128, 0), (4, 256, 0)],  # several prompts in one step
         "mixed": [(16, 256, 256), (8, 1024, 512)],  # (decode rows, their context, a prompt's tokens)
@@ -211,7 +213,7 @@ def calibrate(model_dir, plan: dict, command: str) -> dict:
         tokens = sum(new for _, new in step["rows"])
         context = sum(computed + new for computed, new in step["rows"])
         samples.append({"name": step["name"], "tokens": tokens, "seqs": len(step["rows"]), "context": context,
-                        "seconds": statistics.median(times), "runs": times})  # fmt: skip
+                        "seconds": statistics.fmean(times), "runs": times})  # fmt: skip
     cost = StepCost.fit(samples)
     quality = cost.quality(samples)
     for sample in samples:
@@ -227,11 +229,12 @@ def calibrate(model_dir, plan: dict, command: str) -> dict:
         "model": Path(model_dir).name,
         "engine": "L3_block_tensor, fp32, block_size 16, max_num_batched_tokens = max_model_len",
         "plan": {k: v for k, v in plan.items() if k not in ("decode", "prefill", "mixed")},
-        "method": "StepCost.fit: non-negative least squares (scipy nnls) on the relative error over the "
-        "samples (each the median of the step's timed runs)",
+        "method": "StepCost.fit: a curve through the powers of two of the tokens a step computes, a cost per "
+        "sequence and one per context position, by non-negative least squares (scipy nnls) on the error "
+        "relative to the model's prediction; each sample the mean of the step's timed runs",
         "fit": quality,
         "samples": samples,
-        "coefficients": vars(cost),
+        "coefficients": cost.as_json(),
     }
 
 
@@ -262,7 +265,7 @@ def replay_b() -> list[tuple[int, int, int, bool]]:
     max_len = max(sizes["b_prompt"][1] + sizes["b_new"][1], len(prompts[0]) + max_new[0])
     config = EngineConfig(max_model_len=max_len, block_size=16, num_blocks=864, max_num_seqs=32,
                           max_num_batched_tokens=max_len, vocab_size=VOCAB)  # fmt: skip
-    engine = SimulatedEngine(config, StepCost(0.0, 0.0, 0.0, 0.0))
+    engine = SimulatedEngine(config, StepCost.line(0.0, 0.0, 0.0, 0.0))
     for p, n in zip(prompts, max_new, strict=True):
         engine.add_request(p, n)
     steps, schedule = [], engine.scheduler.schedule
@@ -304,7 +307,7 @@ def gpu_profile(command: str) -> dict:
     base = my - per_row * mx
     ceilings = bench_b["ceilings"]
     per_token = 2 * ceilings["parameters"] / (ceilings["matmul_GFLOPs"] * 1e9)
-    cost = StepCost(base=base, per_token=per_token, per_seq=max(0.0, per_row - per_token), per_context=per_context)
+    cost = StepCost.line(base, per_token, max(0.0, per_row - per_token), per_context)
     predicted = sum(cost.predict(t, s, c) for t, s, c, _ in steps)
     measured = {name: bench_b["systems"][name]["b"]["seconds"] for name in ("L4 + decode graphs", "L4")}
     return {
@@ -340,7 +343,7 @@ def gpu_profile(command: str) -> dict:
         ],
         "check": {"predicted_b_seconds": predicted, "measured_b_seconds": measured,
                   "note": "the profile over (b)'s replayed steps against (b)'s measured medians"},  # fmt: skip
-        "coefficients": vars(cost),
+        "coefficients": cost.as_json(),
     }
 
 
@@ -375,7 +378,7 @@ def run_point(profile: dict, mix: str, policy: str, rate: float, seed: int, n: i
     if plan["num_blocks"] != config.num_blocks:
         config = EngineConfig(**{**vars(config), "num_blocks": plan["num_blocks"]})
     requests = at_rate(list(stream(mix, seed, n, plan["scale"])), rate, seed)
-    s = summary(simulate(requests, config, StepCost(**profile)))
+    s = summary(simulate(requests, config, StepCost.from_json(profile)))
     keep = ("mean_normalized_latency", "ttft_p50", "tpot_p50", "output_tokens_per_s", "preemptions", "steps",
             "kv_utilization", "memory_breakdown", "duration_s")  # fmt: skip
     return {"rate": rate, "seed": seed, **{k: s[k] for k in keep}}
@@ -445,7 +448,7 @@ def unloaded_rate(profile: dict, mix: str, plan: dict) -> float:
     """``LOW_LOAD`` over the modelled end-to-end time of a request of the stream's mean lengths, alone:
     its prefill step, then a decode step per further token."""
     d = describe(list(stream(mix, plan["seeds"][0], plan["reference_requests"], plan["scale"])))
-    prompt, output, cost = round(d["mean_prompt"]), round(d["mean_output"]), StepCost(**profile)
+    prompt, output, cost = round(d["mean_prompt"]), round(d["mean_output"]), StepCost.from_json(profile)
     alone = cost.predict(prompt, 1, prompt) + (output - 1) * cost.predict(1, 1, prompt + output // 2)
     return LOW_LOAD / alone
 
@@ -693,7 +696,7 @@ def main(argv=None) -> int:
         print(f"error: no step-cost profile {', '.join(missing)}: write it with python -m bench.simulate "
               "--calibrate (cpu) or --gpu-profile (gpu)", file=sys.stderr)  # fmt: skip
         return 2
-    profiles = {p: vars(StepCost.load(path)) for p, path in paths.items()}
+    profiles = {p: StepCost.load(path).as_json() for p, path in paths.items()}
     cells = experiment(plan, profiles, args.jobs)
     tag = "_quick" if args.quick else ""
     results = {

@@ -5,7 +5,8 @@
   (request, tokens) pairs; under paging at a pool that preempts, and under each Orca policy at a pool
   that makes requests wait; their latencies then agree exactly;
 - a simulated run is a function of its seed;
-- ``StepCost.fit`` recovers the coefficients that made synthetic samples;
+- ``StepCost.fit`` recovers the cost that made synthetic samples (a line, and a curve), and its total
+  is not low on noisy ones;
 - ``bench.simulate``: the GPU profile is what its command writes from the committed GPU runs (whose
   (b) schedule the simulator replays step for step), a quick calibration and a quick experiment run
   end to end.
@@ -20,12 +21,12 @@ import pytest
 
 from kvcourse.engine_config import ADMISSION_POLICIES, EngineConfig
 from kvcourse.harness.serving import serve, summary
-from kvcourse.harness.simulate import SimulatedEngine, StepCost, simulate, step_features
+from kvcourse.harness.simulate import SimulatedEngine, StepCost, hats, powers_of_two, simulate, step_features
 from kvcourse.harness.stream import at_rate, synthetic_stream
 from kvcourse.model_store import REPO_ROOT
 from L3_block_tensor.engine import Engine as L3Engine
 
-COST = StepCost(base=0.01, per_token=0.002, per_seq=0.0005, per_context=1e-5)
+COST = StepCost.line(base=0.01, per_token=0.002, per_seq=0.0005, per_context=1e-5)
 
 
 class StepClock:
@@ -111,26 +112,55 @@ def test_step_features_and_the_modelled_time_of_a_batch():
     assert COST.seconds([(a, 1), (b, 32)]) == pytest.approx(0.07897)
 
 
-def test_step_cost_fit_recovers_known_coefficients():
-    rng = random.Random(0)
+def test_the_token_curve_reads_between_and_beyond_its_points():
+    assert powers_of_two(100) == [1, 2, 4, 8, 16, 32, 64, 128] and powers_of_two(1) == [1]
+    assert hats([1, 2, 4], 3) == [0.0, 0.5, 0.5]
+    assert hats([1, 2, 4], 6) == [0.0, -1.0, 2.0]  # the last segment, one length further
+    curve = StepCost(((1, 0.06), (2, 0.08), (4, 0.12)), 0.0, 0.0)
+    assert [curve.predict(t, 1, 0) for t in (1, 2, 3, 8)] == pytest.approx([0.06, 0.08, 0.10, 0.20])
+    assert COST.predict(32, 0, 0) == pytest.approx(0.01 + 32 * 0.002)  # a line is a curve of two points
+    with pytest.raises(ValueError, match="increasing token counts"):
+        StepCost(((4, 0.1), (2, 0.2)), 0.0, 0.0)
+
+
+def synthetic_steps(cost: StepCost, n: int, rng: random.Random) -> list[dict]:
     samples = []
-    for _ in range(40):
-        tokens, seqs = rng.randint(1, 1024), rng.randint(1, 64)
-        context = rng.randint(tokens, 40_000)
-        samples.append({"tokens": tokens, "seqs": seqs, "context": context,
-                        "seconds": COST.predict(tokens, seqs, context)})  # fmt: skip
-    fitted = StepCost.fit(samples)
-    for name in ("base", "per_token", "per_seq", "per_context"):
-        assert getattr(fitted, name) == pytest.approx(getattr(COST, name), rel=1e-6)
-    quality = fitted.quality(samples)
-    assert quality["r2"] == pytest.approx(1.0) and quality["max_relative_error"] < 1e-6
-    free = StepCost(0.02, 0.001, 0.0, 0.0)  # a zero coefficient comes back zero, never negative
-    noisy = [s | {"seconds": free.predict(s["tokens"], s["seqs"], s["context"]) * rng.uniform(0.99, 1.01)}
-             for s in samples]  # fmt: skip
-    fit = StepCost.fit(noisy)
-    assert min(vars(fit).values()) >= 0 and fit.per_token == pytest.approx(0.001, rel=0.05)
-    with pytest.raises(ValueError, match="needs at least 4 samples, got 3"):
+    for _ in range(n):
+        tokens, seqs = round(2 ** rng.uniform(0, 10)), rng.randint(1, 64)  # 1 to 1,024, as many in each octave
+        samples.append({"tokens": tokens, "seqs": seqs, "context": rng.randint(tokens, 40_000)})
+        samples[-1]["seconds"] = cost.predict(tokens, seqs, samples[-1]["context"])
+    return samples
+
+
+def test_step_cost_fit_recovers_a_known_cost():
+    rng = random.Random(0)
+    curve = StepCost(tuple((t, 0.05 + 0.01 * t**0.5) for t in powers_of_two(1024)), 0.0005, 1e-5)  # not a line
+    for truth in (COST, curve):
+        samples = synthetic_steps(truth, 80, rng)
+        fitted = StepCost.fit(samples)
+        assert fitted.per_seq == pytest.approx(truth.per_seq, rel=1e-5)
+        assert fitted.per_context == pytest.approx(truth.per_context, rel=1e-5)
+        assert [t for t, _ in fitted.tokens] == powers_of_two(max(s["tokens"] for s in samples))
+        quality = fitted.quality(samples)
+        assert quality["r2"] == pytest.approx(1.0) and quality["max_relative_error"] < 1e-5
+    free = StepCost.line(0.02, 0.001, 0.0, 0.0)  # a zero coefficient comes back zero, never negative
+    fit = StepCost.fit(synthetic_steps(free, 80, rng))
+    assert fit.per_seq >= 0 and fit.per_context >= 0 and min(s for _, s in fit.tokens) >= 0
+    with pytest.raises(ValueError, match=r"fitting (\d+) coefficients needs at least \1 samples, got 3"):
         StepCost.fit(samples[:3])
+    with pytest.raises(ValueError, match="needs timed steps, got none"):
+        StepCost.fit([])
+
+
+def test_step_cost_fit_is_not_low_on_noisy_steps():
+    """Steps timed with noise (each x 0.7 to 1.3, uniformly): the fitted total is the measured one. A
+    fit on the error relative to the *measured* time (the first round alone) comes out some 6% low: it
+    favours the steps that ran fast, and a simulated run near its knee amplifies that."""
+    rng = random.Random(1)
+    clean = synthetic_steps(COST, 400, rng)
+    noisy = [s | {"seconds": s["seconds"] * rng.uniform(0.7, 1.3)} for s in clean]
+    assert StepCost.fit(noisy).quality(noisy)["total_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert StepCost.fit(noisy, rounds=1).quality(noisy)["total_ratio"] < 0.96
 
 
 def test_the_simulated_engine_refuses_what_the_engine_refuses():
@@ -163,7 +193,8 @@ def test_quick_calibration_fits_timed_steps(tmp_path):
     plan = bench_simulate.CALIBRATION["quick"]
     assert len(record["samples"]) == len(plan["decode"]) + len(plan["prefill"]) + len(plan["mixed"])
     assert all(s["seconds"] > 0 and len(s["runs"]) == plan["repeats"] for s in record["samples"])
-    assert min(record["coefficients"].values()) >= 0
+    cost = StepCost.from_json(record["coefficients"])
+    assert min(s for _, s in cost.tokens) >= 0 and cost.per_seq >= 0 and cost.per_context >= 0
 
 
 def test_quick_experiment_runs_every_policy_dataset_and_profile(tmp_path):
@@ -171,8 +202,8 @@ def test_quick_experiment_runs_every_policy_dataset_and_profile(tmp_path):
 
     profiles = tmp_path / "profiles"
     profiles.mkdir()
-    for name, cost in (("cpu", StepCost(0.04, 0.002, 0.0, 1e-7)), ("gpu", StepCost(0.003, 5e-6, 5e-5, 3e-8))):
-        (profiles / f"step-cost-{name}.json").write_text(json.dumps({"coefficients": vars(cost)}))
+    for name, cost in (("cpu", StepCost.line(0.04, 0.002, 0.0, 1e-7)), ("gpu", StepCost.line(0.003, 5e-6, 5e-5, 3e-8))):
+        (profiles / f"step-cost-{name}.json").write_text(json.dumps({"coefficients": cost.as_json()}))
     results = tmp_path / "results"
     assert bench_simulate.main(["--quick", "--jobs", "1", "--profiles", str(profiles), "--out", str(results)]) == 0
     data = json.loads((results / "simulated_quick.json").read_text())

@@ -18,14 +18,19 @@ repeated (``update`` takes one for each row that needs one, in batch order). ``s
 of ``kvcourse.harness.serving``) measures it unchanged, given the engine's ``clock`` and ``sleep``, so
 ``summary`` reports the same metrics as for a real engine, at thousands of requests a point in seconds.
 
-**The step-cost model** (``StepCost``): a step's seconds = base + per_token x (tokens computed in the
-step) + per_seq x (sequences in the step) + per_context x (context tokens the step's attention reads:
-each sequence's computed tokens plus its new ones). ``StepCost.fit`` finds the four coefficients,
-none negative, by least squares on the relative error over timed steps (``bench.simulate
---calibrate`` times the real L3 engine's steps on this machine, and writes them with the fit and its
-provenance as JSON); ``StepCost.load`` reads such a profile. Example: ``StepCost(0.04, 0.002, 0.0,
-1e-6)`` prices a decode step of 32 sequences, each reading 512 positions (511 computed and its new
-one), at 0.04 + 32 x 0.002 + 16,384 x 1e-6 = 0.1204 s.
+**The step-cost model** (``StepCost``): a step's seconds = tokens(T) + per_seq x (sequences in the
+step) + per_context x (context tokens the step's attention reads: each sequence's computed tokens plus
+its new ones), where T is the tokens computed in the step and ``tokens`` is a curve through measured
+points (token count, seconds), straight between them and along its end segments beyond them. A line
+(``StepCost.line(base, per_token, ...)``: two points) is the simplest curve; a CPU needs more, because
+its matrix library changes kernels with the row count (on the course's 2-core Intel VM, one to four
+tokens cost 62, 78 and 121 ms, and 16 to 64 cost 203, 234 and 246 ms; ``bench.simulate --calibrate``).
+``StepCost.fit`` puts the curve's points at the powers of two up to the largest T it is given, and
+finds them and the two other coefficients, none negative, by least squares on the error relative to
+the model's own prediction (a step of 40 ms and one of 2 s count alike); ``StepCost.load`` reads a
+profile ``bench.simulate`` wrote. Example: ``StepCost.line(0.04, 0.002, 0.0, 1e-6)`` prices a decode
+step of 32 sequences, each reading 512 positions (511 computed and its new one), at 0.04 + 32 x 0.002 +
+16,384 x 1e-6 = 0.1204 s.
 
 Left out on purpose: the forward itself (the simulator says when, not what), the spread of real step
 times around the model (a real run on a shared machine drifts), time spent between steps (scheduling
@@ -35,6 +40,7 @@ depends on beyond these three counts (prompt lengths inside a batch, the kernel'
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import itertools
 import json
@@ -49,7 +55,6 @@ from kvcourse.harness.stages import STAGES
 from kvcourse.harness.stream import Request
 from kvcourse.orca import make_allocator
 
-COEFFICIENTS = ("base", "per_token", "per_seq", "per_context")
 MODULES = ("allocator", "scheduler", "sequence")  # L3's: BlockAllocator and OutOfBlocksError, Scheduler, Sequence
 
 
@@ -64,55 +69,111 @@ def step_features(batch) -> tuple[int, int, int]:
     return tokens, len(batch), context
 
 
+def powers_of_two(largest: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two >= ``largest``. Example: 100 -> [1, 2, 4, 8, 16, 32, 64, 128]."""
+    points = [1]
+    while points[-1] < largest:
+        points.append(2 * points[-1])
+    return points
+
+
+def hats(points: list[int], t: float) -> list[float]:
+    """The weights that read a curve through ``points`` at ``t``: two neighbours share it linearly, and
+    beyond the ends the end segment goes on. Example: points [1, 2, 4], t 3 -> [0, 0.5, 0.5]; t 6 ->
+    [0, -1, 2] (the segment from 2 to 4, one length further)."""
+    out = [0.0] * len(points)
+    j = max(1, min(len(points) - 1, bisect.bisect_left(points, t)))  # the segment (points[j - 1], points[j])
+    share = (t - points[j - 1]) / (points[j] - points[j - 1])
+    out[j - 1], out[j] = 1.0 - share, share
+    return out
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds a step takes: base + per_token x tokens + per_seq x sequences + per_context x context."""
+    """Seconds a step takes: the ``tokens`` curve at its tokens + per_seq x sequences + per_context x
+    context (the module docstring)."""
 
-    base: float
-    per_token: float
+    tokens: tuple[tuple[int, float], ...]  # (token count, seconds) points, token counts increasing
     per_seq: float
     per_context: float
 
+    def __post_init__(self):
+        points = tuple((int(t), float(s)) for t, s in self.tokens)  # JSON gives lists
+        if len(points) < 2 or any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
+            raise ValueError(f"a token curve needs 2 or more points with increasing token counts, got {points}")
+        object.__setattr__(self, "tokens", points)
+
+    @classmethod
+    def line(cls, base: float, per_token: float, per_seq: float, per_context: float) -> StepCost:
+        """The straight curve base + per_token x T (through T = 0 and T = 1)."""
+        return cls(((0, base), (1, base + per_token)), per_seq, per_context)
+
     def predict(self, tokens: int, seqs: int, context: int) -> float:
-        return self.base + self.per_token * tokens + self.per_seq * seqs + self.per_context * context
+        weights = hats([t for t, _ in self.tokens], tokens)
+        curve = sum(w * s for w, (_, s) in zip(weights, self.tokens, strict=True))
+        return curve + self.per_seq * seqs + self.per_context * context
 
     def seconds(self, batch) -> float:
         """The modelled time of one step's batch (``step_features``)."""
         return self.predict(*step_features(batch))
 
     @classmethod
-    def fit(cls, samples: list[dict]) -> StepCost:
-        """The coefficients, none negative, that minimise the squared relative error over timed steps
-        (each a dict of ``tokens``, ``seqs``, ``context`` and ``seconds``): a step of 40 ms and one of 2 s
-        count alike. Needs at least four samples."""
-        if len(samples) < len(COEFFICIENTS):
-            raise ValueError(f"fitting {len(COEFFICIENTS)} coefficients needs at least 4 samples, got {len(samples)}")
+    def fit(cls, samples: list[dict], rounds: int = 4) -> StepCost:
+        """The curve's points (at ``powers_of_two`` of the largest sample's tokens, those some sample
+        reads) and per_seq and per_context, none negative, from timed steps (each a dict of ``tokens``,
+        ``seqs``, ``context`` and ``seconds``). Least squares on the relative error, each residual
+        divided by the model's prediction of the previous round (the first round: by the measured
+        time). Dividing by the measured time instead favours the steps that ran fast, and the fit comes
+        out low: on one real run of 473 steps at this course's scale, 13% low in total, which halved the
+        simulated latency near the knee. Needs as many samples as coefficients."""
+        if not samples:
+            raise ValueError("fitting a step cost needs timed steps, got none")
         from scipy.optimize import nnls
 
-        x = np.array([[1.0, s["tokens"], s["seqs"], s["context"]] for s in samples])  # (N, 4)
+        points = powers_of_two(max(s["tokens"] for s in samples))
+        x = np.array([hats(points, s["tokens"]) + [s["seqs"], s["context"]] for s in samples])  # (N, P + 2)
+        read = np.abs(x).sum(axis=0) > 0  # a point no sample reads has nothing to fit
+        read[-2:] = True
+        points = [p for p, keep in zip(points, read[:-2], strict=True) if keep]
+        x = x[:, read]
+        if len(samples) < x.shape[1]:
+            raise ValueError(f"fitting {x.shape[1]} coefficients needs at least {x.shape[1]} samples, "
+                             f"got {len(samples)}")  # fmt: skip
         y = np.array([s["seconds"] for s in samples])  # (N,)
         if (y <= 0).any():
             raise ValueError("every sample's seconds must be > 0")
-        scale = x.max(axis=0)  # columns to 1 at most: the solver sees numbers of one size
-        coef, _ = nnls(x / scale / y[:, None], np.ones_like(y))
-        return cls(*(float(c) for c in coef / scale))
+        scale = np.abs(x).max(axis=0)  # columns to 1 at most: the solver sees numbers of one size
+        weight = 1.0 / y
+        for _ in range(rounds):
+            coef, _ = nnls(x / scale * weight[:, None], y * weight)
+            weight = 1.0 / np.maximum(x / scale @ coef, 1e-3 * y.min())
+        coef = coef / scale
+        return cls(tuple(zip(points, (float(c) for c in coef[:-2]), strict=True)), float(coef[-2]), float(coef[-1]))
 
     def quality(self, samples: list[dict]) -> dict:
-        """How well the model predicts ``samples``: R^2 of the seconds, and the mean and largest relative
-        error |predicted - measured| / measured."""
+        """How well the model predicts ``samples``: R^2 of the seconds, the mean and largest relative
+        error |predicted - measured| / measured, and the predicted total over the measured total."""
         y = np.array([s["seconds"] for s in samples])
         p = np.array([self.predict(s["tokens"], s["seqs"], s["context"]) for s in samples])
         relative = np.abs(p - y) / y
         r2 = 1 - ((p - y) ** 2).sum() / ((y - y.mean()) ** 2).sum() if len(y) > 1 else None
         return {"r2": float(r2) if r2 is not None else None, "mean_relative_error": float(relative.mean()),
-                "max_relative_error": float(relative.max())}  # fmt: skip
+                "max_relative_error": float(relative.max()), "total_ratio": float(p.sum() / y.sum())}  # fmt: skip
+
+    def as_json(self) -> dict:
+        """The profile's ``coefficients`` as ``bench.simulate`` writes them (what ``load`` reads)."""
+        return {"tokens": [list(p) for p in self.tokens], "per_seq": self.per_seq, "per_context": self.per_context}
+
+    @classmethod
+    def from_json(cls, coefficients: dict) -> StepCost:
+        """The cost ``as_json`` wrote."""
+        return cls(coefficients["tokens"], float(coefficients["per_seq"]), float(coefficients["per_context"]))
 
     @classmethod
     def load(cls, path: str | Path) -> StepCost:
         """A profile's coefficients, from the JSON ``bench.simulate`` wrote (``bench/results/step-cost-cpu.json``,
         ``step-cost-gpu.json``: its ``coefficients``, in seconds)."""
-        coefficients = json.loads(Path(path).read_text(encoding="utf-8"))["coefficients"]
-        return cls(**{name: float(coefficients[name]) for name in COEFFICIENTS})
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8"))["coefficients"])
 
 
 @dataclass(frozen=True)
@@ -128,7 +189,7 @@ class SimulatedEngine:
     """The L3 engine's scheduler and allocator, stepped on a simulated clock (the module docstring).
 
     Example: ``engine = SimulatedEngine(EngineConfig(max_model_len=64, num_blocks=8, max_num_batched_tokens=64,
-    vocab_size=100), StepCost(0.01, 0.001, 0, 0))``; ``engine.add_request([5] * 10, 3)``; the first ``step()`` runs the
+    vocab_size=100), StepCost.line(0.01, 0.001, 0, 0))``; ``engine.add_request([5] * 10, 3)``; the first ``step()`` runs the
     10-token prompt (0.01 + 10 x 0.001 = 0.02 s) and the next two decode one token each (0.011 s):
     ``engine.now`` is 0.042 after them and the request has finished.
     """
