@@ -235,3 +235,11 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
     ]
     assert all(r["summary"]["kv_utilization"] < 1 for r in results["policies"]["max"])  # blocks nobody fills
     assert bench_serving.table(results).count("\n| ") >= 4 + 5 + 2
+
+
+def test_stolen_is_the_share_of_cpu_time_given_away():
+    from bench.serving import stolen
+
+    before, after = [0] * 10, [1500, 0, 300, 100, 0, 0, 0, 100, 0, 0]  # 2,000 ticks, 100 of them steal
+    assert stolen(before, after) == pytest.approx(0.05)
+    assert stolen(None, after) is None and stolen(before, before) == 0.0
