@@ -225,6 +225,7 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
     for row in runs:  # measured and simulated side by side
         measured, predicted = row["summary"]["mean_normalized_latency"], row["predicted"]["mean_normalized_latency"]
         assert row["simulated_over_measured"] == pytest.approx(predicted / measured)
+        assert row["in_sample"]["fit"]["total_ratio"] == pytest.approx(1.0, abs=0.1) and row["steps"]
     assert set(results["simulated"]["policies"]) == {"on_demand", "oracle", "pow2", "max"}
     assert set(results["heldout"]) == {"35", "36"} and all("heldout" in row for row in runs)  # each seed from the other
     chunks = results["chunked_prefill"]["by_chunk"]
