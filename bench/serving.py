@@ -16,7 +16,10 @@ disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie
   (``kvcourse.harness.simulate`` with the CPU cost profile ``bench/results/step-cost-cpu.json`` that
   ``python -m bench.simulate --calibrate`` measured, the engine's own config, the same requests);
   each run records the measured mean normalized latency beside the simulator's prediction for the
-  same stream, its memory breakdown (the paper's Fig. 2) and its outputs' agreement with HF; the
+  same stream (with that profile, with a ``StepCost`` fitted to the other seed's runs, ``heldout``, and
+  with one fitted to the run's own steps, ``in_sample``, which keeps the machine's drift out), its
+  steps, the share of CPU time stolen from this VM during it (``stolen``), its memory breakdown (the
+  paper's Fig. 2) and its outputs' agreement with HF; the
   simulated curve of every policy over many rates is drawn beside the measured points. The knee is
   where the simulated seed-mean latency crosses ``SHORT_BOUND_FACTOR`` times on demand's unloaded
   latency, found by linear interpolation (``bench.simulate.crossing``);
