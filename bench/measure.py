@@ -323,6 +323,25 @@ def gpu_info(device: torch.device) -> dict:
     }
 
 
+def cpu_ticks() -> list[int] | None:
+    """The CPU time counters of ``/proc/stat`` (user, nice, system, idle, iowait, irq, softirq, steal, ...),
+    in ticks; None where there is no such file (not Linux)."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def stolen(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of the CPU time between two ``cpu_ticks`` that the hypervisor gave to another machine
+    (steal): on a shared VM, the run's slowdown that no model of the engine can predict. Example: 2,000
+    ticks passed, 100 of them steal -> 0.05."""
+    if before is None or after is None or len(before) < 8:
+        return None
+    passed = [b - a for a, b in zip(before, after, strict=True)]
+    return passed[7] / sum(passed) if sum(passed) else 0.0
+
+
 def provenance() -> dict:
     """What a results file records of where it was measured, for the tables ``make numbers`` draws from
     it: the commit (``kvcourse.harness.provenance.tree_commit``: ``+dirty`` when the working tree

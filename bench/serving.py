@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from bench.measure import agreement, cpu_name, package_version, provenance
+from bench.measure import agreement, cpu_name, cpu_ticks, package_version, provenance, stolen
 from bench.simulate import crossing
 from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
@@ -91,25 +91,6 @@ SHORT_BOUND_FACTOR = 4
 
 def load() -> list[float]:
     return list(os.getloadavg())
-
-
-def cpu_ticks() -> list[int] | None:
-    """The CPU time counters of ``/proc/stat`` (user, nice, system, idle, iowait, irq, softirq, steal, ...),
-    in ticks; None where there is no such file (not Linux)."""
-    try:
-        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-
-
-def stolen(before: list[int] | None, after: list[int] | None) -> float | None:
-    """The share of the CPU time between two ``cpu_ticks`` that the hypervisor gave to another machine
-    (steal): on a shared VM, the run's slowdown that no model of the engine can predict. Example: 2,000
-    ticks passed, 100 of them steal -> 0.05."""
-    if before is None or after is None or len(before) < 8:
-        return None
-    passed = [b - a for a, b in zip(before, after, strict=True)]
-    return passed[7] / sum(passed) if sum(passed) else 0.0
 
 
 def checked(outputs: list[list[int]], refs: list[Reference]) -> dict:

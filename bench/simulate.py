@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 
 from bench import OMP_WAIT_POLICY
-from bench.measure import cpu_name, provenance, save_results
+from bench.measure import cpu_name, cpu_ticks, provenance, save_results, stolen
 from bench.workloads import FULL, mixed_workload
 from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.serving import summary
@@ -202,7 +202,7 @@ def calibrate(model_dir, plan: dict, command: str) -> dict:
                     max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"])  # fmt: skip
     steps, rng = calibration_steps(plan), random.Random(0)
     runs: list[list[float]] = [[] for _ in steps]
-    load_before = os.getloadavg()
+    load_before, ticks = os.getloadavg(), cpu_ticks()
     for round_ in range(plan["repeats"] + 1):  # the first round warms up
         for i, step in enumerate(steps):
             seconds = run_step(engine, step["rows"], rng)
@@ -226,6 +226,7 @@ def calibrate(model_dir, plan: dict, command: str) -> dict:
                     "omp_wait_policy": OMP_WAIT_POLICY},  # fmt: skip
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
+        "steal": stolen(ticks, cpu_ticks()),  # the share of CPU time the VM lost to other machines meanwhile
         "model": Path(model_dir).name,
         "engine": "L3_block_tensor, fp32, block_size 16, max_num_batched_tokens = max_model_len",
         "plan": {k: v for k, v in plan.items() if k not in ("decode", "prefill", "mixed")},

@@ -239,7 +239,7 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
 
 
 def test_stolen_is_the_share_of_cpu_time_given_away():
-    from bench.serving import stolen
+    from bench.measure import stolen
 
     before, after = [0] * 10, [1500, 0, 300, 100, 0, 0, 0, 100, 0, 0]  # 2,000 ticks, 100 of them steal
     assert stolen(before, after) == pytest.approx(0.05)

@@ -193,6 +193,7 @@ def test_quick_calibration_fits_timed_steps(tmp_path):
     plan = bench_simulate.CALIBRATION["quick"]
     assert len(record["samples"]) == len(plan["decode"]) + len(plan["prefill"]) + len(plan["mixed"])
     assert all(s["seconds"] > 0 and len(s["runs"]) == plan["repeats"] for s in record["samples"])
+    assert record["steal"] is None or 0 <= record["steal"] <= 1
     cost = StepCost.from_json(record["coefficients"])
     assert min(s for _, s in cost.tokens) >= 0 and cost.per_seq >= 0 and cost.per_context >= 0
 
