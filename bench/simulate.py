@@ -146,8 +146,9 @@ def paper_config(policy: str) -> EngineConfig:
 
 CALIBRATION = {  # a step: [(positions already computed, new tokens)] per sequence
     "full": {
-        "decode": [(b, c) for b in (1, 2, 4, 8, 16, 32, 64) for c in (16, 128, 512, 1024) if b * c <= 32_768],
-        "prefill": [(1, t, 0) for t in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)]
+        "decode": [(b, c) for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) for c in (16, 128, 512, 1024)
+                   if b * c <= 32_768],
+        "prefill": [(1, t, 0) for t in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024)]
         + [(1, 128, 896), (1, 256, 768), (1, 512, 512), (1, 256, 256)]  # chunks after earlier positions
         + [(4, 64, 0), (16, 64, 0), (8, 128, 0), (4, 256, 0)],  # several prompts in one step
         "mixed": [(16, 256, 256), (8, 1024, 512)],  # (decode rows, their context, a prompt's tokens)

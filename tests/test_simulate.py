@@ -21,7 +21,7 @@ import pytest
 
 from kvcourse.engine_config import ADMISSION_POLICIES, EngineConfig
 from kvcourse.harness.serving import serve, summary
-from kvcourse.harness.simulate import SimulatedEngine, StepCost, hats, powers_of_two, simulate, step_features
+from kvcourse.harness.simulate import SimulatedEngine, StepCost, hats, simulate, step_features, token_points
 from kvcourse.harness.stream import at_rate, synthetic_stream
 from kvcourse.model_store import REPO_ROOT
 from L3_block_tensor.engine import Engine as L3Engine
@@ -113,7 +113,8 @@ def test_step_features_and_the_modelled_time_of_a_batch():
 
 
 def test_the_token_curve_reads_between_and_beyond_its_points():
-    assert powers_of_two(100) == [1, 2, 4, 8, 16, 32, 64, 128] and powers_of_two(1) == [1]
+    assert token_points(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert token_points(1) == [1] and token_points(3) == [1, 2, 3] and token_points(5) == [1, 2, 3, 4, 6]
     assert hats([1, 2, 4], 3) == [0.0, 0.5, 0.5]
     assert hats([1, 2, 4], 6) == [0.0, -1.0, 2.0]  # the last segment, one length further
     curve = StepCost(((1, 0.06), (2, 0.08), (4, 0.12)), 0.0, 0.0)
@@ -134,13 +135,13 @@ def synthetic_steps(cost: StepCost, n: int, rng: random.Random) -> list[dict]:
 
 def test_step_cost_fit_recovers_a_known_cost():
     rng = random.Random(0)
-    curve = StepCost(tuple((t, 0.05 + 0.01 * t**0.5) for t in powers_of_two(1024)), 0.0005, 1e-5)  # not a line
+    curve = StepCost(tuple((t, 0.05 + 0.01 * t**0.5) for t in token_points(1024)), 0.0005, 1e-5)  # not a line
     for truth in (COST, curve):
         samples = synthetic_steps(truth, 80, rng)
         fitted = StepCost.fit(samples)
         assert fitted.per_seq == pytest.approx(truth.per_seq, rel=1e-5)
         assert fitted.per_context == pytest.approx(truth.per_context, rel=1e-5)
-        assert [t for t, _ in fitted.tokens] == powers_of_two(max(s["tokens"] for s in samples))
+        assert set(t for t, _ in fitted.tokens) <= set(token_points(1024))  # those the samples read
         quality = fitted.quality(samples)
         assert quality["r2"] == pytest.approx(1.0) and quality["max_relative_error"] < 1e-5
     free = StepCost.line(0.02, 0.001, 0.0, 0.0)  # a zero coefficient comes back zero, never negative

@@ -23,9 +23,10 @@ step) + per_context x (context tokens the step's attention reads: each sequence'
 its new ones), where T is the tokens computed in the step and ``tokens`` is a curve through measured
 points (token count, seconds), straight between them and along its end segments beyond them. A line
 (``StepCost.line(base, per_token, ...)``: two points) is the simplest curve; a CPU needs more, because
-its matrix library changes kernels with the row count (on the course's 2-core Intel VM, one to four
-tokens cost 62, 78 and 121 ms, and 16 to 64 cost 203, 234 and 246 ms; ``bench.simulate --calibrate``).
-``StepCost.fit`` puts the curve's points at the powers of two up to the largest T it is given, and
+its matrix library changes kernels with the row count, so the cost jumps between neighbouring counts
+(``bench/results/step-cost-cpu.json``, the course's 2-core Intel VM: 81 ms at 2 tokens, 128 at 4, 285
+at 32 and 255 at 64). ``StepCost.fit`` puts the curve's points at 1, 2, 3, 4, 6, 8, 12, 16, ...
+(``token_points``) up to the largest T it is given, and
 finds them and the two other coefficients, none negative, by least squares on the error relative to
 the model's own prediction (a step of 40 ms and one of 2 s count alike); ``StepCost.load`` reads a
 profile ``bench.simulate`` wrote. Example: ``StepCost.line(0.04, 0.002, 0.0, 1e-6)`` prices a decode
@@ -69,12 +70,15 @@ def step_features(batch) -> tuple[int, int, int]:
     return tokens, len(batch), context
 
 
-def powers_of_two(largest: int) -> list[int]:
-    """1, 2, 4, ... up to the first power of two >= ``largest``. Example: 100 -> [1, 2, 4, 8, 16, 32, 64, 128]."""
-    points = [1]
+def token_points(largest: int) -> list[int]:
+    """Where a fitted token curve may have its points: 1, 2, 3, 4, 6, 8, 12, ... (each power of two and one
+    and a half times it), up to the first at or above ``largest``. Example: 20 -> [1, 2, 3, 4, 6, 8, 12, 16,
+    24]."""
+    points, k = [1], 1
     while points[-1] < largest:
-        points.append(2 * points[-1])
-    return points
+        points += [p for p in (2**k * 3 // 4, 2**k) if p > points[-1]]
+        k += 1
+    return points[: next(i for i, p in enumerate(points) if p >= largest) + 1]
 
 
 def hats(points: list[int], t: float) -> list[float]:
@@ -119,7 +123,7 @@ class StepCost:
 
     @classmethod
     def fit(cls, samples: list[dict], rounds: int = 4) -> StepCost:
-        """The curve's points (at ``powers_of_two`` of the largest sample's tokens, those some sample
+        """The curve's points (at ``token_points`` of the largest sample's tokens, those some sample
         reads) and per_seq and per_context, none negative, from timed steps (each a dict of ``tokens``,
         ``seqs``, ``context`` and ``seconds``). Least squares on the relative error, each residual
         divided by the model's prediction of the previous round (the first round: by the measured
@@ -130,7 +134,7 @@ class StepCost:
             raise ValueError("fitting a step cost needs timed steps, got none")
         from scipy.optimize import nnls
 
-        points = powers_of_two(max(s["tokens"] for s in samples))
+        points = token_points(max(s["tokens"] for s in samples))
         x = np.array([hats(points, s["tokens"]) + [s["seqs"], s["context"]] for s in samples])  # (N, P + 2)
         read = np.abs(x).sum(axis=0) > 0  # a point no sample reads has nothing to fit
         read[-2:] = True
