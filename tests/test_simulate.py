@@ -113,7 +113,7 @@ def test_step_features_and_the_modelled_time_of_a_batch():
 
 
 def test_the_token_curve_reads_between_and_beyond_its_points():
-    assert token_points(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert token_points(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]
     assert token_points(1) == [1] and token_points(3) == [1, 2, 3] and token_points(5) == [1, 2, 3, 4, 6]
     assert hats([1, 2, 4], 3) == [0.0, 0.5, 0.5]
     assert hats([1, 2, 4], 6) == [0.0, -1.0, 2.0]  # the last segment, one length further

@@ -25,8 +25,8 @@ points (token count, seconds), straight between them and along its end segments 
 (``StepCost.line(base, per_token, ...)``: two points) is the simplest curve; a CPU needs more, because
 its matrix library changes kernels with the row count, so the cost jumps between neighbouring counts
 (``bench/results/step-cost-cpu.json``, the course's 2-core Intel VM: 81 ms at 2 tokens, 128 at 4, 285
-at 32 and 255 at 64). ``StepCost.fit`` puts the curve's points at 1, 2, 3, 4, 6, 8, 12, 16, ...
-(``token_points``) up to the largest T it is given, and
+at 32 and 255 at 64). ``StepCost.fit`` puts the curve's points at 1, 2, 3, 4, 6, 8, 12, ..., 64, then
+128, 256, ... (``token_points``) up to the largest T it is given, and
 finds them and the two other coefficients, none negative, by least squares on the error relative to
 the model's own prediction (a step of 40 ms and one of 2 s count alike); ``StepCost.load`` reads a
 profile ``bench.simulate`` wrote. Example: ``StepCost.line(0.04, 0.002, 0.0, 1e-6)`` prices a decode
@@ -71,13 +71,13 @@ def step_features(batch) -> tuple[int, int, int]:
 
 
 def token_points(largest: int) -> list[int]:
-    """Where a fitted token curve may have its points: 1, 2, 3, 4, 6, 8, 12, ... (each power of two and one
-    and a half times it), up to the first at or above ``largest``. Example: 20 -> [1, 2, 3, 4, 6, 8, 12, 16,
-    24]."""
-    points, k = [1], 1
+    """Where a fitted token curve may have its points: 1, 2, 3, 4, 6, 8, 12, ... 48, 64 (each power of two
+    and one and a half times it, where a CPU's matrix library switches kernels), then 128, 256, ... (the
+    powers of two), up to the first at or above ``largest``. Example: 20 -> [1, 2, 3, 4, 6, 8, 12, 16, 24];
+    200 -> [..., 48, 64, 128, 256]."""
+    points = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     while points[-1] < largest:
-        points += [p for p in (2**k * 3 // 4, 2**k) if p > points[-1]]
-        k += 1
+        points.append(2 * points[-1])
     return points[: next(i for i, p in enumerate(points) if p >= largest) + 1]
 
 
