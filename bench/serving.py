@@ -170,8 +170,8 @@ def in_sample(reqs: list[Request], config, steps: list[dict], measured: float) -
     one: what the model's shape and the fit's weighting cost, with the machine's drift between a
     calibration and the run taken out."""
     out = {}
-    for name, rounds in (("fit", None), ("measured_relative", 1)):
-        cost = StepCost.fit(steps) if rounds is None else StepCost.fit(steps, rounds=rounds)
+    for name, options in (("fit", {}), ("measured_relative", {"rounds": 1})):
+        cost = StepCost.fit(steps, **options)
         latency = simulated(reqs, config, cost)["mean_normalized_latency"]
         out[name] = {"total_ratio": cost.quality(steps)["total_ratio"], "simulated_over_measured": latency / measured}
     return out

@@ -231,7 +231,7 @@ def calibrate(model_dir, plan: dict, command: str) -> dict:
         "model": Path(model_dir).name,
         "engine": "L3_block_tensor, fp32, block_size 16, max_num_batched_tokens = max_model_len",
         "plan": {k: v for k, v in plan.items() if k not in ("decode", "prefill", "mixed")},
-        "method": "StepCost.fit: a curve through the powers of two of the tokens a step computes, a cost per "
+        "method": "StepCost.fit: a curve over the tokens a step computes (points at token_points), a cost per "
         "sequence and one per context position, by non-negative least squares (scipy nnls) on the error "
         "relative to the model's prediction; each sample the mean of the step's timed runs",
         "fit": quality,
