@@ -18,7 +18,8 @@ disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie
   each run records the measured mean normalized latency beside the simulator's prediction for the
   same stream (with that profile, with a ``StepCost`` fitted to the other seed's runs, ``heldout``, and
   with one fitted to the run's own steps, ``in_sample``, which keeps the machine's drift out), its
-  steps, the share of CPU time stolen from this VM during it (``stolen``), its memory breakdown (the
+  steps, the share of CPU time stolen from this VM during it (``stolen``; a run that lost more than
+  ``STEAL_LIMIT`` runs again, up to the plan's ``retries`` times, and the least-stolen try is kept), its memory breakdown (the
   paper's Fig. 2) and its outputs' agreement with HF; the
   simulated curve of every policy over many rates is drawn beside the measured points. The knee is
   where the simulated seed-mean latency crosses ``SHORT_BOUND_FACTOR`` times on demand's unloaded
@@ -71,15 +72,15 @@ BLOCK = 16
 PLANS = {  # sizes: what --quick runs, and what the full run does
     "full": {"n": 64, "seeds": [35, 36], "scale": 0.5, "max_len": 128, "blocks": 24, "around": [0.7, 1.0, 1.3],
              "policies": ["on_demand", "oracle", "max"], "peer_n": 16, "peer_rate": 1.0, "chunks": [None, 32, 64, 128], "short": 4, "short_new": 96,
-             "long": 3, "long_prompt": 768},
+             "long": 3, "long_prompt": 768, "retries": 2},
     "quick": {"n": 8, "seeds": [35], "scale": 0.25, "max_len": 128, "blocks": 24, "around": [0.7, 1.3],
               "policies": ["on_demand", "max"],
               "peer_n": 5, "peer_rate": 2.0, "chunks": [None, 32], "short": 3, "short_new": 32, "long": 2,
-              "long_prompt": 256},
+              "long_prompt": 256, "retries": 1},
     "tiny": {"n": 4, "seeds": [35, 36], "scale": 0.1, "max_len": 64, "blocks": 12, "around": [1.0],
              "policies": list(ADMISSION_POLICIES),
              "peer_n": 4, "peer_rate": 2.0, "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1,
-             "long_prompt": 40},  # tests only
+             "long_prompt": 40, "retries": 0},  # tests only
 }  # fmt: skip
 SEED = 35
 PROFILE = ROOT / "results" / "step-cost-cpu.json"  # the CPU's step costs, from bench.simulate --calibrate
@@ -87,6 +88,10 @@ GRID = [0.02 * 1.08**k for k in range(90)]  # simulated rates, 0.02 to about 18 
 # The knee of a short stream: its latency can grow only until its last request has arrived, so its curve
 # flattens well below bench.simulate's bound for 1,000 requests (BOUND_FACTOR x unloaded); here 4 x.
 SHORT_BOUND_FACTOR = 4
+# A run the hypervisor took more than STEAL_LIMIT of the CPU from measures the neighbours, not the engine:
+# it runs again, up to the plan's "retries" more times, and the least-stolen try is kept (every try's
+# steal is recorded, "tries_steal").
+STEAL_LIMIT = 0.03
 
 
 def load() -> list[float]:
@@ -140,6 +145,19 @@ def timed_serve(eng, requests: list[Request]) -> tuple[Timeline, list[dict]]:
     for sample, step in zip(samples, timeline.steps, strict=True):
         sample["seconds"] = step["dt"]
     return timeline, [x for x in samples if x["seqs"]]
+
+
+def quiet_serve(eng, requests: list[Request], retries: int) -> tuple[float, Timeline, list[dict], list[float]]:
+    """``timed_serve``, again while the hypervisor stole more than ``STEAL_LIMIT`` of the CPU time (at most
+    ``retries`` more times): the least-stolen try's (steal, timeline, steps), and every try's steal.
+    Example: tries stolen 8.5% then 0.4% -> the second, and [0.085, 0.004]."""
+    tries = []  # (steal, timeline, steps); a steal of 0 where /proc/stat is missing (not Linux)
+    while not tries or (min(t[0] for t in tries) > STEAL_LIMIT and len(tries) <= retries):
+        ticks = cpu_ticks()
+        timeline, steps = timed_serve(eng, requests)
+        tries.append((stolen(ticks, cpu_ticks()) or 0.0, timeline, steps))
+    steal, timeline, steps = min(tries, key=lambda t: t[0])
+    return steal, timeline, steps, [t[0] for t in tries]
 
 
 def heldout(served: list[tuple], engines: dict) -> dict:
@@ -420,7 +438,8 @@ def table(results: dict) -> str:
             errors = " / ".join(f"{r['simulated_over_measured']:.2f}" for r in rows)
             held = " / ".join(f"{r['heldout']['simulated_over_measured']:.2f}" for r in rows if "heldout" in r) or "-"
             span = " / ".join(f"{r['predicted']['duration_s'] / r['summary']['duration_s']:.2f}" for r in rows)
-            steal = " / ".join(pct(r.get("steal")) for r in rows)
+            steal = " / ".join(pct(r.get("steal")) + (f" ({len(r['tries_steal'])} tries)" if len(r.get("tries_steal", [])) > 1 else "")
+                               for r in rows)  # fmt: skip
             own = " / ".join(f"{r['in_sample']['fit']['simulated_over_measured']:.2f}" for r in rows if "in_sample" in r) or "-"
             parts = [r["summary"]["memory_breakdown"] for r in rows if r["summary"]["memory_breakdown"]]
             shares = [pct(statistics.fmean(p[k] for p in parts)) if parts else "-" for k in SHARES]
@@ -429,12 +448,14 @@ def table(results: dict) -> str:
             lines.append(f"| {LABELS[policy]} | {knee} | {factor:.1f} x = {rows[0]['rate']:.2f} | {measured} | "
                          f"{predicted} | {errors} | {held} | {own} | {span} | {steal} | " + " | ".join(shares) + f" | {match}/{total} |")  # fmt: skip
     runs = [r for rows in results["policies"].values() for r in rows]
-    within = [[abs(ratio(r) - 1) <= 0.1 for r in runs if ratio(r) is not None] for ratio in (
+    errors = [[abs(ratio(r) - 1) for r in runs if ratio(r) is not None] for ratio in (
         lambda r: r["simulated_over_measured"],
         lambda r: r["heldout"]["simulated_over_measured"] if "heldout" in r else None,
         lambda r: r["in_sample"]["fit"]["simulated_over_measured"] if "in_sample" in r else None)]
     lines.append("| runs within 10% of the measured latency | | | | | "
-                 + " | ".join(f"{sum(k)} of {len(k)}" if k else "-" for k in within) + " |" + " |" * 8)
+                 + " | ".join(f"{sum(e <= 0.1 for e in k)} of {len(k)}" if k else "-" for k in errors) + " |" + " |" * 8)
+    lines.append("| mean error of the simulated latency (largest) | | | | | "
+                 + " | ".join(f"{pct(statistics.fmean(k))} ({pct(max(k))})" if k else "-" for k in errors) + " |" + " |" * 8)
     lines += ["", "| system | mean normalized latency (s/token) | TTFT p50 (s) | TPOT p50 (s) | output tokens/s | "
               "outputs = HF |", "|---|---|---|---|---|---|"]  # fmt: skip
     for peer, row in results["peers"].items():
@@ -514,13 +535,12 @@ def main(argv=None) -> int:
             for policy, eng in engines.items():
                 knee = simulation["policies"][policy]["center"]
                 reqs = at_rate(base, factor * knee, seed + 1)
-                ticks = cpu_ticks()
-                timeline, steps = timed_serve(eng, reqs)
+                steal, timeline, steps, tries = quiet_serve(eng, reqs, plan["retries"])
                 row = result(timeline, refs[seed], eng.stats().describe())
                 served.append((policy, seed, row, reqs, steps))
                 predicted = simulated(reqs, eng.config, cost)
                 row |= {"seed": seed, "factor": factor, "rate": factor * knee, "load": load(),
-                        "steal": stolen(ticks, cpu_ticks()),
+                        "steal": steal, "tries_steal": tries,
                         "predicted": {k: predicted[k] for k in ("mean_normalized_latency", "memory_breakdown",
                                                                 "preemptions", "duration_s")}}  # fmt: skip
                 measured = row["summary"]["mean_normalized_latency"]

@@ -244,3 +244,17 @@ def test_stolen_is_the_share_of_cpu_time_given_away():
     before, after = [0] * 10, [1500, 0, 300, 100, 0, 0, 0, 100, 0, 0]  # 2,000 ticks, 100 of them steal
     assert stolen(before, after) == pytest.approx(0.05)
     assert stolen(None, after) is None and stolen(before, before) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("steals", "retries", "kept", "tries"),
+    [([0.01], 2, 0, 1), ([0.2, 0.01], 2, 1, 2), ([0.2, 0.3, 0.25], 2, 0, 3), ([0.2, 0.01], 0, 0, 1)],
+)
+def test_quiet_serve_runs_again_while_the_cpu_is_stolen_and_keeps_the_quietest_try(monkeypatch, steals, retries, kept, tries):
+    from bench import serving as bench_serving
+
+    served, stolen = iter(range(10)), iter(steals)
+    monkeypatch.setattr(bench_serving, "timed_serve", lambda eng, reqs: (f"timeline {next(served)}", []))
+    monkeypatch.setattr(bench_serving, "stolen", lambda before, after: next(stolen))
+    steal, timeline, _, seen = bench_serving.quiet_serve(None, [], retries)
+    assert (steal, timeline, seen) == (steals[kept], f"timeline {kept}", steals[:tries])
