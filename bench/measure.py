@@ -344,8 +344,8 @@ def stolen(before: list[int] | None, after: list[int] | None) -> float | None:
 
 def provenance() -> dict:
     """What a results file records of where it was measured, for the tables ``make numbers`` draws from
-    it: the commit (``kvcourse.harness.provenance.tree_commit``: ``+dirty`` when the working tree
-    differed from it, ``$KVCOURSE_COMMIT`` on a copy without ``.git``, as ``make gpu-run`` sends) and the
+    it: the commit (``kvcourse.harness.provenance.tree_commit``: ``+dirty`` when the working tree's
+    code differed from it (not its results and plots), ``$KVCOURSE_COMMIT`` on a copy without ``.git``, as ``make gpu-run`` sends) and the
     date, e.g. ``{"commit": "c14a18f", "date": "2026-11-26"}``; ``"unknown"`` outside a git checkout."""
     return {"commit": tree_commit(), "date": time.strftime("%Y-%m-%d")}
 

@@ -3,8 +3,8 @@ short hash, never ``+dirty`` or ``unknown``) and a ``date`` (``YYYY-MM-DD``). Th
 files, and a number is only as good as the code a reader can check it out at.
 
 Writers record both through ``bench.measure.provenance`` (``kvcourse.harness.provenance.tree_commit``),
-which adds ``+dirty`` when a tracked file differs from the commit: rerun from a clean checkout (commit
-first, ``git status`` clean), then commit the results.
+which adds ``+dirty`` when a tracked file outside ``bench/results/`` and ``bench/plots/`` differs from
+the commit: rerun from a clean checkout (commit first, ``git status`` clean), then commit the results.
 """
 
 from __future__ import annotations
@@ -61,3 +61,32 @@ def test_the_rule_catches_a_dirty_tree_a_missing_date_and_an_unknown_commit():
         "no date",
     ]
     assert provenance_problems({}) == ["no commit", "no date"]
+
+
+def test_a_tree_is_dirty_when_code_differs_not_when_a_results_file_does(tmp_path, monkeypatch):
+    """``make bench`` calibrates (rewriting a tracked results file) and then measures in the same tree:
+    its later results still name a clean commit; a changed source file makes the tree dirty."""
+    import subprocess
+
+    from kvcourse.harness import provenance
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)  # fmt: skip
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "plots").mkdir()
+    for name in ("engine.py", "bench/results/step-cost-cpu.json", "bench/plots/curve.png"):
+        (tmp_path / name).write_text("0\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    monkeypatch.delenv(provenance.COMMIT_ENV, raising=False)
+    monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path)
+    clean = provenance.tree_commit()
+    assert COMMIT.match(clean)
+    (tmp_path / "bench/results/step-cost-cpu.json").write_text("1\n")
+    (tmp_path / "bench/plots/curve.png").write_text("1\n")
+    assert provenance.tree_commit() == clean
+    (tmp_path / "engine.py").write_text("1\n")
+    assert provenance.tree_commit() == clean + "+dirty"

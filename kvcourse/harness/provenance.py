@@ -6,7 +6,11 @@ commit: such numbers are not committed, ``tests/test_numbers.py`` refuses them);
 machine without its ``.git`` (a lent GPU's copy) names it through ``KVCOURSE_COMMIT``, which
 ``make gpu-run`` sets from its ``--commit``.
 
-Left out on purpose: the untracked files (a new results file must not make its own tree dirty).
+Left out on purpose: the untracked files (a new results file must not make its own tree dirty), and
+changes under ``bench/results/`` and ``bench/plots/`` (``OUTPUTS``): they are what the measurements write,
+not what measures. ``make bench`` calibrates the CPU's step costs (a tracked results file) and then
+serves and simulates with them, in one tree; a results file that reads another records what it read
+(``bench.serving``'s ``cost_profile``, ``bench.simulate``'s ``setup.profiles``).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import subprocess
 from kvcourse.model_store import REPO_ROOT
 
 COMMIT_ENV = "KVCOURSE_COMMIT"
+OUTPUTS = ("bench/results", "bench/plots")  # what measurements write: a change there leaves the tree clean
 
 
 def tree_commit(given: str | None = None) -> str:
     """``given``, else ``$KVCOURSE_COMMIT``, else git's short commit (``+dirty`` when a tracked file
-    differs from it), else ``"unknown"``. Example, in a clean checkout of 046e8bc: ``"046e8bc"``."""
+    outside ``OUTPUTS`` differs from it), else ``"unknown"``. Example, in a clean checkout of 046e8bc:
+    ``"046e8bc"``; with ``bench/results/bench.json`` rewritten, still ``"046e8bc"``."""
     if given or os.environ.get(COMMIT_ENV):
         return given or os.environ[COMMIT_ENV]
 
@@ -37,7 +43,8 @@ def tree_commit(given: str | None = None) -> str:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    outside = ["--", ".", *(f":(exclude){path}" for path in OUTPUTS)]
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", *outside) else "")
 
 
 LIBRARIES = ("torch", "triton", "jax", "jaxlib", "transformers")
