@@ -403,6 +403,35 @@ def test_quick_matvec_times_every_product_of_a_token(tiny_llama_dir, capsys):
     assert "One token's products: torch" in out and "copy bandwidth measured in the same run" in out
 
 
+def test_quick_matvec_of_several_rows_reports_each_librarys_rate_and_writes_json(tiny_llama_dir, tmp_path, capsys):
+    """``bench.matvec --rows N``: the products of a batched step, each group's FLOPs counted from the
+    checkpoint (2 x N x out x in a product), XLA's time over torch's, and the JSON with its provenance."""
+    from kvcourse.config import ModelConfig
+    from kvcourse.model import load_weights
+
+    out_file = tmp_path / "matmuls.json"
+    assert matvec.main(["--quick", "--model", str(tiny_llama_dir), "--rows", "4", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "| XLA / torch time |" in out and "whole step of 4 rows" in out
+    results = json.loads(out_file.read_text())
+    assert results["rows"] == 4 and results["command"].startswith("python -m bench.matvec --rows 4")
+    assert results["commit"] and results["machine"]["cores"]
+    weights = load_weights(tiny_llama_dir, ModelConfig.from_dir(tiny_llama_dir))
+    groups = {row["weight"]: row for row in results["groups"]}
+    for name, ws in matvec.weight_groups(weights).items():
+        assert groups[name]["GFLOP"] == pytest.approx(2 * 4 * sum(w.numel() for w in ws) / 1e9)
+        assert groups[name]["torch"]["seconds"] > 0 and groups[name]["XLA"]["seconds"] > 0
+    whole = groups["whole step of 4 rows"]
+    assert whole["GFLOP"] == pytest.approx(sum(groups[n]["GFLOP"] for n in matvec.weight_groups(weights)))
+
+
+@pytest.mark.parametrize("rows", ["0", "16385"])
+def test_matvec_rejects_rows_out_of_range(capsys, rows):
+    with pytest.raises(SystemExit):
+        matvec.main(["--quick", "--rows", rows])
+    assert f"--rows must be between 1 and 16384, got {rows}" in capsys.readouterr().err
+
+
 def test_matvec_rejects_zero_repeats(capsys):
     with pytest.raises(SystemExit):
         matvec.main(["--quick", "--repeats", "0"])
