@@ -124,46 +124,34 @@ def measure(weights: Weights, repeats: int, rows: int = 1) -> list[dict]:
 
 def table(rows: list[dict], copy_GBps: float) -> str:
     """Markdown: per group, microseconds per product, GB/s read and cores busy in each library; for
-    products of several rows (``--rows``), ``batched_table``'s GFLOP/s instead."""
-    if rows[-1]["weight"] != "whole token":
-        return batched_table(rows)
-    lines = [
-        "| weight | shape (out x in) | products per token | MB read | torch us each | torch GB/s | torch cores "
-        "| XLA us each | XLA GB/s | XLA cores |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    products of several rows (``--rows``), milliseconds per product, GFLOP/s and cores busy, and XLA's
+    time over torch's (above 1: XLA is slower)."""
+    batched = rows[-1]["weight"] != "whole token"
+    if batched:
+        head = ("| weight | shape (out x in) | products per step | torch ms each | torch GFLOP/s | torch cores "
+                "| XLA ms each | XLA GFLOP/s | XLA cores | XLA / torch time |")  # fmt: skip
+    else:
+        head = ("| weight | shape (out x in) | products per token | MB read | torch us each | torch GB/s | torch cores "
+                "| XLA us each | XLA GB/s | XLA cores |")  # fmt: skip
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
     for r in rows:
         shape = "-" if r["shape"] is None else " x ".join(map(str, r["shape"]))
-        cells = [r["weight"], shape, str(r["products"]), f"{r['MB']:.1f}"]
+        cells = [r["weight"], shape, str(r["products"])] + ([] if batched else [f"{r['MB']:.1f}"])
         for lib in ("torch", "XLA"):
             s, cores = r[lib]["seconds"], r[lib]["cores"]
-            cells += [f"{1e6 * s / r['products']:.1f}", f"{r['MB'] / 1e3 / s:.1f}", f"{cores:.2f}"]
+            each, rate = (1e3 * s, r["GFLOP"] / s) if batched else (1e6 * s, r["MB"] / 1e3 / s)
+            cells += [f"{each / r['products']:.{2 if batched else 1}f}", f"{rate:.1f}", f"{cores:.2f}"]
+        if batched:
+            cells.append(f"{r['XLA']['seconds'] / r['torch']['seconds']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
+    if batched:
+        return "\n".join(lines)
     whole = rows[-1]
     lines.append(
         f"\nOne token's products: torch {1e3 * whole['torch']['seconds']:.1f} ms, XLA "
         f"{1e3 * whole['XLA']['seconds']:.1f} ms; reading {whole['MB']:.0f} MB at the copy bandwidth "
         f"measured in the same run ({copy_GBps:.1f} GB/s) takes {whole['MB'] / copy_GBps:.1f} ms."
     )
-    return "\n".join(lines)
-
-
-def batched_table(rows: list[dict]) -> str:
-    """Markdown for products of several rows: per group, milliseconds per product, GFLOP/s and cores
-    busy in each library, and XLA's time over torch's (above 1: XLA is slower)."""
-    lines = [
-        "| weight | shape (out x in) | products per step | torch ms each | torch GFLOP/s | torch cores "
-        "| XLA ms each | XLA GFLOP/s | XLA cores | XLA / torch time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        shape = "-" if r["shape"] is None else " x ".join(map(str, r["shape"]))
-        cells = [r["weight"], shape, str(r["products"])]
-        for lib in ("torch", "XLA"):
-            s, cores = r[lib]["seconds"], r[lib]["cores"]
-            cells += [f"{1e3 * s / r['products']:.2f}", f"{r['GFLOP'] / s:.1f}", f"{cores:.2f}"]
-        cells.append(f"{r['XLA']['seconds'] / r['torch']['seconds']:.2f}")
-        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
