@@ -128,8 +128,9 @@ class StepCost:
         ``seqs``, ``context`` and ``seconds``). Least squares on the relative error, each residual
         divided by the model's prediction of the previous round (the first round: by the measured
         time). Dividing by the measured time instead favours the steps that ran fast, and the fit comes
-        out low: fitted to each real run's own steps, 0.70-0.98 of their total (``in_sample`` in
-        ``bench/results/serving.json``). Needs as many samples as coefficients."""
+        out low: fitted to each real run's own steps, 0.92-0.99 of their total in the committed
+        ``bench/results/serving.json`` (``in_sample``; 0.70 at worst in a noisier earlier run), against
+        1.00 this way. Needs as many samples as coefficients."""
         if not samples:
             raise ValueError("fitting a step cost needs timed steps, got none")
         from scipy.optimize import nnls
