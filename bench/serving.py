@@ -19,8 +19,8 @@ disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie
   same stream (with that profile, with a ``StepCost`` fitted to the other seed's runs, ``heldout``, and
   with one fitted to the run's own steps, ``in_sample``, which keeps the machine's drift out), its
   steps, the share of CPU time stolen from this VM during it (``stolen``; a run that lost more than
-  ``STEAL_LIMIT`` runs again, up to the plan's ``retries`` times, and the least-stolen try is kept), its memory breakdown (the
-  paper's Fig. 2) and its outputs' agreement with HF; the
+  ``STEAL_LIMIT`` runs again, up to the plan's ``retries`` times, and the least-stolen try is kept),
+  its memory breakdown (the paper's Fig. 2) and its outputs' agreement with HF; the
   simulated curve of every policy over many rates is drawn beside the measured points. The knee is
   where the simulated seed-mean latency crosses ``SHORT_BOUND_FACTOR`` times on demand's unloaded
   latency, found by linear interpolation (``bench.simulate.crossing``);

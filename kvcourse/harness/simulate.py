@@ -24,8 +24,8 @@ its new ones), where T is the tokens computed in the step and ``tokens`` is a cu
 points (token count, seconds), straight between them and along its end segments beyond them. A line
 (``StepCost.line(base, per_token, ...)``: two points) is the simplest curve; a CPU needs more, because
 its matrix library changes kernels with the row count, so the cost jumps between neighbouring counts
-(``bench/results/step-cost-cpu.json``, the course's 2-core Intel VM: 81 ms at 2 tokens, 128 at 4, 285
-at 32 and 255 at 64). ``StepCost.fit`` puts the curve's points at 1, 2, 3, 4, 6, 8, 12, ..., 64, then
+(``bench/results/step-cost-cpu.json``, the course's 2-core Intel VM: 73 ms at 3 tokens, 128 at 4, 237
+at 32 and 224 at 64). ``StepCost.fit`` puts the curve's points at 1, 2, 3, 4, 6, 8, 12, ..., 64, then
 128, 256, ... (``token_points``) up to the largest T it is given, and
 finds them and the two other coefficients, none negative, by least squares on the error relative to
 the model's own prediction (a step of 40 ms and one of 2 s count alike); ``StepCost.load`` reads a
@@ -129,8 +129,8 @@ class StepCost:
         divided by the model's prediction of the previous round (the first round: by the measured
         time). Dividing by the measured time instead favours the steps that ran fast, and the fit comes
         out low: fitted to each real run's own steps, 0.92-0.99 of their total in the committed
-        ``bench/results/serving.json`` (``in_sample``; 0.70 at worst in a noisier earlier run), against
-        1.00 this way. Needs as many samples as coefficients."""
+        ``bench/results/serving.json`` (``in_sample``), against 1.00 this way. Needs as many samples
+        as coefficients."""
         if not samples:
             raise ValueError("fitting a step cost needs timed steps, got none")
         from scipy.optimize import nnls
