@@ -6,8 +6,10 @@
 ``.cache/kernels/<cpu>-<hash>/<file>_<hash>/`` (``KVCOURSE_CACHE``), with ``-O3 -march=native -fopenmp``: native
 vector instructions are why the build is kept per CPU model, since a binary built for one CPU may not
 run on another. A later call, in this process or the next, loads the built module in a fraction of a
-second; torch rebuilds only when the source or the flags change. Each build's seconds are written
-next to it (``compile_seconds.json``), so a benchmark can report what the first run paid.
+second; torch rebuilds only when the source or the flags change. Byte-identical copies (L4's and
+L5's kernel) share one build, compiled from whichever copy was built there first (``built_from``).
+Each build's seconds are written next to it (``compile_seconds.json``), so a benchmark can report
+what the first run paid.
 
 Example::
 
@@ -170,7 +172,7 @@ def _compile(source: Path):
         t0 = time.perf_counter()
         module = cpp_extension.load(
             name=name,
-            sources=[str(source)],
+            sources=[str(built_from(source, folder))],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
@@ -181,6 +183,29 @@ def _compile(source: Path):
             partial.write_text(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
             partial.replace(folder / "compile_seconds.json")
     return module
+
+
+def built_from(source: Path, folder: Path) -> Path:
+    """The copy of ``source`` that ``folder`` is built from: the first one built there, while it is still
+    there and byte-identical, else ``source`` (then recorded as that copy, in ``built_from.txt``).
+
+    ninja rebuilds an output whose command changed, and the command names the source's path. Without
+    this, L4's and L5's copies of ``paged_attention.cpp``, which share one build folder, would each
+    rebuild it (40-55 s here) whenever a process asked for the other one than the last build did: the
+    L5 notebook after the L4 one, ``make smoke``'s L5 smoke after its L4 smoke, every ``make setup``.
+
+    Example: ``built_from(Path("L5_clones/fast/paged_attention.cpp"), folder)`` ->
+    ``Path("/repo/L4_paged_kernel/fast/paged_attention.cpp")`` once L4's copy was built there first.
+    """
+    record = folder / "built_from.txt"
+    try:
+        first = Path(record.read_text(encoding="utf-8").strip())
+        if first.read_bytes() == source.read_bytes():
+            return first
+    except OSError:  # not recorded yet, or that copy is gone
+        pass
+    record.write_text(f"{source.resolve()}\n", encoding="utf-8")
+    return source.resolve()
 
 
 def build_name(source: Path) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,10 +33,11 @@ import pytest
 from cpp_kernel import needs_cpp
 
 from kvcourse import model_store
-from kvcourse.cpp_kernels import build_folder, build_name
+from kvcourse.cpp_kernels import build_folder, build_name, built_from
 from kvcourse.harness import cli
 from kvcourse.model_store import DEFAULT_NAME, REPO_ROOT, cache_root, prepare_default_model
 from L4_paged_kernel.fast.cpp_paged_attention import SOURCE
+from L5_clones.fast.cpp_paged_attention import SOURCE as L5_SOURCE
 
 HANG = 240  # seconds: a full kernel build takes 20-60 s on the course's 2-core VM; this is a hang
 NAME = build_name(SOURCE)
@@ -210,6 +212,45 @@ def test_a_build_that_holds_the_lock_too_long_ends_in_one_error_line(
     assert error.endswith(
         f" s (pid {holder.pid}): if that process is stuck, end it (kill {holder.pid}) and run `make setup` again"
     ), error
+
+
+def test_a_byte_identical_copy_is_built_from_the_first_copy_built(tmp_path):
+    """``built_from``: the copy a build folder was first built from is used while it is there and
+    identical; an edited or deleted first copy gives way to the one asked for, recorded from then on."""
+    folder, first, second = tmp_path / "build", tmp_path / "L4" / "k.cpp", tmp_path / "L5" / "k.cpp"
+    folder.mkdir()
+    for copy in (first, second):
+        copy.parent.mkdir()
+        copy.write_text("int f() { return 1; }\n")
+    assert built_from(first, folder) == first  # nothing recorded yet: recorded now
+    assert built_from(second, folder) == first  # the same bytes: the first copy's command, no rebuild
+    first.write_text("int f() { return 2; }\n")
+    assert built_from(second, folder) == second  # the first copy changed: the one asked for
+    first.write_text("int f() { return 1; }\n")
+    assert built_from(first, folder) == second  # ... which is recorded from then on
+    second.unlink()
+    assert built_from(first, folder) == first  # the recorded copy is gone
+
+
+@needs_cpp
+def test_the_other_stages_copy_loads_in_a_new_process_without_a_rebuild(model_dir, tmp_path):
+    """L4's and L5's kernels are byte-identical and share a build folder. A process asking for the copy
+    the last build did not compile loads the build as it is; it used to rebuild it (ninja's command
+    names the source's path), 40-55 s each time a notebook or smoke of the other stage came next."""
+    cache = scratch_cache(tmp_path, model_dir)
+    folder = kernel_folder(cache)
+    (compiled,) = re.findall(r"^build \S+\.o: compile (\S+)$", (folder / "build.ninja").read_text(), re.M)
+    (folder / "built_from.txt").write_text(f"{compiled}\n")  # as the build that made it records
+    other = next(s for s in (SOURCE, L5_SOURCE) if str(s.resolve()) != compiled)
+    outputs = [folder / f"{NAME}.so", folder / "paged_attention.o"]
+    before = [p.stat().st_mtime_ns for p in outputs]
+    load = f"import pathlib, kvcourse.cpp_kernels as k; k.load_cpp_kernel(pathlib.Path({str(other)!r}))"
+    run = subprocess.run(
+        [sys.executable, "-c", load], cwd=REPO_ROOT, env=env_for(cache), capture_output=True, text=True,
+        timeout=HANG,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert [p.stat().st_mtime_ns for p in outputs] == before, f"{other} rebuilt the kernel"
 
 
 # The model conversion
