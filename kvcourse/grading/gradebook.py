@@ -298,8 +298,11 @@ def run_nbval(
     }
     env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg", KVCOURSE_NBVAL_REPORT=str(report))
     env.update(MPLCONFIGDIR=str(workdir / "mpl"), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"))
+    # pytest with nbval and the report alone: no other installed plugin loads (hypothesis's took 1.9 s of
+    # every run's start here, and a plugin a learner added has no say in a grade)
+    env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     cmd = [
-        sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env",
+        sys.executable, "-m", "pytest", "-p", "nbval.plugin", "--nbval-lax", "--nbval-current-env",
         "--nbval-sanitize-with", str(sanitize), f"--nbval-cell-timeout={cell_timeout}",
         "-p", "kvcourse.grading.nbval_report", "-p", "no:cacheprovider", "-o", "addopts=", "-q", str(notebook),
     ]  # fmt: skip
