@@ -191,7 +191,7 @@ def built_from(source: Path, folder: Path) -> Path:
 
     ninja rebuilds an output whose command changed, and the command names the source's path. Without
     this, L4's and L5's copies of ``paged_attention.cpp``, which share one build folder, would each
-    rebuild it (40-55 s here) whenever a process asked for the other one than the last build did: the
+    rebuild it (a whole compile) whenever a process asked for the other one than the last build did: the
     L5 notebook after the L4 one, ``make smoke``'s L5 smoke after its L4 smoke, every ``make setup``.
 
     Example: ``built_from(Path("L5_clones/fast/paged_attention.cpp"), folder)`` ->

@@ -236,7 +236,7 @@ def test_a_byte_identical_copy_is_built_from_the_first_copy_built(tmp_path):
 def test_the_other_stages_copy_loads_in_a_new_process_without_a_rebuild(model_dir, tmp_path):
     """L4's and L5's kernels are byte-identical and share a build folder. A process asking for the copy
     the last build did not compile loads the build as it is; it used to rebuild it (ninja's command
-    names the source's path), 40-55 s each time a notebook or smoke of the other stage came next."""
+    names the source's path), a whole compile each time a notebook or smoke of the other stage came next."""
     cache = scratch_cache(tmp_path, model_dir)
     folder = kernel_folder(cache)
     (compiled,) = re.findall(r"^build \S+\.o: compile (\S+)$", (folder / "build.ninja").read_text(), re.M)
