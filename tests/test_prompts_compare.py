@@ -8,6 +8,7 @@ import pytest
 
 from kvcourse.harness.compare import TIE_GAP, Comparison, Row, compare, first_difference, format_rows
 from kvcourse.harness.prompts import (
+    PREFIX_PROMPTS,
     Prompt,
     encode,
     load_tokenizer,
@@ -90,6 +91,39 @@ def test_chat_template_and_raw_encoding(model_dir):
     chat = encode(tok, Prompt(messages=(("user", "Hi"),)))
     assert tok.decode(chat).endswith("<|im_start|>assistant\n")
     assert tok.decode(encode(tok, Prompt(text="Once upon"))) == "Once upon"
+
+
+def auto_tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+@pytest.mark.parametrize("checkpoint", ["course", "tiny_llama", "tiny_qwen3"])
+def test_load_tokenizer_gives_what_auto_tokenizer_gives(checkpoint, request):
+    """load_tokenizer skips AutoTokenizer where tokenizer_config.json names the generic fast class: the
+    same class, and the same ids for every prompt of both shipped prompt files, as AutoTokenizer's."""
+    folder = request.getfixturevalue("model_dir" if checkpoint == "course" else f"{checkpoint}_dir")
+    fast, auto = load_tokenizer(folder), auto_tokenizer(folder)
+    assert type(fast) is type(auto)
+    for prompt in read_prompts() + read_prompts(PREFIX_PROMPTS):
+        assert encode(fast, prompt) == encode(auto, prompt), prompt.label
+
+
+def test_load_tokenizer_leaves_any_other_class_to_auto_tokenizer(model_dir, tmp_path, monkeypatch):
+    """A checkpoint naming another tokenizer class is loaded by AutoTokenizer, which picks that class."""
+    import transformers
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "GPT2Tokenizer"}))
+    seen = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: seen.append(a) or original(*a, **k))
+    tok = load_tokenizer(tmp_path)
+    assert seen and type(tok) is type(auto_tokenizer(tmp_path))
+    assert encode(tok, Prompt(text="Once upon")) == encode(load_tokenizer(model_dir), Prompt(text="Once upon"))
 
 
 def test_first_difference_examples():

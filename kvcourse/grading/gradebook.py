@@ -285,6 +285,18 @@ def build_run(nb, key, exercises: list[Exercise], only: str | None) -> list[RunC
     return cells
 
 
+def nbval_command(notebook: Path, sanitize: Path, cell_timeout: int) -> list[str]:
+    """pytest with the report and nbval alone: with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` no other installed
+    plugin loads (hypothesis's took 1.9 s of every run's start here, and a plugin a learner added has no
+    say in a grade). The report loads first, so that its package's ``__init__`` keeps rfc3987_syntax out
+    before nbval imports nbformat."""
+    return [
+        sys.executable, "-m", "pytest", "-p", "kvcourse.grading.nbval_report", "-p", "nbval.plugin",
+        "--nbval-lax", "--nbval-current-env", "--nbval-sanitize-with", str(sanitize),
+        f"--nbval-cell-timeout={cell_timeout}", "-p", "no:cacheprovider", "-o", "addopts=", "-q", str(notebook),
+    ]  # fmt: skip
+
+
 def run_nbval(
     notebook: Path, workdir: Path, cell_timeout: int, box: Sandbox
 ) -> tuple[list[dict] | str, bool]:
@@ -298,15 +310,8 @@ def run_nbval(
     }
     env.update(OMP_WAIT_POLICY="PASSIVE", MPLBACKEND="Agg", KVCOURSE_NBVAL_REPORT=str(report))
     env.update(MPLCONFIGDIR=str(workdir / "mpl"), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"))
-    # pytest with nbval and the report alone: no other installed plugin loads (hypothesis's took 1.9 s of
-    # every run's start here, and a plugin a learner added has no say in a grade)
-    env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    cmd = [
-        sys.executable, "-m", "pytest", "-p", "nbval.plugin", "--nbval-lax", "--nbval-current-env",
-        "--nbval-sanitize-with", str(sanitize), f"--nbval-cell-timeout={cell_timeout}",
-        "-p", "kvcourse.grading.nbval_report", "-p", "no:cacheprovider", "-o", "addopts=", "-q", str(notebook),
-    ]  # fmt: skip
-    argv, limits = box.wrap(cmd, workdir)
+    env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # see nbval_command
+    argv, limits = box.wrap(nbval_command(notebook, sanitize, cell_timeout), workdir)
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=limits,
         start_new_session=True,
