@@ -698,7 +698,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "kvcourse/jax_model.py",
         'torch.arange(cfg.max_position_embeddings, device="cpu")',
         "torch.arange(cfg.max_position_embeddings)",
-        ("tests/test_devices.py::test_every_smoke_path_makes_nothing_on_the_default_device[L6]",),
+        ("tests/test_devices.py::test_the_l6_engine_makes_nothing_on_the_default_device",),
     ),
     Mutation(
         "L6 reference attention forgets to rescale acc",
