@@ -190,8 +190,8 @@ def test_every_smoke_path_makes_nothing_on_the_default_device(stage, tiny_qwen3_
 def test_the_l6_engine_makes_nothing_on_the_default_device(tiny_qwen3_dir, expected):
     """L6 touches torch in one place, reading the checkpoint and the RoPE table it ports to JAX
     (``kvcourse.jax_model.load_params``): built and run with the default device set to meta, its tokens
-    are HF's. (Its whole smoke under meta took 70 s alone here and 145 s in make test, for no other
-    torch path: the rest of it is L5's engine, which the case above runs, and HF on its own device.)"""
+    are HF's. (Its whole smoke under meta, the slowest case of the test above when it was one, ran no
+    other torch path: the rest of it is L5's engine, which the L5 case runs, and HF on its own device.)"""
     with torch.device("meta"):
         engine = engine_class("L6")(tiny_qwen3_dir, device="cpu")
         assert engine.generate(PROMPTS, BUDGET) == expected

@@ -111,7 +111,8 @@ def test_load_tokenizer_gives_what_auto_tokenizer_gives(checkpoint, request):
 
 
 def test_load_tokenizer_leaves_any_other_class_to_auto_tokenizer(model_dir, tmp_path, monkeypatch):
-    """A checkpoint naming another tokenizer class is loaded by AutoTokenizer, which picks that class."""
+    """A checkpoint naming another tokenizer class is loaded by AutoTokenizer, which picks that class; so
+    is one whose tokenizer_config.json is not a config, and AutoTokenizer's error is the one raised."""
     import transformers
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
@@ -124,6 +125,11 @@ def test_load_tokenizer_leaves_any_other_class_to_auto_tokenizer(model_dir, tmp_
     tok = load_tokenizer(tmp_path)
     assert seen and type(tok) is type(auto_tokenizer(tmp_path))
     assert encode(tok, Prompt(text="Once upon")) == encode(load_tokenizer(model_dir), Prompt(text="Once upon"))
+    seen.clear()
+    (tmp_path / "tokenizer_config.json").write_text('["not", "a config"]')  # AutoTokenizer says what is wrong
+    with pytest.raises(Exception) as raised:
+        load_tokenizer(tmp_path)
+    assert seen, f"not left to AutoTokenizer: {raised.value!r}"
 
 
 def test_first_difference_examples():

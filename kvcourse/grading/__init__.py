@@ -11,6 +11,6 @@ import sys
 # jsonschema, under nbformat, imports rfc3987_syntax where it is installed (jupyterlab brings it, through
 # jupyter-events) for its "iri" string format, and that module builds a Lark grammar as it loads: 2.4 s
 # of every grading process's start on this course's VM (``python -X importtime -c "import nbformat"``).
-# No notebook schema uses the format, so the grader, its nbval run (which loads ``nbval_report`` first)
-# and its tests go without it; a process that imported it already keeps it.
+# No notebook schema uses the format, so the grader and its nbval run (which loads ``nbval_report``
+# first) go without it; a process that imported it already keeps it.
 sys.modules.setdefault("rfc3987_syntax", None)

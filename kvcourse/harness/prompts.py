@@ -105,13 +105,16 @@ def load_tokenizer(model_dir: str | Path):
     """The checkpoint's own HF tokenizer (fast, local files only).
 
     ``AutoTokenizer`` reads the model's config first to choose the tokenizer class, and that imports
-    transformers' modeling code: 3 s of every process's start on this course's 2-core VM (the tokenizer
-    itself loads in 0.4 s). Where ``tokenizer_config.json`` names the generic fast class, as the course
-    model's prepared copy and the tiny test checkpoints do, that class loads it directly, the class
-    ``AutoTokenizer`` would have picked; any other class (a checkpoint of your own) goes through
-    ``AutoTokenizer``. ``tests/test_prompts_compare.py`` checks both give the same ids."""
-    config = Path(model_dir) / "tokenizer_config.json"
-    named = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") if config.is_file() else None
+    transformers' modeling code, several times as long as loading the tokenizer itself, in every process
+    that starts (``python -X importtime``). Where ``tokenizer_config.json`` names the generic fast class,
+    as the course model's prepared copy and the tiny test checkpoints do, that class loads it directly,
+    the class ``AutoTokenizer`` would have picked; any other class (a checkpoint of your own), or a file
+    that cannot be read, goes through ``AutoTokenizer``, which says what is wrong.
+    ``tests/test_prompts_compare.py`` checks both give the same class and ids."""
+    try:
+        named = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))["tokenizer_class"]
+    except (OSError, ValueError, KeyError, TypeError):
+        named = None
     if named in GENERIC_FAST:
         from transformers import PreTrainedTokenizerFast
 
