@@ -73,8 +73,7 @@ test smoke mutants: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 # The suite runs notebook kernels and JAX processes beside its own: idle OpenMP threads that spin would
 # steal their cores (L1 section 6). Sleeping threads make each small op slower, which no test times.
 # Two pytest workers (pytest-xdist): one process alone kept 1.06 of the 2 cores busy (XLA compiles on
-# one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core; each
-# worker computes on its share of the cores (one thread each here: tests/conftest.py says why).
+# one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core.
 test: export OMP_WAIT_POLICY := PASSIVE
 # JAX on its CPU backend in the suite, as on a machine without a GPU: L6's engine is built on the CPU
 # unless told otherwise, but the JAX functions the tests call directly (and the mesh engine's default
