@@ -7,7 +7,7 @@ import importlib
 from kvcourse.harness.smoke import smoke_main
 from kvcourse.harness.stages import STAGES
 
-COURSE_SMOKE_TOKENS = 8  # new tokens per prompt in make test's course-model smokes (make smoke: 64)
+COURSE_SMOKE_TOKENS = 8  # new tokens per prompt in make test's course-model smoke of L1 (make smoke: 64)
 
 
 def smoke_module(stage: str):

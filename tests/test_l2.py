@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from smoke_runs import course_smoke
 
 from kvcourse.harness.reference import hf_greedy
 from L1_contiguous.engine import Engine as L1Engine
@@ -278,12 +277,3 @@ def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, max_new, messag
 def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(tiny_llama_dir, **kwargs)
-
-
-@pytest.mark.slow
-def test_l2_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
-    """The smoke check itself on the course model: block sizes 16, 1, 7, equal to L1 and HF."""
-    status, out = course_smoke("L2", model_dir, capsys, course_prompts_subset)
-    last = out.strip().splitlines()[-1]
-    assert status == 0, last
-    assert last.startswith("L2 smoke: 12/12 prompts match L1 and HF"), last

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from smoke_runs import course_smoke
 
 from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
@@ -459,15 +458,3 @@ def test_bad_requests_are_named(tiny_llama_dir, kwargs, prompts, max_new, messag
 def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(tiny_llama_dir, **kwargs)
-
-
-@pytest.mark.slow
-def test_l3_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
-    """The smoke check itself on the course model (4 of its prompts): four ways of running, equal to
-    L2 and HF, and the small-pool run really preempts."""
-    status, out = course_smoke("L3", model_dir, capsys, course_prompts_subset)
-    last = out.strip().splitlines()[-1]
-    assert status == 0, last
-    assert last.startswith("L3 smoke: 16/16 prompts match L2 and HF"), last
-    preemptions = re.findall(r"  L3 small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions", out)
-    assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions

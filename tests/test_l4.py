@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from cpp_kernel import PROBLEM, needs_cpp
-from smoke_runs import course_smoke, run_smoke_in_process, smoke_module
+from cpp_kernel import needs_cpp
+from smoke_runs import run_smoke_in_process, smoke_module
 
 from kvcourse.harness.reference import hf_greedy
 from L3_block_tensor.engine import Engine as L3Engine
@@ -95,22 +95,3 @@ def test_the_interpreter_run_is_bounded_and_says_what_it_covered(
         r"SKIPPED, its shortest prompt has \d+ tokens, over the interpreter's bound of 2 ", out
     ), out
     assert "1 run(s) skipped on this machine" in out.strip().splitlines()[-1]
-
-
-@pytest.mark.slow
-def test_l4_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys, monkeypatch):
-    """The smoke, with its Triton run (the interpreter) on the one shortest prompt; make smoke runs it on
-    the shortest within its bound (``interpreter_prompts``)."""
-    monkeypatch.setattr(smoke_module("L4"), "TRITON_PROMPTS", 1)
-    status, out = course_smoke("L4", model_dir, capsys, course_prompts_subset)
-    last = out.strip().splitlines()[-1]
-    assert status == 0, last
-    # 4 prompts x 4 runs + 1 (the Triton run's one prompt), less the C++ run's 4 where it cannot run
-    matched = 17 if PROBLEM is None else 13
-    assert last.startswith(f"L4 smoke: {matched}/{matched} prompts match L3 and HF"), last
-    assert "L4 triton kernel (interpreter), 1 of 4 prompts, the shortest" in out
-    preemptions = re.findall(
-        r"  L4 torch kernel, small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions",
-        out,
-    )
-    assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions  # the small pool preempts

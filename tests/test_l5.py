@@ -13,7 +13,6 @@ import torch
 from cpp_kernel import needs_cpp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from smoke_runs import course_smoke
 
 from kvcourse.engine_config import EngineConfig
 from kvcourse.harness.reference import hf_greedy
@@ -657,22 +656,3 @@ def test_bad_sample_requests_are_named(tiny_llama_dir, kwargs, n, message):
 def test_bad_engine_options_are_named(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(tiny_llama_dir, **kwargs)
-
-
-@pytest.mark.slow
-def test_l5_smoke_on_the_course_model(model_dir, course_prompts_subset, capsys):
-    """The smoke itself on the course model: L5 == L4 == HF, clones, sampled clones, the small pool
-    (which preempts) and the prefix-cache prompt file all agree."""
-    status, out = course_smoke("L5", model_dir, capsys, course_prompts_subset)
-    last = out.strip().splitlines()[-1]
-    assert status == 0, last
-    # 4 runs x 4 prompts + 4 greedy-clone rows + 3 sampled-clone rows + 2 runs x 4 prefix-cache prompts
-    # + 3 beam widths x 2 prompts = 37, on any machine: without the C++ kernel, kernel="auto" runs the
-    # PyTorch one, and no run skips
-    matched = 37
-    assert last.startswith(f"L5 smoke: {matched}/{matched} prompts match L4 and HF"), last
-    preemptions = re.findall(
-        r"  L5 all at once, prefix cache on, small pool .*\n  cpu, .*\n  .*; \d+ steps, (\d+) preemptions",
-        out,
-    )
-    assert len(preemptions) == 1 and int(preemptions[0]) >= 1, preemptions

@@ -211,7 +211,8 @@ def course_ids(model_dir):
 @pytest.mark.parametrize("k", [k for k in range(1, 7) if k not in BEAM_WIDTHS])
 def test_widths_1_to_6_equal_hf_on_the_course_model(model_dir, course_ids, k):
     """The widths up to 6 that the L5 smoke leaves out (1, 3 and 5): its ``BEAM_WIDTHS`` run against HF
-    in the smoke on the course model (tests/test_l5.py), so make test covers 1-6 there once each."""
+    on the course model in ``make smoke``, so the two commands cover 1-6 there once each (the tiny
+    Qwen3 above runs 1-6 in make test)."""
     ref = hf_beams(model_dir, course_ids, [24, 24], BeamParams(k, num_return_sequences=min(k, 2)))
     engine = Engine(model_dir, kernel="torch")
     got = run_checked(engine, course_ids, [24, 24], num_beams=k, num_return_sequences=min(k, 2))
