@@ -3,10 +3,11 @@
 For each reference notebook ``key/notebooks/LN_*.ipynb`` (so later stages' notebooks are covered as soon
 as they exist) and its exercise notebook ``notebooks/LN_*.ipynb``:
 
-- the L6 reference notebook passes ``make grade`` whole;
+- the L6 reference notebook passes ``make grade``, every exercise but one given a wrong answer;
 - the committed exercise notebook is exactly what ``make exercises`` produces now;
 - an exercise notebook with a wrong answer, a right one and untouched ones is graded 1/N, each
-  exercise with the right verdict;
+  exercise with the right verdict (L6: covered by the reference run above, the slowest notebook
+  graded once);
 - the exercise notebook with the reference solutions put back is the reference notebook's code.
 
 Grading runs the same command as the Makefile's ``grade`` target, as a subprocess; each run executes the
@@ -49,13 +50,9 @@ WRONG_ANSWERS = {
     ),
 }
 GENERIC_WRONG = (1, "return None  # wrong on purpose: does nothing\n")
-# The exercise that gets its reference solution (default: the last). L6's last one runs the engine over
-# a mesh of 4 devices, which only a notebook kernel has (its first cell asks XLA for them); the whole
-# reference run above already passes it, so here it gets the wrong answer instead: the pool copied to
-# every device.
-WRONG_AND_RIGHT = {
-    "L6_tpu_jax": (4, 'return {"params": P(), "decode_state": P(), "kv_pages": P()}\n', 3),
-}
+# L6's reference notebook, graded whole with one wrong answer: the pool copied to every device (the
+# exercise that runs the engine over a mesh of 4 devices, which only a notebook kernel has).
+L6_WRONG = (4, 'return {"params": P(), "decode_state": P(), "kv_pages": P()}\n')
 
 
 def grade(*args: str) -> subprocess.CompletedProcess:
@@ -119,29 +116,37 @@ def test_reference_has_exercises_and_checks(reference):
 
 
 @pytest.mark.slow
-def test_the_l6_reference_notebook_passes():
-    """A whole reference notebook graded as a learner's: every exercise passes (L6, the slowest; the
-    other notebooks' solutions pass inside the mixed runs below)."""
+def test_the_l6_reference_notebook_passes_but_for_its_one_wrong_answer(tmp_path):
+    """A whole reference notebook graded as a learner's, with one exercise answered wrong (L6, the
+    slowest; the other notebooks' solutions pass inside the mixed runs below): that one WRONG, every
+    other one PASS, (N-1)/N in the last line."""
     reference = ROOT / "key" / "notebooks" / "L6_tpu_jax.ipynb"
-    n = len(exercises.solutions(exercises.read(reference)))
-    result = grade(str(reference))
-    assert result.returncode == 0, report(result)
-    assert last_line(result) == f"graded {reference}: {n}/{n} exercises pass", report(result)
+    solutions = exercises.solutions(exercises.read(reference))
+    n, (number, wrong) = len(solutions), L6_WRONG
+    exercise = exercises.read(exercises.exercise_path(reference))
+    path = write(exercises.put_back(exercise, {**solutions, number: wrong}), tmp_path / reference.name)
+    result = grade(str(path))
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, report(result)
+    assert last_line(result) == f"graded {path}: {n - 1}/{n} exercises pass", report(result)
+    assert any(x.startswith(f"L6.{number} ") and "WRONG" in x for x in lines), report(result)
+    for k in set(range(1, n + 1)) - {number}:
+        assert any(x.startswith(f"L6.{k} ") and x.endswith(": PASS") for x in lines), (k, report(result))
 
 
 @pytest.mark.slow
 @needs_notebooks
-@per_notebook
+@pytest.mark.parametrize(
+    "reference", [p for p in REFERENCES if p.stem != "L6_tpu_jax"], ids=lambda p: p.stem
+)
 def test_right_wrong_and_untouched_answers_are_told_apart(reference, tmp_path):
-    """One grading run per notebook: a realistic wrong answer to exercise 1, the reference solution to
-    the last exercise, every other exercise left untouched (L6: see WRONG_AND_RIGHT). The report must
+    """One grading run per notebook (L6: the test above): a realistic wrong answer to exercise 1, the
+    reference solution to the last exercise, every other exercise left untouched. The report must
     say WRONG for the wrong one, PASS for the right one, "not done yet" for the rest, and 1/N in its
     last line."""
     solutions = exercises.solutions(exercises.read(reference))
     n = len(solutions)
-    number, wrong, right = WRONG_AND_RIGHT.get(
-        reference.stem, (*WRONG_ANSWERS.get(reference.stem, GENERIC_WRONG), n)
-    )
+    (number, wrong), right = WRONG_ANSWERS.get(reference.stem, GENERIC_WRONG), n
     exercise = exercises.read(exercises.exercise_path(reference))
     path = write(
         exercises.put_back(exercise, {number: wrong, right: solutions[right]}), tmp_path / reference.name
