@@ -126,8 +126,11 @@ def test_the_scanned_decode_program_never_copies_the_pool(tiny_llama_dir):
 
 def test_scanned_engine_with_the_pallas_kernel_equals_hf(tiny_llama_dir):
     """The Pallas kernel (TPU interpret mode here) reads the scanned engine's flat pool through the
-    shifted page table, as the reference does."""
+    shifted page table, as the reference does. A small pool of small pages (8 of 4 tokens a layer): the
+    interpreter's time grows with the pages it walks (the default, 128 pages of 16, took 2.5 times as long
+    in a fresh process), and the 26-token sequence still spans 7 pages, 4 KV blocks of 2 pages."""
     prompts = [[5, 17, 300, 42, 7], list(range(200, 221))]
     expected = [r.tokens for r in hf_greedy(tiny_llama_dir, prompts, [6, 6])]
-    engine = Engine(tiny_llama_dir, max_num_seqs=2, scan_layers=True, attention="pallas")
+    small = dict(page_size=4, max_model_len=32, q_block=16, kv_pages_per_block=2)
+    engine = Engine(tiny_llama_dir, max_num_seqs=2, scan_layers=True, attention="pallas", **small)
     assert engine.generate(prompts, 6) == expected
