@@ -73,14 +73,16 @@ test smoke mutants: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS := 0
 # The suite runs notebook kernels and JAX processes beside its own: idle OpenMP threads that spin would
 # steal their cores (L1 section 6). Sleeping threads make each small op slower, which no test times.
 # Two pytest workers (pytest-xdist): one process alone kept 1.06 of the 2 cores busy (XLA compiles on
-# one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core.
+# one thread; notebook kernels and subprocesses start up), so a second worker fills the idle core. Each
+# worker is handed one test at a time, the slow ones first (tests/conftest.py): handed out in batches, as
+# by default, the longest could end up queued behind each other on one worker.
 test: export OMP_WAIT_POLICY := PASSIVE
 # JAX on its CPU backend in the suite, as on a machine without a GPU: L6's engine is built on the CPU
 # unless told otherwise, but the JAX functions the tests call directly (and the mesh engine's default
 # mesh) use JAX's default devices, which a CUDA setup (make setup ACCEL=cuda) would make the GPU.
 test: export JAX_PLATFORMS := cpu
 test: setup lint
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --maxschedchunk 1
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvcourse exercises key $(wildcard tests bench) L[0-9]_*

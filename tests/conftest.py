@@ -1,7 +1,8 @@
 """Shared fixtures: the prepared course model and seeded tiny random checkpoints (built once per run).
 
 Tests marked ``cuda`` need a CUDA GPU: where torch sees none they are skipped, saying so. Every other
-test runs on the CPU (the default device), GPU or not.
+test runs on the CPU (the default device), GPU or not. Tests marked ``slow`` (tens of seconds each) run
+first.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from kvcourse.model_store import default_model_dir
 
 
 def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run first (each keeps its place among them, as do the others), so that with
+    ``make test``'s two workers, each handed one test at a time (``--maxschedchunk 1``), the longest
+    ones are shared out at the start and no worker is left running one alone at the end. Tests marked
+    ``cuda`` are skipped, saying why, where torch sees no GPU."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")

@@ -26,6 +26,7 @@ from kvcourse.model_store import REPO_ROOT
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_results_and_plots(tmp_path, capsys):
     assert run.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
@@ -455,6 +456,7 @@ def test_first_runs_table_marks_one_request_warmups():
     ]
 
 
+@pytest.mark.slow
 def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
     """bench.kernels on tiny decode shapes: every system, the sweep's launches included, agrees with dense
     attention and is timed; the table shows the fastest launch of the sweep."""
@@ -476,6 +478,7 @@ def test_quick_kernel_table_checks_and_times_every_kernel(tmp_path, capsys):
     assert re.search(r"\| SDPA contiguous \| [\d.]+ \([\d.]+-[\d.]+\) \|", table), table
 
 
+@pytest.mark.slow
 def test_quick_prefill_table_times_query_tiles_against_the_kernel_before_them(tmp_path, capsys):
     """bench.kernels --prefill on tiny prompts: the query-tiled Triton kernel, the kernel as it was before
     query tiles, the C++ kernel where it builds and SDPA's causal attention all agree with dense

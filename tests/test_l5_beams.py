@@ -208,6 +208,7 @@ def course_ids(model_dir):
     return [ids[0], min(ids, key=len)]  # a chat prompt whose beams end on eos, and the shortest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [k for k in range(1, 7) if k not in BEAM_WIDTHS])
 def test_widths_1_to_6_equal_hf_on_the_course_model(model_dir, course_ids, k):
     """The widths up to 6 that the L5 smoke leaves out (1, 3 and 5): its ``BEAM_WIDTHS`` run against HF

@@ -119,6 +119,7 @@ def few_prompts(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_two_processes_of_two_devices_match_l6_and_hf_and_the_guard_catches_divergence(
     tiny_qwen3_dir, few_prompts
 ):

@@ -111,6 +111,7 @@ def test_cross_check_with_upstream_kernel():
     np.testing.assert_allclose(ours[:n], theirs[:n], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_engine_with_pallas_equals_reference_and_hf(tiny_llama_dir):
     prompts, max_new = [[5, 17, 300, 42, 7], list(range(200, 211))], [4, 4]
     expected = [r.tokens for r in hf_greedy(tiny_llama_dir, prompts, max_new)]

@@ -89,6 +89,7 @@ def test_hlo_size_counts_operations_and_dots():
     assert hlo_size(text) == {"ops": 2, "dots": 1, "chars": len(text)}
 
 
+@pytest.mark.slow
 def test_quick_l6_compile_measures_unrolled_and_scanned_in_fresh_processes(tmp_path):
     """``bench.l6_compile --quick``: both rows, each program's size and compile seconds, nothing traced
     again for other prompt lengths, and the scan's programs hold one layer's dots, not every layer's."""
@@ -124,6 +125,7 @@ def test_the_scanned_decode_program_never_copies_the_pool(tiny_llama_dir):
     assert not copies, f"{len(copies)} pool-sized copies in the decode program, e.g. {copies[0][:200]}"
 
 
+@pytest.mark.slow
 def test_scanned_engine_with_the_pallas_kernel_equals_hf(tiny_llama_dir):
     """The Pallas kernel (TPU interpret mode here) reads the scanned engine's flat pool through the
     shifted page table, as the reference does. A small pool of small pages (8 of 4 tokens a layer): the

@@ -239,6 +239,7 @@ def tables_of(state):
     ]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(

@@ -144,6 +144,7 @@ def grade(tree: Path, notebook: Path, *extra: str) -> subprocess.CompletedProces
     return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_path):
     course, key = made
     reference = ROOT / "key" / "notebooks" / "L2_token_flat.ipynb"

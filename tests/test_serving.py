@@ -203,6 +203,7 @@ def test_serve_under_every_policy_at_a_binding_pool_gives_hfs_tokens(tiny_qwen3_
                               "other_free")) == pytest.approx(1.0)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir, tmp_path):
     """``python -m bench.serving --plan tiny`` on a tiny checkpoint: every policy, peer and chunk size
     serves the stream to the end, every output equals HF greedy one request at a time, and every real

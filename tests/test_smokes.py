@@ -56,6 +56,7 @@ def long_prompts(tmp_path_factory, model_dir):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_every_smoke_runs_a_long_prompt_file_on_any_checkpoint(stage, long_prompts, tiny_qwen3_dir, capsys):
     status = run_smoke_in_process(
