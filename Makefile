@@ -28,6 +28,10 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export MPLBACKEND := Agg
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Python caches each module's bytecode in __pycache__/ (git-ignored), as on a learner's machine. Some
+# containers turn that off (PYTHONDONTWRITEBYTECODE=1): then every process the suite and the smokes start
+# (notebook kernels, the grader's runs, JAX subprocesses) compiles the course's modules again.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup smoke test lint workspace notebooks grade exercises release diffs numbers bench gpu-check gpu-run gpu-wheels mutants clean
 

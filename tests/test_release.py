@@ -138,8 +138,9 @@ def test_the_search_finds_a_solution_where_it_is():
 
 
 def grade(tree: Path, notebook: Path, *extra: str) -> subprocess.CompletedProcess:
-    """``make grade``'s command, run from ``tree`` with its own code first on the path."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "KVCOURSE_CACHE": str(cache_root())}
+    """``make grade``'s command, run from ``tree`` with its own code first on the path. No bytecode is
+    cached there: the release stays as made for this module's other tests, which list its files."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "KVCOURSE_CACHE": str(cache_root()), "PYTHONDONTWRITEBYTECODE": "1"}
     command = [sys.executable, "-m", "kvcourse.grading.gradebook", str(notebook), "--seed", "7", *extra]
     return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
 
@@ -161,7 +162,7 @@ def test_grading_needs_the_bundle_and_with_it_gives_todays_verdicts(made, tmp_pa
     refused = subprocess.run(
         [sys.executable, "-m", "kvcourse.grading.gradebook", "--dir", str(tmp_path / "class")],
         cwd=course,
-        env={**os.environ, "PYTHONPATH": str(course)},
+        env={**os.environ, "PYTHONPATH": str(course), "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
         text=True,
     )
@@ -212,7 +213,7 @@ def test_the_release_draws_the_same_tables_without_the_history(made):
     done = subprocess.run(
         [sys.executable, "-m", "kvcourse.tools.numbers", "--check"],
         cwd=course,
-        env={**os.environ, "PYTHONPATH": str(course)},
+        env={**os.environ, "PYTHONPATH": str(course), "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
         text=True,
     )
