@@ -1,6 +1,6 @@
 """Serving at a fixed KV memory in real time, at this course's scale, beside the simulated clock.
 
-    python -m bench.serving [--quick] [--out DIR] [--model DIR]
+    python -m bench.serving [--quick | --plan NAME] [--out DIR] [--model DIR] [--profile FILE]
 
 One command (part of ``make bench``), on the CPU, SmolLM2-135M-Instruct in fp32. Every system serves
 request streams (``kvcourse.harness.stream``: Poisson arrivals from a seed, lengths from the synthetic
@@ -32,17 +32,25 @@ disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie
   L3, L4 and L5 (paged); L6 is left out: it has no ``add_request`` + ``step`` to feed in real time;
 - (c) chunked prefill's payoff: short requests decoding while long prompts arrive; the running
   requests' inter-token gaps (p50, p99) and the long prompts' TTFT, without chunking and for a few
-  chunk sizes (L3, on demand).
+  chunk sizes (L3, on demand);
+- (d) the engine against itself (``--plan repeats``, a command of its own: (a) alone, 27 runs, about
+  40 minutes): the profile is calibrated first, in the same process (``bench.simulate.calibrate``,
+  the ``--calibrate`` design), then each stream of (a) is served three times, minutes apart. Run to
+  run, the same requests on the same engine take a few percent more or less time, and near the knee
+  queueing turns that into more latency; the repeats measure how close one run can come to another,
+  the floor under any prediction's error. ``repeats_table`` sets the simulator against one run, against
+  the repeats' mean, and each run against the other repeats.
 
 Timing is noisy: this VM has 2 cores shared with other work; the JSON records ``os.getloadavg()``
-before and after each part. Writes ``bench/results/serving[_quick].json`` and
-``bench/plots/serving_*.png``; ``table`` prints (a)'s, (b)'s and (c)'s tables from the JSON (``make
-numbers`` writes them into the L3 chapter).
+before and after each part. Writes ``bench/results/serving[_<plan>].json`` and
+``bench/plots/serving_*.png``; ``table`` prints (a)'s, (b)'s and (c)'s tables from the JSON, and
+``repeats_table`` (d)'s (``make numbers`` writes them into the L3 chapter).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -54,7 +62,7 @@ from pathlib import Path
 import torch
 
 from bench.measure import agreement, cpu_name, cpu_ticks, package_version, provenance, stolen
-from bench.simulate import crossing
+from bench.simulate import CALIBRATION, calibrate, crossing
 from bench.systems import fixed_length_model, hf_batch1
 from kvcourse.config import ModelConfig
 from kvcourse.harness.reference import Reference
@@ -81,6 +89,12 @@ PLANS = {  # sizes: what --quick runs, and what the full run does
              "policies": list(ADMISSION_POLICIES),
              "peer_n": 4, "peer_rate": 2.0, "chunks": [None, 16], "short": 2, "short_new": 16, "long": 1,
              "long_prompt": 40, "retries": 0},  # tests only
+    # (d) the engine against itself: every stream served three times, minutes apart, and priced by a
+    # profile calibrated at the start of the same command; no peers, no chunked prefill
+    "repeats": {"n": 64, "seeds": [36], "scale": 0.5, "max_len": 128, "blocks": 24, "around": [0.7, 1.0, 1.3],
+                "policies": ["on_demand", "oracle", "max"], "repeats": 3, "calibrate": "full", "retries": 2},
+    "tiny-repeats": {"n": 4, "seeds": [35], "scale": 0.1, "max_len": 64, "blocks": 12, "around": [1.0],
+                     "policies": ["on_demand", "max"], "repeats": 2, "calibrate": "quick", "retries": 0},  # tests only
 }  # fmt: skip
 SEED = 35
 PROFILE = ROOT / "results" / "step-cost-cpu.json"  # the CPU's step costs, from bench.simulate --calibrate
@@ -399,6 +413,8 @@ def plots(results: dict, tag: str, folder: Path) -> list[str]:
     fig.savefig(path, dpi=110)
     out.append(path.name)
     plt.close(fig)
+    if "chunked_prefill" not in results:  # a repeats plan
+        return out
     rows = results["chunked_prefill"]["by_chunk"]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for key, row in rows.items():
@@ -478,17 +494,60 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def repeats_table(results: dict) -> str:
+    """(d), a repeats plan's table: per policy and rate, each repeat's measured latency beside the
+    simulator's (one number: the same requests, the same profile), and how far apart the repeats are.
+    Its last rows count, over the runs, how often a 10% check passes: the simulator against one run,
+    the simulator against the mean of the repeats, and the engine against itself (each run against
+    each other repeat of the same stream, as if that run had been the prediction)."""
+
+    def pct(x):
+        return f"{100 * x:.1f}%"
+
+    lines = ["| admission policy | seed | rate (req/s) | measured, repeat by repeat (s/token) | largest / smallest repeat | "
+             "simulated (s/token) | simulated / each repeat | simulated / the repeats' mean | own steps' fit / measured | "
+             "CPU stolen |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    single, mean, itself = [], [], []  # |ratio - 1| of each check
+    for policy, runs in results["policies"].items():
+        for (factor, seed), rows in itertools.groupby(sorted(runs, key=lambda r: (r["factor"], r["seed"], r["repeat"])),
+                                                      key=lambda r: (r["factor"], r["seed"])):  # fmt: skip
+            rows = list(rows)
+            measured = [r["summary"]["mean_normalized_latency"] for r in rows]
+            predicted = rows[0]["predicted"]["mean_normalized_latency"]
+            single += [abs(predicted / m - 1) for m in measured]
+            mean.append(abs(predicted / statistics.fmean(measured) - 1))
+            itself += [abs(other / m - 1) for m, other in itertools.permutations(measured, 2)]
+            lines.append(
+                f"| {LABELS[policy]} | {seed} | {factor:.1f} x = {rows[0]['rate']:.2f} | "
+                + " / ".join(f"{m:.3f}" for m in measured)
+                + f" | {max(measured) / min(measured):.2f} | {predicted:.3f} | "
+                + " / ".join(f"{predicted / m:.2f}" for m in measured)
+                + f" | {predicted / statistics.fmean(measured):.2f} | "
+                + " / ".join(f"{r['in_sample']['fit']['simulated_over_measured']:.2f}" for r in rows)
+                + " | " + " / ".join(pct(r["steal"]) for r in rows) + " |"
+            )  # fmt: skip
+    for label, errors in (("simulated within 10% of one run", single),
+                          ("simulated within 10% of the repeats' mean", mean),
+                          ("a repeat within 10% of another repeat of its stream", itself)):  # fmt: skip
+        lines.append(f"| {label} | | | {sum(e <= 0.1 for e in errors)} of {len(errors)} | | | "
+                     f"mean error {pct(statistics.fmean(errors))}, largest {pct(max(errors))} | | | |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run, under 3 minutes")
     parser.add_argument("--plan", choices=sorted(PLANS), help="sizes by name (tiny: the tests')")
     parser.add_argument("--out", default=str(ROOT / "results"))
     parser.add_argument("--model", default=None)
-    parser.add_argument("--profile", default=str(PROFILE), help="the step-cost profile the simulator uses")
+    parser.add_argument("--profile", help=f"the step-cost profile the simulator uses (default {PROFILE.relative_to(ROOT.parent)}; "
+                        "the repeats plans calibrate their own)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     name = args.plan or ("quick" if args.quick else "full")
     plan, tag = PLANS[name], "" if name == "full" else f"_{name}"
+    if plan.get("calibrate") and args.profile:
+        parser.error(f"--plan {name} prices its runs with a profile it calibrates first; --profile does not apply")
     model_dir = resolve_model_dir(args.model)
     began = time.time()
     vocab = ModelConfig.from_dir(model_dir).vocab_size
@@ -502,15 +561,23 @@ def main(argv=None) -> int:
         return list(hf.references)
 
     refs = {seed: refs_of(reqs) for seed, reqs in streams.items()}
-    cost = StepCost.load(args.profile)
+    command = "python -m bench.serving" + ("" if name == "full" else f" --plan {name}" if args.plan else " --quick")
+    if plan.get("calibrate"):  # timed here, minutes before the runs it prices, not on another day
+        calibration = calibrate(model_dir, CALIBRATION[plan["calibrate"]], command)
+        cost = StepCost.from_json(calibration["coefficients"])
+        profile = {"file": None, "calibrated": {k: calibration[k] for k in ("steal", "fit", "plan")}}
+        print(f"calibrated: {calibration['coefficients']}; mean relative error "
+              f"{100 * calibration['fit']['mean_relative_error']:.1f}%, steal {100 * (calibration['steal'] or 0):.2f}%")  # fmt: skip
+    else:
+        cost = StepCost.load(args.profile or PROFILE)
+        profile = {"file": Path(args.profile or PROFILE).name}
     engines = {policy: engine(L3Engine, model_dir, plan, admission_policy=policy) for policy in plan["policies"]}
     for eng in engines.values():
         eng.generate([r.prompt_ids for r in streams[plan["seeds"][0]][:4]], 4, ignore_eos=True)  # warm-up
     config = engines["on_demand"].config  # each policy's: the same but for admission_policy
     simulation = knees(streams, {p: replace(config, admission_policy=p) for p in ADMISSION_POLICIES}, cost)
     results = {
-        "command": "python -m bench.serving"
-        + ("" if name == "full" else f" --plan {name}" if args.plan else " --quick"),
+        "command": command,
         **provenance(),
         "machine": {
             "cpu": cpu_name(),
@@ -522,7 +589,7 @@ def main(argv=None) -> int:
         "note": "2 shared cores: timings are noisy; load is os.getloadavg() (1, 5, 15 min) at each part",
         "plan": plan,
         "kv_cache_bytes": pool_bytes(model_dir, plan),
-        "cost_profile": {"file": Path(args.profile).name, **cost.as_json()},
+        "cost_profile": {**profile, **cost.as_json()},
         "streams": {str(seed): {"label": MIXES["alpaca"]["label"] + f", means x {plan['scale']}", **describe(reqs)}
                     for seed, reqs in streams.items()},
         "simulated": simulation,
@@ -530,7 +597,8 @@ def main(argv=None) -> int:
         "load": {"start": load()},
     }  # fmt: skip
     served = []  # (policy, seed, its row, the requests, the step samples) of every real run
-    for factor in plan["around"]:  # factor by factor, the policies and seeds side by side: a drift falls on all
+    # factor by factor, then repeat by repeat, the policies and seeds side by side: a drift falls on all
+    for factor, repeat in itertools.product(plan["around"], range(plan.get("repeats", 1))):
         for seed, base in streams.items():
             for policy, eng in engines.items():
                 knee = simulation["policies"][policy]["center"]
@@ -539,7 +607,7 @@ def main(argv=None) -> int:
                 row = result(timeline, refs[seed], eng.stats().describe())
                 served.append((policy, seed, row, reqs, steps))
                 predicted = simulated(reqs, eng.config, cost)
-                row |= {"seed": seed, "factor": factor, "rate": factor * knee, "load": load(),
+                row |= {"seed": seed, "factor": factor, "repeat": repeat, "rate": factor * knee, "load": load(),
                         "steal": steal, "tries_steal": tries,
                         "predicted": {k: predicted[k] for k in ("mean_normalized_latency", "memory_breakdown",
                                                                 "preemptions", "duration_s")}}  # fmt: skip
@@ -548,11 +616,13 @@ def main(argv=None) -> int:
                 row["in_sample"] = in_sample(reqs, eng.config, steps, measured)
                 row["steps"] = [[x["tokens"], x["seqs"], x["context"], round(x["seconds"], 5)] for x in steps]
                 results["policies"][policy].append(row)
-                print(f"{policy:9s} seed {seed} {factor:.1f} x knee ({factor * knee:.2f} req/s): normalized "
-                      f"{measured:.3f} s/token, simulated {predicted['mean_normalized_latency']:.3f} "
+                print(f"{policy:9s} seed {seed} {factor:.1f} x knee ({factor * knee:.2f} req/s), repeat {repeat}: "
+                      f"normalized {measured:.3f} s/token, simulated {predicted['mean_normalized_latency']:.3f} "
                       f"(x {row['simulated_over_measured']:.2f}), {row['summary']['preemptions']} preemptions, "
                       f"{row['agreement']['match']}/{len(reqs)} match", flush=True)  # fmt: skip
     results["heldout"] = heldout(served, engines)
+    if "peer_n" not in plan:  # the repeats plans: (a) alone
+        return finish(results, began, tag, args.out, repeats_table)
     reqs = at_rate(streams[SEED][: plan["peer_n"]], plan["peer_rate"], SEED + 1)  # peers: one stream, one rate
     refs = refs[SEED][: plan["peer_n"]]
     peers = {"HF static batches": lambda: hf_static(model_dir, reqs, refs, plan["blocks"] * BLOCK)}
@@ -577,14 +647,19 @@ def main(argv=None) -> int:
     for key, row in results["chunked_prefill"]["by_chunk"].items():
         print(f"chunk {key}: running gaps p50 {row['running_gap_p50']:.3f} p99 {row['running_gap_p99']:.3f} s, "
               f"long TTFT {row['long_ttft_mean']:.2f} s", flush=True)  # fmt: skip
+    return finish(results, began, tag, args.out, table)
+
+
+def finish(results: dict, began: float, tag: str, out: str, draw) -> int:
+    """Time, plots and the JSON of a run; ``draw`` (``table`` or ``repeats_table``) prints its tables."""
     results["load"]["end"] = load()
     results["seconds"] = time.time() - began
-    results["plots"] = plots(results, tag, Path(args.out).parent / "plots")
-    out = Path(args.out) / f"serving{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
-    print(f"wrote {out} in {results['seconds']:.0f} s")
+    results["plots"] = plots(results, tag, Path(out).parent / "plots")
+    path = Path(out) / f"serving{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(draw(results))
+    print(f"wrote {path} in {results['seconds']:.0f} s")
     return 0
 
 

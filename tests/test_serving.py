@@ -239,6 +239,32 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
     assert bench_serving.table(results).count("\n| ") >= 4 + 5 + 2
 
 
+def test_the_repeats_plan_calibrates_then_serves_each_stream_again(tiny_llama_dir, tmp_path):
+    """``python -m bench.serving --plan tiny-repeats``: the profile is calibrated in the same command and
+    prices every run; each stream is served once per repeat (the same requests, the same prediction),
+    every output equals HF; the table counts the 10% checks over those runs. ``--profile`` with a
+    calibrating plan is refused, naming the plan."""
+    from bench import serving as bench_serving
+
+    out = tmp_path / "results"
+    assert bench_serving.main(["--plan", "tiny-repeats", "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
+    results = json.loads((out / "serving_tiny-repeats.json").read_text())
+    plan = results["plan"]
+    assert results["command"] == "python -m bench.serving --plan tiny-repeats" and "peers" not in results
+    assert results["cost_profile"]["file"] is None and results["cost_profile"]["calibrated"]["fit"]["r2"] is not None
+    for policy, runs in results["policies"].items():
+        assert sorted(r["repeat"] for r in runs) == list(range(plan["repeats"])), policy
+        assert len({r["predicted"]["mean_normalized_latency"] for r in runs}) == 1  # one stream, one prediction
+        assert all(r["agreement"]["match"] + len(r["agreement"]["ties"]) == plan["n"] for r in runs)
+        assert all(not r["agreement"]["mismatches"] for r in runs)
+    table = bench_serving.repeats_table(results)
+    pairs = len(plan["policies"]) * plan["repeats"] * (plan["repeats"] - 1)
+    assert f"of {len(plan['policies']) * plan['repeats']} |" in table and f"of {pairs} |" in table, table
+    assert [p.name for p in (tmp_path / "plots").iterdir()] == ["serving_policies_tiny-repeats.png"]
+    with pytest.raises(SystemExit):
+        bench_serving.main(["--plan", "tiny-repeats", "--profile", "x.json", "--model", str(tiny_llama_dir)])
+
+
 def test_stolen_is_the_share_of_cpu_time_given_away():
     from bench.measure import stolen
 

@@ -167,6 +167,12 @@ SOURCES = {
         "tests/test_serving.py::test_bench_serving_runs_every_system_and_checks_every_output",
         table=2,
     ),
+    "serving-repeats": Source(
+        "python -m bench.serving --plan repeats",
+        "bench/results/serving_repeats.json",
+        "bench.serving:repeats_table",
+        "tests/test_serving.py::test_the_repeats_plan_calibrates_then_serves_each_stream_again",
+    ),
     "bench-speeds-cuda": Source(
         "python -m bench.run --device cuda --workloads b --stages L4,L5 --peers none",
         "bench/results/bench-cuda-b.json",
