@@ -173,6 +173,13 @@ SOURCES = {
         "bench.serving:repeats_table",
         "tests/test_serving.py::test_the_repeats_plan_calibrates_then_serves_each_stream_again",
     ),
+    "serving-repeats-checks": Source(
+        "python -m bench.serving --plan repeats",
+        "bench/results/serving_repeats.json",
+        "bench.serving:repeats_table",
+        "tests/test_serving.py::test_the_repeats_plan_calibrates_then_serves_each_stream_again",
+        table=1,
+    ),
     "bench-speeds-cuda": Source(
         "python -m bench.run --device cuda --workloads b --stages L4,L5 --peers none",
         "bench/results/bench-cuda-b.json",
