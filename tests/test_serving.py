@@ -239,6 +239,7 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
     assert bench_serving.table(results).count("\n| ") >= 4 + 5 + 2
 
 
+@pytest.mark.slow
 def test_the_repeats_plan_calibrates_then_serves_each_stream_again(tiny_llama_dir, tmp_path):
     """``python -m bench.serving --plan tiny-repeats``: the profile is calibrated in the same command and
     prices every run; each stream is served once per repeat (the same requests, the same prediction),
