@@ -36,9 +36,9 @@ disabled, as ``ignore_eos``; ``bench.systems.hf_batch1``), with the course's tie
 - (d) the engine against itself (``--plan repeats``, a command of its own: (a) alone, 27 runs, 47
   minutes in the committed run): the profile is calibrated first, in the same process (``bench.simulate.calibrate``,
   the ``--calibrate`` design), then each stream of (a) is served three times, minutes apart. Run to
-  run, the same requests on the same engine take a few percent more or less time, and near the knee
-  queueing turns that into more latency; the repeats measure how close one run can come to another,
-  the floor under any prediction's error. ``repeats_table`` sets the simulator against one run, against
+  run, the same requests on the same engine take more or less time as the VM's speed moves, and near
+  the knee queueing turns a slower step into a longer wait; the repeats measure how close one run
+  comes to another, the floor under any prediction's error. ``repeats_table`` sets the simulator against one run, against
   the repeats' mean, and each run against the other repeats.
 
 Timing is noisy: this VM has 2 cores shared with other work; the JSON records ``os.getloadavg()``
@@ -544,6 +544,7 @@ def repeats_table(results: dict) -> str:
                 + " | " + " / ".join(f"{x:.2f}" for x in own)
                 + " | " + " / ".join(pct(r["steal"]) for r in rows) + " |"
             )  # fmt: skip
+
     def passes(errors):
         if not errors:
             return "none | - | -"
