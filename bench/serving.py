@@ -209,6 +209,41 @@ def in_sample(reqs: list[Request], config, steps: list[dict], measured: float) -
     return out
 
 
+def at_speed(reqs: list[Request], config, steps: list[dict], measured: float, cost: StepCost) -> dict:
+    """The simulator with ``cost`` scaled to the machine's speed during this run: by ``speed``, the run's
+    measured step time over what ``cost`` prices its steps at (one number a run; 1.1: the machine ran 10%
+    slower than when ``cost`` was measured). The shape stays the profile's; only the speed is the run's.
+    Example: steps priced at 9 s that took 10 s -> ``cost.scaled(10 / 9)``."""
+    speed = sum(x["seconds"] for x in steps) / sum(cost.predict(x["tokens"], x["seqs"], x["context"]) for x in steps)
+    latency = simulated(reqs, config, cost.scaled(speed))["mean_normalized_latency"]
+    return {"speed": speed, "simulated_over_measured": latency / measured}
+
+
+def rescore(path: Path, model_dir) -> dict:
+    """``at_speed`` for every real run of a results file written before it existed: each run's requests
+    drawn again from the plan's seeds and the run's rate (checked: the simulator's prediction for them is
+    the one the file holds) and its recorded steps. Adds ``in_sample.at_speed`` to each run and
+    ``rescored`` (command, commit, date) to the file; nothing measured changes."""
+    results = json.loads(path.read_text(encoding="utf-8"))
+    plan, cost = results["plan"], StepCost.from_json(results["cost_profile"])
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    config = engine(L3Engine, model_dir, plan).config
+    for policy, rows in results["policies"].items():
+        for row in rows:
+            base = synthetic_stream("alpaca", plan["n"], 1.0, row["seed"], vocab_size=vocab,
+                                    max_model_len=plan["max_len"], scale=plan["scale"])  # fmt: skip
+            reqs = at_rate(base, row["rate"], row["seed"] + 1)
+            again = simulated(reqs, replace(config, admission_policy=policy), cost)["mean_normalized_latency"]
+            if again != row["predicted"]["mean_normalized_latency"]:
+                raise SystemExit(f"{path}: the requests of {policy}, seed {row['seed']}, {row['rate']:.3f} req/s do not "
+                                 f"draw again as they were run (simulated {again}, recorded {row['predicted']['mean_normalized_latency']})")  # fmt: skip
+            steps = [dict(zip(("tokens", "seqs", "context", "seconds"), x, strict=True)) for x in row["steps"]]
+            measured = row["summary"]["mean_normalized_latency"]
+            row["in_sample"]["at_speed"] = at_speed(reqs, replace(config, admission_policy=policy), steps, measured, cost)
+    results["rescored"] = {"command": f"python -m bench.serving --rescore {path}", **provenance()}
+    return results
+
+
 def result(timeline: Timeline, refs, setup: str) -> dict:
     return {
         "setup": setup,
@@ -502,8 +537,9 @@ def repeats_table(results: dict) -> str:
     table counts, over the runs (and over those that lost at most ``STEAL_LIMIT`` of the CPU to the
     hypervisor), how often a 10% check passes: the simulator against one run, the simulator
     against the mean of the repeats, and the engine against itself (each run against each other repeat
-    of the same stream, as if that run had been the prediction), and the simulator with a ``StepCost``
-    fitted to the run's own steps (``in_sample``: the decisions and the model's shape, without the drift)."""
+    of the same stream, as if that run had been the prediction), the simulator with the profile scaled to
+    the run's speed (``at_speed``: the profile's shape, one speed a run) and with a ``StepCost`` fitted to
+    the run's own steps (``in_sample``: the decisions and a shape of the run's own)."""
 
     def pct(x):
         return f"{100 * x:.1f}%"
@@ -515,11 +551,12 @@ def repeats_table(results: dict) -> str:
 
     lines = ["| admission policy | seed | rate (req/s) | measured, repeat by repeat (s/token) | largest / smallest repeat | "
              "simulated (s/token) | simulated / each repeat | simulated / the repeats' mean | "
-             "profile's price of the run's steps / their time | own steps' fit / measured | CPU stolen |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "profile's price of the run's steps / their time | the profile at the run's speed / measured | "
+             "own steps' fit / measured | CPU stolen |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     # |ratio - 1| of each check: the simulator against one run, against the mean, another run against one, and
-    # the simulator priced by a fit to the run's own steps against that run
-    checks = {"all": ([], [], [], []), "quiet": ([], [], [], [])}
+    # against that run the simulator at the run's speed and priced by a fit to the run's own steps
+    checks = {"all": ([], [], [], [], []), "quiet": ([], [], [], [], [])}
     for policy, runs in results["policies"].items():
         for (factor, seed), rows in itertools.groupby(sorted(runs, key=lambda r: (r["factor"], r["seed"], r["repeat"])),
                                                       key=lambda r: (r["factor"], r["seed"])):  # fmt: skip
@@ -527,12 +564,14 @@ def repeats_table(results: dict) -> str:
             measured = [r["summary"]["mean_normalized_latency"] for r in rows]
             predicted = rows[0]["predicted"]["mean_normalized_latency"]
             own = [r["in_sample"]["fit"]["simulated_over_measured"] for r in rows]
+            speed = [r["in_sample"]["at_speed"]["simulated_over_measured"] for r in rows]
             calm = [(r["steal"] or 0) <= STEAL_LIMIT for r in rows]
-            for (single, mean, itself, fitted), keep in ((checks["all"], [True] * len(rows)), (checks["quiet"], calm)):
+            for (single, mean, itself, sped, fitted), keep in ((checks["all"], [True] * len(rows)), (checks["quiet"], calm)):
                 kept = list(itertools.compress(measured, keep))
                 single += [abs(predicted / m - 1) for m in kept]
                 mean += [abs(predicted / statistics.fmean(kept) - 1)] if kept else []
                 itself += [abs(other / m - 1) for m, other in itertools.permutations(kept, 2)]
+                sped += [abs(x - 1) for x in itertools.compress(speed, keep)]
                 fitted += [abs(x - 1) for x in itertools.compress(own, keep)]
             lines.append(
                 f"| {LABELS[policy]} | {seed} | {factor:.1f} x = {rows[0]['rate']:.2f} | "
@@ -541,6 +580,7 @@ def repeats_table(results: dict) -> str:
                 + " / ".join(f"{predicted / m:.2f}" for m in measured)
                 + f" | {predicted / statistics.fmean(measured):.2f} | "
                 + " / ".join(f"{priced(r):.2f}" for r in rows)
+                + " | " + " / ".join(f"{x:.2f}" for x in speed)
                 + " | " + " / ".join(f"{x:.2f}" for x in own)
                 + " | " + " / ".join(pct(r["steal"]) for r in rows) + " |"
             )  # fmt: skip
@@ -554,6 +594,7 @@ def repeats_table(results: dict) -> str:
               f"{pct(STEAL_LIMIT)} | mean error | largest error |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     labels = ("the simulated latency against one run", "the simulated latency against the repeats' mean",
               "a run against another repeat of its stream",
+              "the simulated latency, the profile scaled to the run's speed, against that run",
               "the simulated latency, priced by a fit to the run's own steps, against that run")  # fmt: skip
     for k, label in enumerate(labels):
         lines.append(f"| {label} | {passes(checks['all'][k])} | {passes(checks['quiet'][k])} |")
@@ -566,10 +607,20 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", choices=sorted(PLANS), help="sizes by name (tiny: the tests')")
     parser.add_argument("--out", default=str(ROOT / "results"))
     parser.add_argument("--model", default=None)
+    parser.add_argument("--rescore", metavar="JSON", help="add at_speed to a results file's runs (no serving)")
     parser.add_argument("--profile", help=f"the step-cost profile the simulator uses (default {PROFILE.relative_to(ROOT.parent)}; "
                         "the repeats plans calibrate their own)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.rescore:
+        path = Path(args.rescore)
+        if not path.is_file():
+            parser.error(f"--rescore: no results file {path}")
+        results = rescore(path, resolve_model_dir(args.model))
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(repeats_table(results) if "peers" not in results else table(results))
+        print(f"rescored {path}")
+        return 0
     name = args.plan or ("quick" if args.quick else "full")
     plan, tag = PLANS[name], "" if name == "full" else f"_{name}"
     if plan.get("calibrate") and args.profile:
@@ -640,6 +691,7 @@ def main(argv=None) -> int:
                 measured = row["summary"]["mean_normalized_latency"]
                 row["simulated_over_measured"] = predicted["mean_normalized_latency"] / measured
                 row["in_sample"] = in_sample(reqs, eng.config, steps, measured)
+                row["in_sample"]["at_speed"] = at_speed(reqs, eng.config, steps, measured, cost)
                 row["steps"] = [[x["tokens"], x["seqs"], x["context"], round(x["seconds"], 5)] for x in steps]
                 results["policies"][policy].append(row)
                 print(f"{policy:9s} seed {seed} {factor:.1f} x knee ({factor * knee:.2f} req/s), repeat {repeat}: "

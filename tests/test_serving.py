@@ -261,8 +261,28 @@ def test_the_repeats_plan_calibrates_then_serves_each_stream_again(tiny_llama_di
     table = bench_serving.repeats_table(results)
     pairs = len(plan["policies"]) * plan["repeats"] * (plan["repeats"] - 1)
     runs = len(plan["policies"]) * plan["repeats"]
-    for line, count in zip(table.splitlines()[-4:], (runs, len(plan["policies"]), pairs, runs), strict=True):
+    for line, count in zip(table.splitlines()[-5:], (runs, len(plan["policies"]), pairs, runs, runs), strict=True):
         assert f" of {count} |" in line, table
+    # --rescore draws each run's requests again (it stops where the simulator's prediction for them differs
+    # from the recorded one) and computes at_speed again from the recorded steps
+    path = out / "serving_tiny-repeats.json"
+    before = {(p, r["repeat"]): r["in_sample"]["at_speed"] for p, rs in results["policies"].items() for r in rs}
+    for by_policy in results["policies"].values():
+        for row in by_policy:
+            del row["in_sample"]["at_speed"]
+    path.write_text(json.dumps(results))
+    assert bench_serving.main(["--rescore", str(path), "--model", str(tiny_llama_dir)]) == 0
+    again = json.loads(path.read_text())
+    assert again["rescored"]["command"] == f"python -m bench.serving --rescore {path}"
+    for policy, rows in again["policies"].items():
+        for row in rows:  # the recorded steps are rounded to 10 us: the same speed within 1%
+            want = before[policy, row["repeat"]]
+            assert row["in_sample"]["at_speed"]["speed"] == pytest.approx(want["speed"], rel=1e-2)
+    row = again["policies"]["max"][0]
+    row["rate"] *= 1.5  # another stream than the one run: refused, naming it
+    path.write_text(json.dumps(again))
+    with pytest.raises(SystemExit, match="do not draw again as they were run"):
+        bench_serving.main(["--rescore", str(path), "--model", str(tiny_llama_dir)])
     assert [p.name for p in (tmp_path / "plots").iterdir()] == ["serving_policies_tiny-repeats.png"]
     with pytest.raises(SystemExit):
         bench_serving.main(["--plan", "tiny-repeats", "--profile", "x.json", "--model", str(tiny_llama_dir)])

@@ -133,6 +133,13 @@ def synthetic_steps(cost: StepCost, n: int, rng: random.Random) -> list[dict]:
     return samples
 
 
+def test_a_scaled_cost_prices_every_step_that_many_times_over():
+    cost = StepCost(((1, 0.07), (4, 0.12), (64, 0.22)), per_seq=0.006, per_context=2e-5)
+    for shape in [(1, 1, 16), (3, 3, 400), (48, 2, 1024), (200, 9, 3000)]:  # on, between and beyond the points
+        assert cost.scaled(1.25).predict(*shape) == pytest.approx(1.25 * cost.predict(*shape))
+    assert cost.scaled(1.0) == cost
+
+
 def test_step_cost_fit_recovers_a_known_cost():
     rng = random.Random(0)
     curve = StepCost(tuple((t, 0.05 + 0.01 * t**0.5) for t in token_points(1024)), 0.0005, 1e-5)  # not a line
