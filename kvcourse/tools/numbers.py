@@ -299,7 +299,10 @@ def provenance(source: Source, results: dict) -> str:
     elif isinstance(machine, dict):  # bench.serving's and bench.simulate's: cpu, cores (and torch)
         machine = f"{machine['cpu']}, {machine['cores']} cores" + (f", torch {machine['torch']}" if "torch" in machine else "")
     when = results.get("when") or results.get("date")
-    return f"*`{source.command}` -> `{source.results}`: {where}; {machine}" + (f"; {when}*" if when else "*")
+    line = f"*`{source.command}` -> `{source.results}`: {where}; {machine}" + (f"; {when}" if when else "")
+    if "rescored" in results:  # bench.serving --rescore: columns computed afterwards from the recorded runs
+        line += f"; rescored at commit {results['rescored']['commit']} by `{results['rescored']['command']}`"
+    return line + "*"
 
 
 def render(key: str) -> list[str]:
