@@ -614,9 +614,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     if args.rescore:
         path = Path(args.rescore)
+        if args.plan or args.quick or args.profile:
+            parser.error("--rescore takes the plan and the profile from the file it rescores; drop --plan, --quick and --profile")
         if not path.is_file():
             parser.error(f"--rescore: no results file {path}")
-        results = rescore(path, resolve_model_dir(args.model))
+        try:
+            results = rescore(path, resolve_model_dir(args.model))
+        except (ValueError, KeyError, TypeError) as e:  # not JSON, or not bench.serving's
+            parser.error(f"--rescore: {path} is not a results file of bench.serving ({type(e).__name__}: {e})")
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(repeats_table(results) if "peers" not in results else table(results))
         print(f"rescored {path}")

@@ -240,7 +240,7 @@ def test_bench_serving_runs_every_system_and_checks_every_output(tiny_llama_dir,
 
 
 @pytest.mark.slow
-def test_the_repeats_plan_calibrates_then_serves_each_stream_again(tiny_llama_dir, tmp_path):
+def test_the_repeats_plan_calibrates_then_serves_each_stream_again(tiny_llama_dir, tmp_path, capsys):
     """``python -m bench.serving --plan tiny-repeats``: the profile is calibrated in the same command and
     prices every run; each stream is served once per repeat (the same requests, the same prediction),
     every output equals HF; the table counts the 10% checks over those runs. ``--profile`` with a
@@ -283,6 +283,12 @@ def test_the_repeats_plan_calibrates_then_serves_each_stream_again(tiny_llama_di
     path.write_text(json.dumps(again))
     with pytest.raises(SystemExit, match="do not draw again as they were run"):
         bench_serving.main(["--rescore", str(path), "--model", str(tiny_llama_dir)])
+    (tmp_path / "other.json").write_text('{"rows": []}')  # another command's results, then no JSON at all
+    (tmp_path / "broken.json").write_text('{"plan": ')
+    for name in ("other.json", "broken.json"):
+        with pytest.raises(SystemExit):
+            bench_serving.main(["--rescore", str(tmp_path / name), "--model", str(tiny_llama_dir)])
+        assert f"{tmp_path / name} is not a results file of bench.serving" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "plots").iterdir()] == ["serving_policies_tiny-repeats.png"]
     with pytest.raises(SystemExit):
         bench_serving.main(["--plan", "tiny-repeats", "--profile", "x.json", "--model", str(tiny_llama_dir)])
