@@ -233,13 +233,14 @@ def rescore(path: Path, model_dir) -> dict:
             base = synthetic_stream("alpaca", plan["n"], 1.0, row["seed"], vocab_size=vocab,
                                     max_model_len=plan["max_len"], scale=plan["scale"])  # fmt: skip
             reqs = at_rate(base, row["rate"], row["seed"] + 1)
-            again = simulated(reqs, replace(config, admission_policy=policy), cost)["mean_normalized_latency"]
+            policy_config = replace(config, admission_policy=policy)
+            again = simulated(reqs, policy_config, cost)["mean_normalized_latency"]
             if again != row["predicted"]["mean_normalized_latency"]:
                 raise SystemExit(f"{path}: the requests of {policy}, seed {row['seed']}, {row['rate']:.3f} req/s do not "
                                  f"draw again as they were run (simulated {again}, recorded {row['predicted']['mean_normalized_latency']})")  # fmt: skip
             steps = [dict(zip(("tokens", "seqs", "context", "seconds"), x, strict=True)) for x in row["steps"]]
             measured = row["summary"]["mean_normalized_latency"]
-            row["in_sample"]["at_speed"] = at_speed(reqs, replace(config, admission_policy=policy), steps, measured, cost)
+            row["in_sample"]["at_speed"] = at_speed(reqs, policy_config, steps, measured, cost)
     results["rescored"] = {"command": f"python -m bench.serving --rescore {path}", **provenance()}
     return results
 
@@ -544,11 +545,6 @@ def repeats_table(results: dict) -> str:
     def pct(x):
         return f"{100 * x:.1f}%"
 
-    cost = StepCost.from_json(results["cost_profile"])
-
-    def priced(row):  # the profile's total for the run's steps over their measured total
-        return sum(cost.predict(t, s, c) for t, s, c, _ in row["steps"]) / sum(x[3] for x in row["steps"])
-
     lines = ["| admission policy | seed | rate (req/s) | measured, repeat by repeat (s/token) | largest / smallest repeat | "
              "simulated (s/token) | simulated / each repeat | simulated / the repeats' mean | "
              "profile's price of the run's steps / their time | the profile at the run's speed / measured | "
@@ -579,7 +575,7 @@ def repeats_table(results: dict) -> str:
                 + f" | {max(measured) / min(measured):.2f} | {predicted:.3f} | "
                 + " / ".join(f"{predicted / m:.2f}" for m in measured)
                 + f" | {predicted / statistics.fmean(measured):.2f} | "
-                + " / ".join(f"{priced(r):.2f}" for r in rows)
+                + " / ".join(f"{1 / r['in_sample']['at_speed']['speed']:.2f}" for r in rows)
                 + " | " + " / ".join(f"{x:.2f}" for x in speed)
                 + " | " + " / ".join(f"{x:.2f}" for x in own)
                 + " | " + " / ".join(pct(r["steal"]) for r in rows) + " |"
